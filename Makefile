@@ -1,0 +1,29 @@
+# Two entry points: `make demo` and `make test`. Both build .venv/ from pinned requirements.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m warmboot.cli demo
+
+test: $(STAMP)
+	$(PY) -m ruff check warmboot tests bench
+	$(PY) -m pytest -q -ra
+
+lint: $(STAMP)
+	$(PY) -m ruff format --check warmboot tests bench
+	$(PY) -m ruff check warmboot tests bench
+
+bench: $(STAMP)
+	$(PY) bench/decode.py
+
+clean:
+	rm -rf $(VENV)

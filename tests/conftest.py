@@ -1,0 +1,43 @@
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny_models import KINDS, make_tiny_model
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """Return a function kind -> directory of a tiny random model (built once per session)."""
+    root = tmp_path_factory.mktemp("tiny-models")
+
+    @functools.cache
+    def build(kind: str, dtype: str = "float32") -> Path:
+        return make_tiny_model(kind, root / f"{kind}-{dtype}", dtype=dtype)
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """kind directory -> the transformers reference model (float32, eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    @functools.cache
+    def load(path: Path, dtype: str = "float32"):
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=getattr(torch, dtype), attn_implementation="eager"
+        )
+        return model.eval()
+
+    return load
+
+
+@pytest.fixture(params=KINDS)
+def kind(request) -> str:
+    return request.param

@@ -1,0 +1,127 @@
+"""Command line: ``warmboot generate`` and ``warmboot demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+DEMO_PROMPTS = [
+    "The quick brown fox",
+    "Serverless GPUs start cold, so",
+    "A recipe for bread needs flour, water and",
+    "In 1969 the first",
+    "Le café du coin sert",
+    "def fibonacci(n):",
+    "The capital of France is",
+    "Once upon a time, in a small village,",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="warmboot", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("--model", required=True, help="directory of a Hugging Face-format model")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    gen.add_argument("--json", action="store_true", help="print one JSON object")
+    _engine_args(gen)
+    demo = sub.add_parser("demo", help="create the built-in model if needed and run it")
+    demo.add_argument("--model", default=None, help="model directory (default: built-in)")
+    demo.add_argument("--max-tokens", type=int, default=64)
+    _engine_args(demo)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s"
+    )
+    try:
+        return {"generate": _generate, "demo": _demo}[args.command](args)
+    except (ValueError, FileNotFoundError, NotImplementedError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("-v", "--verbose", action="store_true", help="log start-up phases")
+
+
+def _make_llm(args, model: str):
+    from warmboot import LLM
+
+    return LLM(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+
+
+def _generate(args) -> int:
+    from warmboot import SamplingParams
+
+    llm = _make_llm(args, args.model)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
+    )
+    t0 = time.perf_counter()
+    if args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)[0]
+    else:
+        out = llm.generate(args.prompt, params)[0]
+    elapsed = time.perf_counter() - t0
+    c = out.outputs[0]
+    if args.json:
+        record = {
+            "text": c.text,
+            "token_ids": c.token_ids,
+            "finish_reason": c.finish_reason,
+            "prompt_tokens": len(out.prompt_token_ids),
+            "completion_tokens": len(c.token_ids),
+            "seconds": round(elapsed, 4),
+            "startup_seconds": {k: round(v, 4) for k, v in llm.stats()["startup_times"].items()},
+        }
+        print(json.dumps(record, ensure_ascii=False))
+    else:
+        print(c.text)
+    return 0
+
+
+def _demo(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from warmboot import SamplingParams
+    from warmboot.models.demo import ensure_default_model
+
+    console = Console()
+    t0 = time.perf_counter()
+    model = args.model or str(ensure_default_model())
+    console.print(f"model: {model} (ready in {time.perf_counter() - t0:.1f}s)")
+    llm = _make_llm(args, model)
+    phases = Table(title="start-up phases")
+    phases.add_column("phase")
+    phases.add_column("seconds", justify="right")
+    for name, sec in llm.stats()["startup_times"].items():
+        phases.add_row(name, f"{sec:.3f}")
+    console.print(phases)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(DEMO_PROMPTS, params)
+    elapsed = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    for o in outs[:3]:
+        console.print(f"[bold]{o.prompt!r}[/bold] -> {o.outputs[0].text[:80]!r}")
+    console.print(
+        f"generated {tokens} tokens for {len(outs)} prompts in {elapsed:.2f}s: "
+        f"{tokens / elapsed:.1f} output tokens/s (batch {len(outs)}, random weights)"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

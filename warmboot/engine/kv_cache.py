@@ -1,0 +1,229 @@
+"""Paged KV-cache block manager with reference counts and prefix caching. Pure Python, no torch.
+
+Every block is in exactly one state:
+- free: never cached or its cache entry dropped (ref 0, no hash);
+- evictable: ref 0 but still holds a hashed full block, reusable by a prefix hit until it is
+  evicted least-recently-used;
+- in use: ref >= 1 (one per block table that lists it plus one per external hold, e.g. an
+  in-flight device step).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+    """The tokens of a hashed block, kept to verify a hit against a hash collision."""
+
+
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block given its parent's hash: equal prefixes give equal chains."""
+    return hash((parent, token_ids))
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+class BlockManager:
+    """Owns the block pool and one block table per sequence."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._tables: dict[str, list[int]] = {}
+        self._held: Counter[int] = Counter()  # external holds (in-flight steps)
+        self.prefix_hits = 0
+        self.prefix_queries = 0
+
+    # -- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now (free plus evictable)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    def block_table(self, seq_id: str) -> list[int]:
+        return self._tables.get(seq_id, [])
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache --------------------------------------------------------------------------
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+        """Block ids of the longest cached run of full blocks at the start of ``token_ids``.
+
+        NOTE: the block holding the last token is never returned: its logits must be computed.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent: int | None = None
+        bs = self.block_size
+        for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
+            chunk = tuple(token_ids[start : start + bs])
+            parent = chain_hash(parent, chunk)
+            block_id = self._cached.get(parent)
+            if block_id is None or self.blocks[block_id].token_ids != chunk:
+                break
+            hits.append(block_id)
+        self.prefix_queries += 1
+        self.prefix_hits += bool(hits)
+        return hits
+
+    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
+        """Register the full, computed blocks of a sequence in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        table = self._tables[seq_id]
+        parent: int | None = None
+        bs = self.block_size
+        for i in range(min(num_computed // bs, len(table))):
+            block = self.blocks[table[i]]
+            if block.block_hash is not None:
+                parent = block.block_hash
+                continue
+            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+            parent = chain_hash(parent, chunk)
+            if parent in self._cached:
+                continue  # same content computed twice at once: keep the first copy cached
+            block.block_hash, block.token_ids = parent, chunk
+            self._cached[parent] = block.block_id
+
+    # -- allocation ----------------------------------------------------------------------------
+    def allocate(self, seq_id: str, num_tokens: int, cached_prefix: Sequence[int] = ()) -> bool:
+        """Grow the table of ``seq_id`` to hold ``num_tokens`` tokens; False (and no change) if the
+        pool cannot. ``cached_prefix`` (from ``find_cached_prefix``) starts a new table."""
+        table = self._tables.get(seq_id)
+        if table is None:
+            table = []
+            cached_prefix = list(cached_prefix)
+        elif cached_prefix:
+            raise ValueError(f"sequence {seq_id} already has blocks; a prefix only starts a table")
+        reuse_evictable = sum(1 for b in cached_prefix if self.blocks[b].ref_count == 0)
+        new = self.blocks_needed(num_tokens) - len(table) - len(cached_prefix)
+        if max(new, 0) > self.num_free_blocks - reuse_evictable:
+            return False
+        for block_id in cached_prefix:
+            self._take(block_id)
+            table.append(block_id)
+        for _ in range(new):
+            table.append(self._take(self._pop_free()))
+        self._tables[seq_id] = table
+        return True
+
+    def free(self, seq_id: str) -> None:
+        """Drop a sequence's table. Tail blocks are released first so they are evicted first."""
+        table = self._tables.pop(seq_id, None)
+        if table is None:
+            return
+        for block_id in reversed(table):
+            self._release(block_id)
+
+    def hold(self, block_ids: Sequence[int]) -> None:
+        """Add an external reference (e.g. an in-flight step) to each block."""
+        for block_id in block_ids:
+            if self.blocks[block_id].ref_count == 0:
+                raise ValueError(f"cannot hold block {block_id}: it is not in use")
+            self._held[block_id] += 1
+            self.blocks[block_id].ref_count += 1
+
+    def unhold(self, block_ids: Sequence[int]) -> None:
+        for block_id in block_ids:
+            if self._held[block_id] == 0:
+                raise ValueError(f"block {block_id} is not held")
+            self._held[block_id] -= 1
+            if not self._held[block_id]:
+                del self._held[block_id]
+            self._release(block_id)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every evictable cached block."""
+        while self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            self._uncache(self.blocks[block_id])
+            self._free.append(block_id)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _pop_free(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        if not self._evictable:
+            raise NoFreeBlocksError("KV cache is full")
+        block_id, _ = self._evictable.popitem(last=False)
+        self._uncache(self.blocks[block_id])
+        return block_id
+
+    def _take(self, block_id: int) -> int:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            self._evictable.pop(block_id, None)
+        block.ref_count += 1
+        return block_id
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count <= 0:
+            raise RuntimeError(f"double free of KV block {block_id}")
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.block_hash is not None:
+                self._evictable[block_id] = None
+            else:
+                self._free.append(block_id)
+
+    def _uncache(self, block: Block) -> None:
+        if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
+            del self._cached[block.block_hash]
+        block.block_hash, block.token_ids = None, ()
+
+    # -- checks --------------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError on a leaked, double-freed or unrefcounted shared block."""
+        refs: Counter[int] = Counter(self._held)
+        for seq_id, table in self._tables.items():
+            assert len(set(table)) == len(table), f"table of {seq_id} lists a block twice"
+            refs.update(table)
+        free, evictable = set(self._free), set(self._evictable)
+        assert len(free) == len(self._free), "a block is on the free list twice"
+        assert not free & evictable, "a block is both free and evictable"
+        for block in self.blocks:
+            bid, expected = block.block_id, refs.get(block.block_id, 0)
+            assert block.ref_count == expected, (
+                f"block {bid} has ref_count {block.ref_count} but {expected} references"
+            )
+            in_pool = (bid in free) + (bid in evictable)
+            if expected:
+                assert not in_pool, f"block {bid} is in use and in the free pool"
+            else:
+                assert in_pool == 1, f"block {bid} has no reference and is not in the pool (leak)"
+            if bid in free:
+                assert block.block_hash is None, f"free block {bid} still carries a hash"
+            if bid in evictable:
+                assert block.block_hash is not None, f"evictable block {bid} has no hash"
+        for h, bid in self._cached.items():
+            assert self.blocks[bid].block_hash == h, f"cache entry {h} points at a stale block"

@@ -1,0 +1,137 @@
+"""The offline facade, shaped like vLLM's ``LLM``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from warmboot.config import CacheConfig, EngineConfig, SchedulerConfig
+from warmboot.engine.llm_engine import InvalidRequestError, LLMEngine, Prompt
+from warmboot.outputs import RequestOutput
+from warmboot.sampling_params import SamplingParams
+
+Messages = list[dict]
+
+
+class LLM:
+    """``LLM(model=path).generate(prompts, SamplingParams(...))``."""
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_num_seqs: int = 64,
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int = 2048,
+        block_size: int = 16,
+        kv_cache_memory_bytes: int | None = None,
+        num_kv_blocks: int | None = None,
+        enable_prefix_caching: bool = True,
+        attention_backend: str = "auto",
+        seed: int = 0,
+    ):
+        config = EngineConfig(
+            model=str(model),
+            dtype=dtype,
+            device=device,
+            seed=seed,
+            attention_backend=attention_backend,
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                num_blocks=num_kv_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+            ),
+        )
+        self.engine = LLMEngine(config, max_model_len=max_model_len)
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order.
+
+        All prompts are validated before any is queued: a bad one raises ``ValueError`` naming
+        its index, and nothing runs.
+        """
+        if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
+            prompts = [prompts]
+        params = _per_prompt(sampling_params, len(prompts))
+        ids = self._add_all(prompts, params)
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def generate_stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """Yield incremental outputs (``delta_text`` / ``delta_token_ids``) of one request."""
+        (request_id,) = self._add_all([prompt], [sampling_params or SamplingParams()])
+        try:
+            while True:
+                for out in self.engine.step(delta=True):
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            if request_id in self.engine.outputs.groups:
+                self.engine.abort_request(request_id)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [
+            tok.apply_chat_template(list(c), add_generation_prompt=add_generation_prompt)
+            for c in conversations
+        ]
+        # NOTE: the template already holds any BOS; do not add special tokens again.
+        token_prompts = [
+            {"prompt": p, "prompt_token_ids": tok.encode(p, add_special_tokens=False)}
+            for p in prompts
+        ]
+        return self.generate(token_prompts, sampling_params)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def _add_all(self, prompts: Sequence[Prompt], params: list[SamplingParams]) -> list[str]:
+        checked = []
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+            try:
+                text, ids = self.engine.validate(prompt, p)
+            except InvalidRequestError as e:
+                raise InvalidRequestError(f"prompt {i}: {e}") from None
+            checked.append(({"prompt": text, "prompt_token_ids": ids}, p))
+        return [self.engine.add_request(None, prompt, p) for prompt, p in checked]
+
+
+def _is_token_list(x) -> bool:
+    return isinstance(x, list) and bool(x) and isinstance(x[0], int)
+
+
+def _per_prompt(params, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"{len(params)} sampling params for {count} prompts")
+    return params

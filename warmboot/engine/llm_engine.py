@@ -1,0 +1,316 @@
+"""The engine: explicit, timed start-up phases, then ``step()`` = schedule -> run -> update."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from warmboot.config import EngineConfig, ModelConfig, ModelFilesError, SchedulerConfig
+from warmboot.engine.kv_cache import BlockManager
+from warmboot.engine.output_processor import CompletionState, OutputProcessor, RequestGroup
+from warmboot.engine.request import FinishReason, Request
+from warmboot.engine.runner import ModelRunner
+from warmboot.engine.scheduler import Scheduler
+from warmboot.kernels.torch_attention import TorchAttentionBackend
+from warmboot.outputs import RequestOutput
+from warmboot.sampling_params import SamplingParams
+from warmboot.tokenizer import Tokenizer
+
+log = logging.getLogger("warmboot")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_DEFAULT_KV_BYTES = 2 << 30
+GPU_MEMORY_UTILIZATION = 0.9
+
+Prompt = str | list[int] | dict
+
+
+@dataclass(frozen=True)
+class RuntimeFacts:
+    """Values discovered at start-up (never written back into the configs)."""
+
+    device: str
+    dtype: str
+    num_kv_blocks: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    attention_backend: str
+
+
+class InvalidRequestError(ValueError):
+    """A request that cannot be served; the engine keeps serving the others."""
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, max_model_len: int | None = None):
+        self.config = config
+        self.startup_times: dict[str, float] = {}
+        self._ids = itertools.count()
+        model_dir = Path(config.model)
+        with self._phase("config"):
+            if not model_dir.is_dir():
+                raise ModelFilesError(f"model directory {model_dir} does not exist")
+            self.model_config = ModelConfig.from_dir(model_dir)
+            device = _resolve_device(config.device)
+            dtype = _resolve_dtype(config.dtype, self.model_config, device)
+            self.sched_config = self._resolve_scheduler(max_model_len)
+        with self._phase("tokenizer"):
+            self.tokenizer = Tokenizer.from_dir(model_dir)
+            eos = _eos_ids(model_dir, self.model_config, self.tokenizer)
+        torch.manual_seed(config.seed)
+        attention = _attention_backend(config.attention_backend, device)
+        self.runner = ModelRunner(
+            self.model_config, dtype, device, attention, config.cache.block_size
+        )
+        with self._phase("load_weights"):
+            self.runner.load_model(model_dir)
+        with self._phase("allocate_kv"):
+            num_blocks = self._num_kv_blocks(device)
+            self.runner.allocate_kv_cache(num_blocks)
+        self.facts = RuntimeFacts(
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+            num_kv_blocks=num_blocks,
+            max_model_len=self.sched_config.max_model_len,
+            eos_token_ids=eos,
+            attention_backend=attention.name,
+        )
+        self._new_scheduler()
+        with self._phase("warmup"):
+            self._warmup()
+        log.info(
+            "engine ready: %s", ", ".join(f"{k} {v:.2f}s" for k, v in self.startup_times.items())
+        )
+
+    # -- start-up helpers ----------------------------------------------------------------------
+    @contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self.startup_times[name] = time.perf_counter() - t0
+        log.info("start-up phase %-12s %.3fs", name, self.startup_times[name])
+
+    def _resolve_scheduler(self, max_model_len: int | None) -> SchedulerConfig:
+        limit = self.model_config.max_position_embeddings
+        cfg = self.config.scheduler
+        length = max_model_len or min(cfg.max_model_len, limit)
+        if length > limit:
+            raise ValueError(
+                f"max_model_len={length} exceeds the model's max_position_embeddings={limit}"
+            )
+        return replace(cfg, max_model_len=length)
+
+    def _num_kv_blocks(self, device: torch.device) -> int:
+        cache, per_block = self.config.cache, self.runner.kv_bytes_per_block()
+        if cache.num_blocks is not None:
+            blocks = cache.num_blocks
+        elif cache.kv_cache_memory_bytes is not None:
+            blocks = cache.kv_cache_memory_bytes // per_block
+        elif device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            blocks = int(free - (1 - GPU_MEMORY_UTILIZATION) * total) // per_block
+        else:
+            full = self.sched_config.max_num_seqs * self.sched_config.max_model_len
+            blocks = min(-(-full // cache.block_size), CPU_DEFAULT_KV_BYTES // per_block)
+        capacity = blocks * cache.block_size
+        if capacity < self.sched_config.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({blocks} blocks), fewer than "
+                f"max_model_len={self.sched_config.max_model_len}; raise the KV memory budget "
+                "or lower max_model_len"
+            )
+        return blocks
+
+    def _new_scheduler(self) -> None:
+        cache = self.config.cache
+        self.block_manager = BlockManager(
+            self.facts.num_kv_blocks, cache.block_size, cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.sched_config, self.block_manager)
+        self.outputs = OutputProcessor(self.tokenizer)
+
+    def _warmup(self) -> None:
+        """Run one short real request through every part, then forget it."""
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        self.add_request("warmup", {"prompt_token_ids": [0] * 3}, params)
+        while self.has_unfinished_requests():
+            self.step()
+        self.block_manager.reset_prefix_cache()
+        self.block_manager.check_invariants()
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str | None, prompt: Prompt, params: SamplingParams | None = None
+    ) -> str:
+        """Validate and queue a request; raise ``InvalidRequestError`` (nothing queued) if bad."""
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.outputs.groups:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        text, token_ids = self.validate(prompt, params)
+        max_tokens = self._max_tokens(token_ids, params)
+        eos = frozenset(self.facts.eos_token_ids)
+        children, states = [], []
+        for i in range(params.n):
+            child_params = params if params.seed is None else replace(params, seed=params.seed + i)
+            children.append(
+                Request(
+                    request_id=f"{request_id}#{i}",
+                    prompt_token_ids=list(token_ids),
+                    params=child_params,
+                    max_tokens=max_tokens,
+                    eos_token_ids=eos,
+                    leader=children[0] if children else None,
+                    completion_index=i,
+                )
+            )
+            logprobs = [] if params.logprobs is not None else None
+            detok = self.tokenizer.detokenizer(params.skip_special_tokens)
+            states.append(CompletionState(i, child_params, detok, logprobs=logprobs))
+        self.outputs.add(RequestGroup(request_id, text, list(token_ids), states, children))
+        for child in children:
+            self.scheduler.add_request(child)
+        return request_id
+
+    def validate(self, prompt: Prompt, params: SamplingParams) -> tuple[str | None, list[int]]:
+        """Tokenize and check a request; raise ``InvalidRequestError`` naming the problem."""
+        text, token_ids = self._tokenize(prompt)
+        self._max_tokens(token_ids, params)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids {bad} are outside the vocabulary ({vocab})")
+        return text, token_ids
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                return prompt.get("prompt"), self._check_ids(ids)
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            return prompt, self._check_ids(self.tokenizer.encode(prompt))
+        if isinstance(prompt, list):
+            return None, self._check_ids(prompt)
+        raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (no tokens)")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        return list(ids)
+
+    def _max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
+        limit = self.sched_config.max_model_len
+        room = limit - len(token_ids)
+        if room < 1:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens; max_model_len is {limit}, which leaves "
+                "no room for output"
+            )
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len={limit}"
+            )
+        return params.max_tokens or room
+
+    def abort_request(self, request_id: str) -> None:
+        children = self.outputs.child_ids(request_id)
+        self.scheduler.finish_requests(children, FinishReason.ABORT)
+        self.outputs.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.outputs.groups) or self.scheduler.has_unfinished()
+
+    # -- step ----------------------------------------------------------------------------------
+    def step(self, delta: bool = False) -> list[RequestOutput]:
+        """One engine iteration; returns the outputs of the requests it advanced."""
+        sched = self.scheduler.schedule()
+        touched: set[str] = set()
+        if not sched.is_empty:
+            result = self.runner.execute(sched)
+            events = self.scheduler.update(sched, result)
+            touched, stopped = self.outputs.process(events)
+            self.scheduler.finish_requests(stopped, FinishReason.STOP)
+        touched |= {rid for rid, g in self.outputs.groups.items() if g.finished}
+        outputs = []
+        for rid in [r for r in self.outputs.groups if r in touched]:
+            group = self.outputs.groups[rid]
+            outputs.append(group.output(delta))
+            if group.finished:
+                self.outputs.pop_finished(rid)
+        return outputs
+
+    def stats(self) -> dict:
+        kv = self.block_manager
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": kv.num_blocks,
+            "kv_blocks_used": kv.num_used_blocks,
+            "kv_usage": kv.usage,
+            "prefix_cache_queries": kv.prefix_queries,
+            "prefix_cache_hits": kv.prefix_hits,
+            "preemptions": self.scheduler.num_preemptions,
+            "startup_times": dict(self.startup_times),
+        }
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' requested but CUDA is not available")
+    return dev
+
+
+def _resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        ckpt = _DTYPES.get(cfg.checkpoint_dtype, torch.bfloat16)
+        return torch.bfloat16 if ckpt == torch.float32 else ckpt
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; use auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _attention_backend(name: str, device: torch.device) -> TorchAttentionBackend:
+    if name in ("auto", "torch"):
+        return TorchAttentionBackend()
+    if name == "triton":
+        raise NotImplementedError(
+            "attention_backend='triton' is not available yet (Triton kernels are issue 4)"
+        )
+    raise ValueError(f"unknown attention_backend {name!r}; use auto, torch or triton")
+
+
+def _eos_ids(model_dir: Path, cfg: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """EOS ids from generation_config.json, else config.json, plus the tokenizer's."""
+    ids: list[int] = []
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not ids:
+        ids += list(cfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return tuple(dict.fromkeys(ids))

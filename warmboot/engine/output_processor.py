@@ -1,0 +1,152 @@
+"""Host-side output processing: incremental detokenization, stop strings, logprobs, and the
+grouping of n > 1 completions into one ``RequestOutput``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from warmboot.engine.request import FinishReason, Request
+from warmboot.engine.scheduler import TokenEvent, TokenLogprobs
+from warmboot.outputs import CompletionOutput, Logprob, RequestOutput
+from warmboot.sampling_params import SamplingParams
+from warmboot.tokenizer import Tokenizer
+
+
+@dataclass
+class CompletionState:
+    index: int
+    params: SamplingParams
+    detokenizer: object
+    text: str = ""
+    emitted_chars: int = 0
+    emitted_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def hold_back(self) -> int:
+        """Characters kept back while running: they might start a stop string."""
+        return max((len(s) for s in self.params.stop), default=1) - 1
+
+    def add_text(self, piece: str) -> str | None:
+        """Append detokenized text; return the stop string that ended it, if any."""
+        if not piece:
+            return None
+        search_from = max(0, len(self.text) - self.hold_back)
+        self.text += piece
+        if len(self.token_ids) <= self.params.min_tokens:
+            return None
+        found = [(i, s) for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
+        if not found:
+            return None
+        cut, stop = min(found)
+        self.text = self.text[:cut]
+        return stop
+
+    def output(self, delta: bool) -> CompletionOutput:
+        visible = len(self.text) if self.finish_reason else len(self.text) - self.hold_back
+        visible = max(visible, self.emitted_chars)
+        out = CompletionOutput(
+            index=self.index,
+            text=self.text[:visible],
+            token_ids=list(self.token_ids),
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            logprobs=self.logprobs,
+        )
+        if delta:
+            out.delta_text = self.text[self.emitted_chars : visible]
+            out.delta_token_ids = self.token_ids[self.emitted_tokens :]
+            self.emitted_chars, self.emitted_tokens = visible, len(self.token_ids)
+        return out
+
+
+@dataclass
+class RequestGroup:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    completions: list[CompletionState]
+    children: list[Request]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
+
+    def output(self, delta: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[c.output(delta) for c in self.completions],
+            finished=self.finished,
+            num_cached_tokens=self.children[0].num_cached_tokens,
+        )
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.groups: dict[str, RequestGroup] = {}
+        self._child: dict[str, tuple[RequestGroup, CompletionState]] = {}
+
+    def add(self, group: RequestGroup) -> None:
+        self.groups[group.request_id] = group
+        for child, state in zip(group.children, group.completions, strict=True):
+            self._child[child.request_id] = (group, state)
+
+    def child_ids(self, request_id: str) -> list[str]:
+        group = self.groups.get(request_id)
+        return [] if group is None else [c.request_id for c in group.children]
+
+    def process(self, events: list[TokenEvent]) -> tuple[set[str], list[str]]:
+        """Apply token events. Returns (touched group ids, child ids ended by a stop string)."""
+        touched: set[str] = set()
+        stopped: list[str] = []
+        for ev in events:
+            group, state = self._child[ev.request.request_id]
+            touched.add(group.request_id)
+            if state.finish_reason is not None:
+                continue
+            if self._apply(ev, state):
+                stopped.append(ev.request.request_id)
+        return touched, stopped
+
+    def _apply(self, ev: TokenEvent, state: CompletionState) -> bool:
+        req = ev.request
+        stopped_by_token = ev.finished and req.finish_reason is FinishReason.STOP
+        for i, (token, lp) in enumerate(zip(ev.new_token_ids, ev.new_logprobs, strict=True)):
+            state.token_ids.append(token)
+            if state.logprobs is not None and lp is not None:
+                state.logprobs.append(self._logprob_dict(token, lp))
+            last = i == len(ev.new_token_ids) - 1
+            if last and stopped_by_token:
+                break  # NOTE: EOS / stop token ids are not detokenized into the text.
+            stop = state.add_text(state.detokenizer.step(token))
+            if stop is not None:
+                state.finish_reason, state.stop_reason = FinishReason.STOP.value, stop
+                return True
+        if ev.finished:
+            state.finish_reason = req.finish_reason.value
+            state.stop_reason = req.stop_reason
+        return False
+
+    def _logprob_dict(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
+        entries = {t: Logprob(v, self.tokenizer.decode([t], False)) for t, v in lp.top}
+        entries.setdefault(token, Logprob(lp.token_logprob, self.tokenizer.decode([token], False)))
+        return entries
+
+    def abort(self, request_id: str) -> None:
+        group = self.groups.get(request_id)
+        if group is None:
+            return
+        for state in group.completions:
+            if state.finish_reason is None:
+                state.finish_reason = FinishReason.ABORT.value
+
+    def pop_finished(self, request_id: str) -> None:
+        group = self.groups.pop(request_id)
+        for child in group.children:
+            del self._child[child.request_id]

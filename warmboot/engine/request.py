@@ -1,0 +1,82 @@
+"""The one request object the scheduler tracks. Pure Python."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from warmboot.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated.
+
+    NOTE: lengths are defined once: ``all_token_ids`` = prompt + output; the KV of the first
+    ``num_computed_tokens`` of them is in the cache. A step computes ``num_tokens -
+    num_computed_tokens`` tokens or fewer (chunked prefill); when it computes the last one it
+    samples, and the sampled token is appended. Preemption resets ``num_computed_tokens`` to 0.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    """Resolved output limit: params.max_tokens capped by the context length."""
+    eos_token_ids: frozenset[int] = frozenset()
+    arrival_index: int = 0
+    leader: Request | None = None
+    """For n > 1: the sibling whose prompt KV the others wait for and then share."""
+    completion_index: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at the first admission."""
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    @property
+    def prompt_computed(self) -> bool:
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    def append_output(self, token_id: int) -> None:
+        assert self.num_computed_tokens == self.num_tokens, (
+            "sampled before the context was computed"
+        )
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,206 @@
+"""Turn a batch of logits into next tokens (vLLM order).
+
+1. logprobs from the raw logits (float32 ``log_softmax``), for rows that ask;
+2. penalties: repetition (prompt + output), then frequency and presence (output only);
+3. ``suppress_token_ids`` -> -inf;
+4. greedy rows: argmax;
+5. random rows: temperature, min-p, top-k, top-p, then the exponential race
+   ``argmax(probs / q)``, ``q ~ Exp(1)``; a seeded row draws ``q`` from its own generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from warmboot.sampling_params import SamplingParams
+
+_SEED_MASK = (1 << 64) - 1
+
+
+@dataclass
+class SamplingRow:
+    """Host-side facts for one row of the logits batch."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    """Counted by repetition_penalty (with the output), like HF/vLLM."""
+    output_token_ids: Sequence[int]
+    """Counted by presence/frequency penalties (OpenAI semantics) and repetition_penalty."""
+    generator: torch.Generator | None
+    """Not None iff ``params.seed`` is not None; lives on the logits' device."""
+    suppress_token_ids: Sequence[int] = ()
+    """Ids forced to -inf (e.g. EOS/stop ids while the output is shorter than min_tokens)."""
+
+
+@dataclass
+class SamplerOutput:
+    """Chosen tokens and, when any row asked, logprobs of the raw logits."""
+
+    token_ids: torch.Tensor
+    """(B,) int64 on the logits' device."""
+    sampled_logprobs: torch.Tensor | None
+    """(B,) float32 logprob of the chosen token; None when no row asked for logprobs."""
+    top_logprobs: torch.Tensor | None
+    """(B, K) float32, K = max ``params.logprobs`` over the rows that asked (K may be 0)."""
+    top_token_ids: torch.Tensor | None
+    """(B, K) int64."""
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed`` (any int; taken modulo 2**64)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed & _SEED_MASK)
+    return gen
+
+
+class Sampler:
+    """Stateless batch sampler; see the module docstring for the order of operations."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Pick one token per row of ``logits`` (B, V) following ``rows[i]``."""
+        _validate(logits, rows)
+        params = [r.params for r in rows]
+        want_logprobs = any(p.logprobs is not None for p in params)
+        plain = all(
+            p.greedy and not p.uses_penalties and not r.suppress_token_ids
+            for p, r in zip(params, rows, strict=True)
+        )
+        if plain and not want_logprobs:
+            return SamplerOutput(logits.argmax(dim=-1), None, None, None)
+
+        x = logits.to(torch.float32, copy=True)
+        logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None
+        apply_penalties(x, rows)
+        _suppress(x, rows)
+        tokens = x.argmax(dim=-1)
+        rand = [i for i, p in enumerate(params) if not p.greedy]
+        if rand:
+            tokens[rand] = _sample(x[rand], [rows[i] for i in rand])
+        if logprobs is None:
+            return SamplerOutput(tokens, None, None, None)
+        k = max(p.logprobs for p in params if p.logprobs is not None)
+        top = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
+        sampled = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        return SamplerOutput(tokens, sampled, top.values, top.indices)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Apply repetition, frequency and presence penalties in place to float32 (B, V) logits."""
+    idx = [i for i, r in enumerate(rows) if r.params.uses_penalties]
+    if not idx:
+        return logits
+    sub = [rows[i] for i in idx]
+    dev, vocab = logits.device, logits.shape[1]
+    counts = _token_counts([r.output_token_ids for r in sub], vocab, dev)
+    x = logits[idx]
+    if any(r.params.repetition_penalty != 1.0 for r in sub):
+        rep = _column([r.params.repetition_penalty for r in sub], dev)
+        seen = (counts > 0) | (_token_counts([r.prompt_token_ids for r in sub], vocab, dev) > 0)
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+    freq = _column([r.params.frequency_penalty for r in sub], dev)
+    presence = _column([r.params.presence_penalty for r in sub], dev)
+    x = x - freq * counts - presence * (counts > 0)
+    logits[idx] = x
+    return logits
+
+
+def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Return temperature-scaled (R, V) logits with tokens outside min-p/top-k/top-p set to -inf."""
+    dev, vocab = logits.device, logits.shape[1]
+    if any(p.min_p > 0 for p in params):
+        probs = torch.softmax(logits, dim=-1)
+        floor = _column([p.min_p for p in params], dev) * probs.amax(dim=-1, keepdim=True)
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    use_k = any(p.uses_top_k for p in params)
+    use_p = any(p.top_p < 1.0 for p in params)
+    if not (use_k or use_p):
+        return logits
+    ks = [min(p.top_k, vocab) if p.uses_top_k else vocab for p in params]
+    ascending, order = logits.sort(dim=-1)
+    if use_k:
+        # NOTE: ties with the k-th largest value are kept, so the kept set may exceed k.
+        kth = ascending.gather(1, vocab - torch.tensor(ks, device=dev)[:, None])
+        ascending = ascending.masked_fill(ascending < kth, float("-inf"))
+    if use_p:
+        cum = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
+        drop = cum <= 1.0 - _column([p.top_p for p in params], dev)
+        drop[:, -1] = False  # NOTE: the most likely token always survives.
+        ascending = ascending.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ascending)
+
+
+def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Exponential-race sample of (R, V) penalised logits of random rows."""
+    params = [r.params for r in rows]
+    x = logits / _column([p.temperature for p in params], logits.device)
+    probs = torch.softmax(apply_filters(x, params), dim=-1)
+    return probs.div_(_exponentials(rows, x.shape[1], x.device)).argmax(dim=-1)
+
+
+def _exponentials(rows: Sequence[SamplingRow], vocab: int, dev: torch.device) -> torch.Tensor:
+    """(R, V) Exp(1) draws: seeded rows from their own generator, the rest in one batched draw."""
+    unseeded = [j for j, r in enumerate(rows) if r.generator is None]
+    if len(unseeded) == len(rows):
+        q = torch.empty(len(rows), vocab, device=dev).exponential_()
+    else:
+        q = torch.empty(len(rows), vocab, device=dev)
+        if unseeded:
+            q[unseeded] = torch.empty(len(unseeded), vocab, device=dev).exponential_()
+        for j, r in enumerate(rows):
+            if r.generator is not None:
+                # NOTE: exactly one draw of V per seeded row and step, so a seeded row's tokens
+                # depend only on its seed and history, never on the rest of the batch.
+                q[j] = torch.empty(vocab, device=dev).exponential_(generator=r.generator)
+    # NOTE: q > 0, so a zero probability can never become 0/0 = nan and win the argmax.
+    return q.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def _suppress(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    """Set every row's ``suppress_token_ids`` to -inf in place."""
+    pairs = [(i, t) for i, r in enumerate(rows) for t in r.suppress_token_ids]
+    if not pairs:
+        return
+    index = torch.tensor(pairs, dtype=torch.int64)
+    _check_ids(index[:, 1], logits.shape[1], "suppress_token_ids")
+    index = index.to(logits.device)
+    logits[index[:, 0], index[:, 1]] = float("-inf")
+
+
+def _token_counts(
+    histories: Sequence[Sequence[int]], vocab: int, dev: torch.device
+) -> torch.Tensor:
+    """(len(histories), vocab) float32 occurrence counts from one bincount over all ids."""
+    ids = torch.cat([torch.as_tensor(h, dtype=torch.int64).reshape(-1) for h in histories])
+    _check_ids(ids, vocab, "token history")
+    lengths = torch.tensor([len(h) for h in histories])
+    flat = torch.repeat_interleave(torch.arange(len(histories)), lengths) * vocab + ids
+    counts = torch.bincount(flat.to(dev), minlength=len(histories) * vocab)
+    return counts.view(len(histories), vocab).float()
+
+
+def _check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(
+            f"{what} holds ids outside [0, {vocab}): min={int(ids.min())}, max={int(ids.max())}"
+        )
+
+
+def _column(values: Sequence[float], dev: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=dev)[:, None]
+
+
+def _validate(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be 2-D (batch, vocab), got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits.dtype}")
+    if len(rows) != logits.shape[0]:
+        raise ValueError(f"got {len(rows)} sampling rows for {logits.shape[0]} rows of logits")
+    if logits.shape[1] == 0:
+        raise ValueError("logits have an empty vocabulary dimension")
+    for i, r in enumerate(rows):
+        if (r.generator is None) != (r.params.seed is None):
+            raise ValueError(f"row {i}: generator must be given iff params.seed is set")

@@ -1,0 +1,237 @@
+"""Continuous-batching scheduler: FCFS, chunked prefill under a token budget, prefill and decode
+mixed in one step, preemption by recompute. Pure Python; talks to the runner in plain data."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from warmboot.config import SchedulerConfig
+from warmboot.engine.kv_cache import BlockManager
+from warmboot.engine.request import FinishReason, Request, RequestStatus
+from warmboot.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    """One row group of a step: compute ``token_ids`` at positions ``start_pos..``."""
+
+    req_id: str
+    token_ids: list[int]
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    """True when this chunk reaches the end of the context: the runner samples one token."""
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    """The request's output so far (for penalties). NOTE: read-only for the runner."""
+    suppress_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+    """Requests finished since the previous step: the runner drops their per-request state."""
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class TokenLogprobs:
+    token_logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RunnerOutput:
+    req_ids: list[str]
+    """Rows that sampled, in order."""
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
+class TokenEvent:
+    """What one step did to one request, for the output processor."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: BlockManager):
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_step: list[str] = []
+        self.num_preemptions = 0
+
+    # -- requests ------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish_requests(self, req_ids: Iterable[str], reason: FinishReason) -> None:
+        """Finish requests from outside the step (abort, stop string)."""
+        for req_id in req_ids:
+            req = self.requests.get(req_id)
+            if req is None or req.is_finished:
+                continue
+            if req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, reason)
+
+    # -- schedule ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_since_step)
+        self._finished_since_step = []
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted_req_ids:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.preempted_req_ids.append(victim.request_id)
+                if victim is req:
+                    return budget
+            out.scheduled.append(self._scheduled(req, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        skipped: list[Request] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting.popleft()
+            if self._waits_for_leader(req):
+                skipped.append(req)
+                continue
+            prefix = (
+                [] if req.num_computed_tokens else self.kv.find_cached_prefix(req.all_token_ids)
+            )
+            start = len(prefix) * self.kv.block_size
+            n = min(req.num_tokens - start, budget)
+            if not self.kv.allocate(req.request_id, start + n, prefix):
+                self.waiting.appendleft(req)
+                break
+            if req.num_preemptions == 0:
+                req.num_cached_tokens = start
+            req.num_computed_tokens = start
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(self._scheduled(req, n))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+
+    def _waits_for_leader(self, req: Request) -> bool:
+        # n > 1: siblings wait until the leader's prompt is in the prefix cache, then share it.
+        leader = req.leader
+        return (
+            leader is not None
+            and self.kv.enable_prefix_caching
+            and not leader.is_finished
+            and not leader.prompt_computed
+        )
+
+    def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        sample = start + n == req.num_tokens
+        suppress: tuple[int, ...] = ()
+        if sample and req.num_output_tokens < req.params.min_tokens:
+            eos = () if req.params.ignore_eos else tuple(req.eos_token_ids)
+            suppress = eos + req.params.stop_token_ids
+        return ScheduledRequest(
+            req_id=req.request_id,
+            token_ids=req.all_token_ids[start : start + n],
+            start_pos=start,
+            block_table=list(self.kv.block_table(req.request_id)),
+            sample=sample,
+            params=req.params,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+            suppress_token_ids=suppress,
+        )
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    # -- update --------------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[TokenEvent]:
+        """Apply a step's results: advance computed tokens, append samples, check token stops."""
+        rows = {rid: i for i, rid in enumerate(result.req_ids)}
+        events = []
+        for s in out.scheduled:
+            req = self.requests.get(s.req_id)
+            if req is None or req.is_finished:
+                continue  # finished while the step ran (abort)
+            req.num_computed_tokens += s.num_tokens
+            self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
+            if not s.sample:
+                continue
+            row = rows[s.req_id]
+            token = result.sampled_token_ids[row]
+            req.append_output(token)
+            reason = self._check_stop(req, token)
+            if reason is not None:
+                self.running.remove(req)
+                self._finish(req, reason)
+            logprobs = result.logprobs[row] if result.logprobs else None
+            events.append(TokenEvent(req, [token], [logprobs], reason is not None))
+        return events
+
+    def _check_stop(self, req: Request, token: int) -> FinishReason | None:
+        p = req.params
+        if req.num_output_tokens > p.min_tokens:  # earlier stops were suppressed by the sampler
+            if not p.ignore_eos and token in req.eos_token_ids:
+                return FinishReason.STOP
+            if token in p.stop_token_ids:
+                req.stop_reason = token
+                return FinishReason.STOP
+        if req.num_output_tokens >= req.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason
+        self.kv.free(req.request_id)
+        self._finished_since_step.append(req.request_id)
+        del self.requests[req.request_id]

@@ -1,0 +1,59 @@
+"""The attention backend interface the model calls, and the per-step metadata it consumes.
+
+Token order in a step: all decode rows (one query token each) first, then the prefill rows
+(one contiguous run of query tokens per sequence). The runner builds one ``AttentionMetadata``
+per step; every layer reuses it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillSeq:
+    query_start: int
+    """Index of the sequence's first query token in the step's token batch."""
+    query_len: int
+    context_len: int
+    """Tokens in the sequence after this step (cached + new)."""
+    block_table: torch.Tensor
+    """(num_blocks,) int64 block ids covering ``context_len``."""
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    """(num_tokens,) int64: flat cache slot (block * block_size + offset) of each new token."""
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None
+    """(num_decodes, max_blocks) int64, padded with block 0."""
+    decode_seq_lens: torch.Tensor | None
+    """(num_decodes,) int64 context length including the new token."""
+    prefills: list[PrefillSeq]
+    block_size: int
+    cache: dict = field(default_factory=dict)
+    """Backend scratch shared by the layers of one step (e.g. masks per window size)."""
+
+
+class AttentionBackend(ABC):
+    """Writes the step's new K/V into the paged cache and attends over it."""
+
+    name: str
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # (N, Hq, D)
+        k: torch.Tensor,  # (N, Hkv, D)
+        v: torch.Tensor,  # (N, Hkv, D)
+        k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+        v_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+        meta: AttentionMetadata,
+        scale: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:  # (N, Hq, D)
+        ...

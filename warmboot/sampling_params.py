@@ -1,0 +1,102 @@
+"""Per-request sampling parameters (vLLM-shaped), validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens for one request. Invalid values raise ``ValueError`` naming the field."""
+
+    n: int = 1
+    """Number of completions for the prompt; they share the prompt's KV blocks."""
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 or -1 disables top-k."""
+    min_p: float = 0.0
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
+    repetition_penalty: float = 1.0
+    """HF-style: logits of tokens in prompt or output are divided (>0) / multiplied (<0)."""
+    presence_penalty: float = 0.0
+    """OpenAI-style: subtracted once from logits of tokens already in the output."""
+    frequency_penalty: float = 0.0
+    """OpenAI-style: subtracted per occurrence in the output."""
+    max_tokens: int | None = 16
+    """None means up to the model's context length."""
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    """Stop strings; the output text is cut before the first one found."""
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """Return this many top log-probabilities per output token (plus the sampled one's)."""
+    skip_special_tokens: bool = True
+    extra: dict = field(default_factory=dict, compare=False, hash=False)
+    """Free-form room for later issues (e.g. structured outputs)."""
+
+    def __post_init__(self) -> None:
+        # NOTE: frozen dataclass; normalise list inputs to tuples through object.__setattr__.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        if self.temperature < 0:
+            bad("temperature", "must be >= 0")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            bad("top_k", "must be -1, 0 (disabled) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            bad("repetition_penalty", "must be > 0")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "must be in [-2, 2]")
+        if self.max_tokens is not None and (
+            not isinstance(self.max_tokens, int) or self.max_tokens < 1
+        ):
+            bad("max_tokens", "must be an integer >= 1 or None")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            bad("min_tokens", "must be an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            bad("stop", "must be non-empty strings")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", "must be non-negative integers")
+        if self.seed is not None and not isinstance(self.seed, int):
+            bad("seed", "must be an integer")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_top_k(self) -> bool:
+        return self.top_k > 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )

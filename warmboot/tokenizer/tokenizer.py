@@ -1,0 +1,166 @@
+"""A light tokenizer wrapper over ``tokenizers`` (no ``transformers`` import: cold start matters)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+_SPECIAL_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+_EXTRA_SPECIAL_KEYS = ("additional_special_tokens", "extra_special_tokens")
+
+
+class Tokenizer:
+    """Encode/decode text and render chat templates from a HF-format tokenizer directory."""
+
+    def __init__(self, tokenizer: _HFTokenizer, config: dict[str, Any] | None = None) -> None:
+        """Wrap a ``tokenizers.Tokenizer`` with the (optional) ``tokenizer_config.json`` dict."""
+        config = config or {}
+        self._tok = tokenizer
+        self._config = config
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        self.bos_token: str | None = _token_str(config.get("bos_token"))
+        self.eos_token: str | None = _token_str(config.get("eos_token"))
+        self.bos_token_id: int | None = self._id_of(self.bos_token)
+        self.eos_token_id: int | None = self._id_of(self.eos_token)
+        self.all_special_ids: frozenset[int] = self._special_ids()
+        self.chat_template: str | None = _pick_template(config.get("chat_template"))
+        self._compiled_template = None
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer:
+        """Load ``tokenizer.json`` (required) and ``tokenizer_config.json`` (optional).
+
+        A chat template stored in ``chat_template.jinja`` is used when the config has none.
+        Raises ``FileNotFoundError`` naming ``tokenizer.json`` if it is missing.
+        """
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"tokenizer.json not found in {path}")
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        jinja_file = path / "chat_template.jinja"
+        if not config.get("chat_template") and jinja_file.is_file():
+            config["chat_template"] = jinja_file.read_text(encoding="utf-8")
+        return cls(_HFTokenizer.from_file(str(tok_file)), config)
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; special-token strings in the text map to their ids."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (any iterable of ints); invalid UTF-8 becomes U+FFFD."""
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a token string, or ``None`` if it is not in the vocabulary."""
+        return self._tok.token_to_id(token)
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render ``messages`` with the chat template, as ``transformers`` does (text, not ids).
+
+        Extra ``kwargs`` are passed to the template. Raises ``ValueError`` if there is no template.
+        """
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template (chat_template is not set)")
+        if self._compiled_template is None:
+            self._compiled_template = _compile_template(self.chat_template)
+        specials = {k: _token_str(self._config.get(k)) for k in _SPECIAL_KEYS}
+        context = {"tools": None, "documents": None}
+        context.update((k, v) for k, v in specials.items() if v is not None)
+        context.update(kwargs)
+        return self._compiled_template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **context
+        )
+
+    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
+        """A fresh incremental detokenizer for one generated sequence."""
+        return IncrementalDetokenizer(self._tok, skip_special_tokens)
+
+    def _id_of(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def _special_ids(self) -> frozenset[int]:
+        ids = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        names = [_token_str(self._config.get(k)) for k in _SPECIAL_KEYS]
+        for key in _EXTRA_SPECIAL_KEYS:
+            extra = self._config.get(key) or []
+            names += [_token_str(t) for t in (extra.values() if isinstance(extra, dict) else extra)]
+        ids.update(i for i in map(self._id_of, names) if i is not None)
+        return frozenset(ids)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text pieces, exact across multi-byte UTF-8 splits."""
+
+    def __init__(self, tokenizer: _HFTokenizer, skip_special_tokens: bool = True) -> None:
+        """Use ``Tokenizer.detokenizer()`` rather than constructing this directly."""
+        self._tok = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        """New text since the last call; ``''`` while an incomplete UTF-8 sequence is pending."""
+        return self._stream.step(self._tok, token_id) or ""
+
+
+def _token_str(value: Any) -> str | None:
+    """A special token from a config value: a string or a ``{"content": ...}`` dict."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _pick_template(value: Any) -> str | None:
+    """The template string; a list of ``{"name", "template"}`` picks the ``default`` one."""
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value}
+        return named.get("default")
+    return value or None
+
+
+def _raise_exception(message: str) -> None:
+    from jinja2.exceptions import TemplateError
+
+    raise TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _compile_template(source: str):
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys=False):
+    """HF's ``tojson`` filter: no HTML escaping, unlike jinja's built-in."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
