@@ -189,7 +189,7 @@ def test_detokenizer_multibyte_text(which, request):
     assert saw_pending
 
 
-@pytest.mark.parametrize("size", [259, 300, 384, 512, 1000, 49152])
+@pytest.mark.parametrize("size", [259, 300, 384, 512, 1000, 4000, 49152])
 def test_exact_vocab_size(size, tmp_path, request):
     if size == 49152:
         path = request.getfixturevalue("big_tok_dir")
@@ -215,7 +215,9 @@ def test_too_small_vocab(tmp_path):
 def test_deterministic(big_tok_dir, tmp_path):
     train_tokenizer(tmp_path / "a", 512)
     train_tokenizer(tmp_path / "b", 512)
-    assert (tmp_path / "a/tokenizer.json").read_bytes() == (tmp_path / "b/tokenizer.json").read_bytes()
+    assert (tmp_path / "a/tokenizer.json").read_bytes() == (
+        tmp_path / "b/tokenizer.json"
+    ).read_bytes()
     code = (
         "import sys; from pathlib import Path; from warmboot.tokenizer.train import train_tokenizer;"
         "train_tokenizer(Path(sys.argv[1]), 49152)"

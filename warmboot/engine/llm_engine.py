@@ -27,7 +27,7 @@ from warmboot.tokenizer import Tokenizer
 log = logging.getLogger("warmboot")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-CPU_DEFAULT_KV_BYTES = 2 << 30
+CPU_DEFAULT_KV_BYTES = 512 << 20
 GPU_MEMORY_UTILIZATION = 0.9
 
 Prompt = str | list[int] | dict

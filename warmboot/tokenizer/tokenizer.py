@@ -51,7 +51,9 @@ class Tokenizer:
         if not tok_file.is_file():
             raise FileNotFoundError(f"tokenizer.json not found in {path}")
         config_file = path / "tokenizer_config.json"
-        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        config = (
+            json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+        )
         jinja_file = path / "chat_template.jinja"
         if not config.get("chat_template") and jinja_file.is_file():
             config["chat_template"] = jinja_file.read_text(encoding="utf-8")
@@ -66,7 +68,7 @@ class Tokenizer:
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (any iterable of ints); invalid UTF-8 becomes U+FFFD."""
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._tok.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string, or ``None`` if it is not in the vocabulary."""
@@ -118,7 +120,7 @@ class IncrementalDetokenizer:
 
     def step(self, token_id: int) -> str:
         """New text since the last call; ``''`` while an incomplete UTF-8 sequence is pending."""
-        return self._stream.step(self._tok, token_id) or ""
+        return self._stream.step(self._tok, int(token_id)) or ""
 
 
 def _token_str(value: Any) -> str | None:

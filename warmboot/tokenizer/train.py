@@ -130,6 +130,8 @@ def _synthetic_lines(n_words: int) -> Iterator[str]:
 
 def _pseudo_word(rng: random.Random) -> str:
     n_syllables = rng.choice((1, 2, 2, 3, 3, 3, 4, 4, 5))
-    parts = [rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(n_syllables)]
+    parts = [
+        rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(n_syllables)
+    ]
     word = "".join(parts)
     return word.capitalize() if rng.random() < 0.1 else word
