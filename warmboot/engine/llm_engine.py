@@ -242,9 +242,9 @@ class LLMEngine:
     def step(self, delta: bool = False) -> list[RequestOutput]:
         """One engine iteration; returns the outputs of the requests it advanced."""
         sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)  # NOTE: also when empty: it drops finished state
         touched: set[str] = set()
         if not sched.is_empty:
-            result = self.runner.execute(sched)
             events = self.scheduler.update(sched, result)
             touched, stopped = self.outputs.process(events)
             self.scheduler.finish_requests(stopped, FinishReason.STOP)

@@ -9,14 +9,14 @@ from warmboot.engine.request import FinishReason, Request
 from warmboot.engine.scheduler import TokenEvent, TokenLogprobs
 from warmboot.outputs import CompletionOutput, Logprob, RequestOutput
 from warmboot.sampling_params import SamplingParams
-from warmboot.tokenizer import Tokenizer
+from warmboot.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 @dataclass
 class CompletionState:
     index: int
     params: SamplingParams
-    detokenizer: object
+    detokenizer: IncrementalDetokenizer
     text: str = ""
     emitted_chars: int = 0
     emitted_tokens: int = 0
@@ -36,7 +36,7 @@ class CompletionState:
             return None
         search_from = max(0, len(self.text) - self.hold_back)
         self.text += piece
-        if len(self.token_ids) <= self.params.min_tokens:
+        if len(self.token_ids) < self.params.min_tokens:
             return None
         found = [(i, s) for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
         if not found:
@@ -129,6 +129,10 @@ class OutputProcessor:
                 state.finish_reason, state.stop_reason = FinishReason.STOP.value, stop
                 return True
         if ev.finished:
+            stop = state.add_text(state.detokenizer.flush())
+            if stop is not None:
+                state.finish_reason, state.stop_reason = FinishReason.STOP.value, stop
+                return False
             state.finish_reason = req.finish_reason.value
             state.stop_reason = req.stop_reason
         return False

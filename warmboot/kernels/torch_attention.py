@@ -34,13 +34,17 @@ class TorchAttentionBackend(AttentionBackend):
         _, bs, hkv, d = k_cache.shape
         keys = k_cache[tables].view(batch, max_blocks * bs, hkv, d).transpose(1, 2)
         values = v_cache[tables].view(batch, max_blocks * bs, hkv, d).transpose(1, 2)
-        mask = self._decode_mask(meta, max_blocks * bs, window)  # (B, 1, 1, L)
+        mask = self._decode_mask(meta, max_blocks * bs, window, q.dtype)  # (B, 1, 1, L)
         qg = q.view(batch, hkv, -1, d)  # (B, Hkv, G, D)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
         return out.reshape(batch, -1, d)
 
     @staticmethod
-    def _decode_mask(meta: AttentionMetadata, length: int, window: int | None) -> torch.Tensor:
+    def _decode_mask(
+        meta: AttentionMetadata, length: int, window: int | None, dtype
+    ) -> torch.Tensor:
+        """Additive (B, 1, 1, L) mask, built once per step and window (SDPA would convert a
+        boolean mask in every layer)."""
         key = ("decode_mask", window)
         if key not in meta.cache:
             lens = meta.decode_seq_lens.unsqueeze(1)  # (B, 1)
@@ -48,7 +52,8 @@ class TorchAttentionBackend(AttentionBackend):
             mask = pos < lens
             if window is not None:
                 mask &= pos >= lens - window
-            meta.cache[key] = mask[:, None, None, :]
+            additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
+            meta.cache[key] = additive.masked_fill_(~mask, float("-inf"))[:, None, None, :]
         return meta.cache[key]
 
     def _prefill(self, q, k_cache, v_cache, seq: PrefillSeq, scale, window):

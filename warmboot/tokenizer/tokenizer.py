@@ -116,11 +116,23 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: _HFTokenizer, skip_special_tokens: bool = True) -> None:
         """Use ``Tokenizer.detokenizer()`` rather than constructing this directly."""
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
+        self._emitted = 0
 
     def step(self, token_id: int) -> str:
         """New text since the last call; ``''`` while an incomplete UTF-8 sequence is pending."""
-        return self._stream.step(self._tok, int(token_id)) or ""
+        self._ids.append(int(token_id))
+        piece = self._stream.step(self._tok, int(token_id)) or ""
+        self._emitted += len(piece)
+        return piece
+
+    def flush(self) -> str:
+        """At the end of a sequence: the text still held back (e.g. a cut-off character)."""
+        rest = self._tok.decode(self._ids, skip_special_tokens=self._skip)[self._emitted :]
+        self._emitted += len(rest)
+        return rest
 
 
 def _token_str(value: Any) -> str | None:
