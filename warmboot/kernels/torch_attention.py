@@ -1,7 +1,8 @@
 """CPU (and fallback) attention backend: torch SDPA over K/V gathered block by block.
 
-GQA without copies: the query heads of one KV head are folded into the query-length axis,
-so ``(heads_kv, group * q_len, D)`` attends to ``(heads_kv, ctx, D)`` and K/V are never repeated.
+GQA without copies of K/V: in decode the query heads of one KV head are folded into the
+query-length axis, ``(B, Hkv, group, D)`` against ``(B, Hkv, ctx, D)``; prefill uses SDPA's
+``enable_gqa`` (and its causal fast path when the chunk has no cached context).
 """
 
 from __future__ import annotations
@@ -25,15 +26,17 @@ class TorchAttentionBackend(AttentionBackend):
             out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, sliding_window)
         for seq in meta.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
-            out[rows] = self._prefill(q[rows], k_cache, v_cache, seq, scale, sliding_window)
+            out[rows] = self._prefill(
+                q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale, sliding_window
+            )
         return out
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, window):
         tables = meta.decode_block_tables  # (B, max_blocks)
         batch, max_blocks = tables.shape
         _, bs, hkv, d = k_cache.shape
-        keys = k_cache[tables].view(batch, max_blocks * bs, hkv, d).transpose(1, 2)
-        values = v_cache[tables].view(batch, max_blocks * bs, hkv, d).transpose(1, 2)
+        keys = _gather(k_cache, tables, hkv, d).view(batch, -1, hkv, d).transpose(1, 2)
+        values = _gather(v_cache, tables, hkv, d).view(batch, -1, hkv, d).transpose(1, 2)
         mask = self._decode_mask(meta, max_blocks * bs, window, q.dtype)  # (B, 1, 1, L)
         qg = q.view(batch, hkv, -1, d)  # (B, Hkv, G, D)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
@@ -56,16 +59,31 @@ class TorchAttentionBackend(AttentionBackend):
             meta.cache[key] = additive.masked_fill_(~mask, float("-inf"))[:, None, None, :]
         return meta.cache[key]
 
-    def _prefill(self, q, k_cache, v_cache, seq: PrefillSeq, scale, window):
-        n, hq, d = q.shape
-        _, bs, hkv, _ = k_cache.shape
-        group, ctx = hq // hkv, seq.context_len
-        keys = k_cache[seq.block_table].view(-1, hkv, d)[:ctx].transpose(0, 1)  # (Hkv, ctx, D)
-        values = v_cache[seq.block_table].view(-1, hkv, d)[:ctx].transpose(0, 1)
-        qg = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
-        mask = _causal_mask(n, ctx, window, q.device).repeat(group, 1)  # (G*n, ctx)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
-        return out.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+    def _prefill(self, q, k, v, k_cache, v_cache, seq: PrefillSeq, scale, window):
+        n, _, d = q.shape
+        hkv, ctx = k.shape[1], seq.context_len
+        if ctx == n:  # nothing cached before this chunk: attend to the new k/v directly
+            keys, values = k.transpose(0, 1), v.transpose(0, 1)
+        else:
+            keys = _gather(k_cache, seq.block_table, hkv, d)[:ctx].transpose(0, 1)  # (Hkv, ctx, D)
+            values = _gather(v_cache, seq.block_table, hkv, d)[:ctx].transpose(0, 1)
+        causal = ctx == n and window is None
+        mask = None if causal else _causal_mask(n, ctx, window, q.device)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            keys[None],
+            values[None],
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scale,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, hkv: int, d: int) -> torch.Tensor:
+    """(num_blocks, bs, Hkv, D) cache, (n,) block ids -> (n * bs, Hkv, D) contiguous copy."""
+    return cache.index_select(0, blocks.flatten()).view(-1, hkv, d)
 
 
 def _causal_mask(q_len: int, ctx: int, window: int | None, device) -> torch.Tensor:
