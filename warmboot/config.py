@@ -185,5 +185,9 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     attention_backend: str = "auto"
+    pipelined: bool | None = None
+    """Pipelined decode loop; None picks it where it pays (CUDA, CPUs with >= 4 cores)."""
+    cpu_threads: int | None = None
+    """torch intra-op threads on the CPU; None = all cores (sync) or all but one (pipelined)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

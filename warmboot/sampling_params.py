@@ -2,9 +2,38 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """Constrain the output to a JSON schema, any JSON object, a regex or an EBNF grammar.
+
+    Exactly one of the fields must be set.
+    """
+
+    json: dict | str | None = None
+    """A JSON schema (a dict or its JSON text)."""
+    json_object: bool = False
+    """Any JSON object (OpenAI's ``response_format={"type": "json_object"}``)."""
+    regex: str | None = None
+    grammar: str | None = None
+    """An EBNF grammar in the GBNF dialect, with a ``root`` rule."""
+
+    def __post_init__(self) -> None:
+        chosen = [
+            self.json is not None,
+            self.json_object,
+            self.regex is not None,
+            self.grammar is not None,
+        ]
+        if sum(chosen) != 1:
+            raise ValueError(
+                "invalid sampling parameter structured_outputs: set exactly one of json, "
+                "json_object, regex, grammar"
+            )
 
 
 @dataclass(frozen=True)
@@ -37,8 +66,8 @@ class SamplingParams:
     logprobs: int | None = None
     """Return this many top log-probabilities per output token (plus the sampled one's)."""
     skip_special_tokens: bool = True
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
-    """Free-form room for later issues (e.g. structured outputs)."""
+    structured_outputs: StructuredOutputs | None = None
+    """Grammar-constrained decoding; the output ends when the grammar is complete."""
 
     def __post_init__(self) -> None:
         # NOTE: frozen dataclass; normalise list inputs to tuples through object.__setattr__.

@@ -20,8 +20,9 @@ class Block:
     block_id: int
     ref_count: int = 0
     block_hash: int | None = None
+    parent_hash: int | None = None
     token_ids: tuple[int, ...] = ()
-    """The tokens of a hashed block, kept to verify a hit against a hash collision."""
+    """Tokens and parent hash of a hashed block, kept to verify a hit against a collision."""
 
 
 def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
@@ -86,11 +87,12 @@ class BlockManager:
         bs = self.block_size
         for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
             chunk = tuple(token_ids[start : start + bs])
-            parent = chain_hash(parent, chunk)
-            block_id = self._cached.get(parent)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+            block_hash = chain_hash(parent, chunk)
+            block_id = self._cached.get(block_hash)
+            if block_id is None or not self._verify(self.blocks[block_id], parent, chunk):
                 break
             hits.append(block_id)
+            parent = block_hash
         self.prefix_queries += 1
         self.prefix_hits += bool(hits)
         return hits
@@ -108,11 +110,15 @@ class BlockManager:
                 parent = block.block_hash
                 continue
             chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            parent = chain_hash(parent, chunk)
-            if parent in self._cached:
-                continue  # same content computed twice at once: keep the first copy cached
-            block.block_hash, block.token_ids = parent, chunk
-            self._cached[parent] = block.block_id
+            block_hash = chain_hash(parent, chunk)
+            if block_hash not in self._cached:  # else: computed twice at once, keep the first
+                block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, chunk
+                self._cached[block_hash] = block.block_id
+            parent = block_hash
+
+    @staticmethod
+    def _verify(block: Block, parent: int | None, chunk: tuple[int, ...]) -> bool:
+        return block.token_ids == chunk and block.parent_hash == parent
 
     # -- allocation ----------------------------------------------------------------------------
     def allocate(self, seq_id: str, num_tokens: int, cached_prefix: Sequence[int] = ()) -> bool:
@@ -199,7 +205,7 @@ class BlockManager:
     def _uncache(self, block: Block) -> None:
         if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
             del self._cached[block.block_hash]
-        block.block_hash, block.token_ids = None, ()
+        block.block_hash, block.parent_hash, block.token_ids = None, None, ()
 
     # -- checks --------------------------------------------------------------------------------
     def check_invariants(self) -> None:

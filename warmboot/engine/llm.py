@@ -29,6 +29,8 @@ class LLM:
         num_kv_blocks: int | None = None,
         enable_prefix_caching: bool = True,
         attention_backend: str = "auto",
+        pipelined: bool | None = None,
+        cpu_threads: int | None = None,
         seed: int = 0,
     ):
         config = EngineConfig(
@@ -37,6 +39,8 @@ class LLM:
             device=device,
             seed=seed,
             attention_backend=attention_backend,
+            pipelined=pipelined,
+            cpu_threads=cpu_threads,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -15,10 +16,12 @@ import torch
 
 from warmboot.config import EngineConfig, ModelConfig, ModelFilesError, SchedulerConfig
 from warmboot.engine.kv_cache import BlockManager
+from warmboot.engine.loop import BubbleMeter, PipelinedLoop, SyncLoop
 from warmboot.engine.output_processor import CompletionState, OutputProcessor, RequestGroup
 from warmboot.engine.request import FinishReason, Request
-from warmboot.engine.runner import ModelRunner
-from warmboot.engine.scheduler import Scheduler
+from warmboot.engine.runner import ModelRunner, StepHandle
+from warmboot.engine.scheduler import Scheduler, SchedulerOutput
+from warmboot.engine.structured import GrammarRequests
 from warmboot.kernels.torch_attention import TorchAttentionBackend
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
@@ -67,9 +70,17 @@ class LLMEngine:
             eos = _eos_ids(model_dir, self.model_config, self.tokenizer)
         torch.manual_seed(config.seed)
         attention = _attention_backend(config.attention_backend, device)
+        self.pipelined = _resolve_pipelined(config.pipelined, device)
+        _set_cpu_threads(config, device, self.pipelined)
         self.runner = ModelRunner(
-            self.model_config, dtype, device, attention, config.cache.block_size
+            self.model_config,
+            dtype,
+            device,
+            attention,
+            config.cache.block_size,
+            num_request_slots=2 * self.sched_config.max_num_seqs + 2,
         )
+        self.grammars: GrammarRequests | None = None
         with self._phase("load_weights"):
             self.runner.load_model(model_dir)
         with self._phase("allocate_kv"):
@@ -136,6 +147,8 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.sched_config, self.block_manager)
         self.outputs = OutputProcessor(self.tokenizer)
+        self.meter = BubbleMeter()
+        self.loop = PipelinedLoop(self) if self.pipelined else SyncLoop(self)
 
     def _warmup(self) -> None:
         """Run one short real request through every part, then forget it."""
@@ -177,6 +190,8 @@ class LLMEngine:
             states.append(CompletionState(i, child_params, detok, logprobs=logprobs))
         self.outputs.add(RequestGroup(request_id, text, list(token_ids), states, children))
         for child in children:
+            if params.structured_outputs is not None:
+                self.grammars.add(child.request_id, params.structured_outputs)
             self.scheduler.add_request(child)
         return request_id
 
@@ -188,7 +203,22 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise InvalidRequestError(f"stop_token_ids {bad} are outside the vocabulary ({vocab})")
+        if params.structured_outputs is not None:
+            self._compile_grammar(params)
         return text, token_ids
+
+    def _grammar_backend(self) -> GrammarRequests:
+        if self.grammars is None:
+            tokenizer_json = Path(self.config.model) / "tokenizer.json"
+            vocab, eos = self.model_config.vocab_size, self.facts.eos_token_ids
+            self.grammars = GrammarRequests(tokenizer_json, vocab, eos)
+        return self.grammars
+
+    def _compile_grammar(self, params: SamplingParams) -> None:
+        try:
+            self._grammar_backend().compile(params.structured_outputs)
+        except ValueError as e:
+            raise InvalidRequestError(f"invalid structured_outputs: {e}") from None
 
     def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -236,18 +266,12 @@ class LLMEngine:
         self.outputs.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.outputs.groups) or self.scheduler.has_unfinished()
+        return bool(self.outputs.groups) or self.scheduler.has_unfinished() or self.loop.in_flight()
 
     # -- step ----------------------------------------------------------------------------------
     def step(self, delta: bool = False) -> list[RequestOutput]:
-        """One engine iteration; returns the outputs of the requests it advanced."""
-        sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)  # NOTE: also when empty: it drops finished state
-        touched: set[str] = set()
-        if not sched.is_empty:
-            events = self.scheduler.update(sched, result)
-            touched, stopped = self.outputs.process(events)
-            self.scheduler.finish_requests(stopped, FinishReason.STOP)
+        """One loop iteration (commits one step); returns the outputs of advanced requests."""
+        touched = self.loop.step()
         touched |= {rid for rid, g in self.outputs.groups.items() if g.finished}
         outputs = []
         for rid in [r for r in self.outputs.groups if r in touched]:
@@ -255,7 +279,35 @@ class LLMEngine:
             outputs.append(group.output(delta))
             if group.finished:
                 self.outputs.pop_finished(rid)
+                if self.grammars:
+                    self.grammars.drop([c.request_id for c in group.children])
         return outputs
+
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """Host half of a launch; the step holds its blocks until it retires (zombies)."""
+        handle = self.runner.prepare_step(sched)
+        handle.held_blocks = [b for s in sched.scheduled for b in s.block_table]
+        self.block_manager.hold(handle.held_blocks)
+        self.meter.launched_rows += len(sched.scheduled)
+        return handle
+
+    def launch_sample(self, handle: StepHandle) -> None:
+        bitmask = self.grammars.bitmask(handle) if self.grammars else None
+        self.runner.launch_sample(handle, bitmask)
+
+    def commit(self, handle: StepHandle) -> set[str]:
+        """Wait for a step, apply its tokens, finalize stopped requests, retire the step."""
+        result = self.runner.collect(handle)
+        touched: set[str] = set()
+        if handle.inputs is not None:
+            events = self.scheduler.update(handle.sched, result)
+            ended = self.grammars.accept(events) if self.grammars else []
+            touched, stopped = self.outputs.process(events)
+            self.scheduler.finish_requests(stopped + ended, FinishReason.STOP)
+        self.block_manager.unhold(handle.held_blocks)
+        decode_only = all(s.num_tokens == 1 for s in handle.sched.scheduled)
+        self.meter.mark(self.runner.stream.busy_seconds(), decode_only and bool(touched))
+        return touched
 
     def stats(self) -> dict:
         kv = self.block_manager
@@ -268,8 +320,28 @@ class LLMEngine:
             "prefix_cache_queries": kv.prefix_queries,
             "prefix_cache_hits": kv.prefix_hits,
             "preemptions": self.scheduler.num_preemptions,
+            "loop": self.loop.name,
+            "bubble_fraction": self.meter.bubble_fraction,
+            "decode_steps_measured": self.meter.steps,
+            "launched_rows": self.meter.launched_rows,
             "startup_times": dict(self.startup_times),
         }
+
+
+def _resolve_pipelined(pipelined: bool | None, device: torch.device) -> bool:
+    """Default: pipelined on CUDA and on CPUs with >= 4 cores. On smaller CPUs the host thread
+    would take a core from the matmuls, which costs more than the bubble it removes."""
+    if pipelined is not None:
+        return pipelined
+    return device.type == "cuda" or (os.cpu_count() or 1) >= 4
+
+
+def _set_cpu_threads(config: EngineConfig, device: torch.device, pipelined: bool) -> None:
+    """On the CPU the "device" is an executor thread; pipelined leaves one core to the host."""
+    if device.type != "cpu":
+        return
+    threads = config.cpu_threads or max(1, (os.cpu_count() or 1) - int(pipelined))
+    torch.set_num_threads(threads)
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -24,10 +24,12 @@ class FinishReason(enum.Enum):
 class Request:
     """One sequence being generated.
 
-    NOTE: lengths are defined once: ``all_token_ids`` = prompt + output; the KV of the first
-    ``num_computed_tokens`` of them is in the cache. A step computes ``num_tokens -
-    num_computed_tokens`` tokens or fewer (chunked prefill); when it computes the last one it
-    samples, and the sampled token is appended. Preemption resets ``num_computed_tokens`` to 0.
+    NOTE: lengths are defined once. ``all_token_ids`` = prompt + committed output;
+    ``num_inflight`` more tokens are sampled on the device but not yet seen by the host, so the
+    context is ``num_tokens`` long. The scheduler advances ``num_computed_tokens`` when it
+    schedules a chunk (the KV is written by that step, in stream order); a chunk that reaches
+    the end of the context samples one token, which is in flight until the step is committed.
+    Preemption resets ``num_computed_tokens`` to 0.
     """
 
     request_id: str
@@ -43,6 +45,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_inflight: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at the first admission."""
     num_preemptions: int = 0
@@ -64,19 +67,23 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        return len(self.all_token_ids) + self.num_inflight
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids the host knows (excludes the in-flight ones)."""
         return len(self.all_token_ids)
+
+    @property
+    def num_planned_outputs(self) -> int:
+        return len(self.output_token_ids) + self.num_inflight
 
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
-    @property
-    def prompt_computed(self) -> bool:
-        return self.num_computed_tokens >= self.num_prompt_tokens
-
     def append_output(self, token_id: int) -> None:
-        assert self.num_computed_tokens == self.num_tokens, (
-            "sampled before the context was computed"
-        )
+        assert self.num_inflight > 0, "committed a token that was never scheduled"
+        self.num_inflight -= 1
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

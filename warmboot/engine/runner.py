@@ -3,12 +3,14 @@ turns a ``SchedulerOutput`` into a ``RunnerOutput``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from warmboot.config import ModelConfig
+from warmboot.engine.device import Event, make_stream
 from warmboot.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from warmboot.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, PrefillSeq
@@ -27,6 +29,25 @@ class StepInputs:
     sample_rows: list[ScheduledRequest]
     sample_index: torch.Tensor
     """(num_sampling_rows,) index of each sampling row's last token in the batch."""
+    last_index: list[int]
+    """Per row: index of its last token in the batch."""
+
+
+@dataclass
+class StepHandle:
+    """One launched step: a future for its sampled tokens."""
+
+    sched: SchedulerOutput
+    buffer: int
+    """Ping-pong working set (step number mod 2)."""
+    inputs: StepInputs | None = None
+    logits: torch.Tensor | None = None
+    result: SamplerOutput | None = None
+    """Host copies of the sampler's output, valid once ``event`` has completed."""
+    event: Event | None = None
+    collected: bool = False
+    held_blocks: list[int] = field(default_factory=list)
+    """KV blocks this step references; held until it retires."""
 
 
 class ModelRunner:
@@ -37,6 +58,7 @@ class ModelRunner:
         device: torch.device,
         attention: AttentionBackend,
         block_size: int,
+        num_request_slots: int,
     ):
         self.model_cfg = model_cfg
         self.dtype = dtype
@@ -46,7 +68,17 @@ class ModelRunner:
         self.model: DecoderModel | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
+        self.stream = make_stream(device)
         self._generators: dict[str, torch.Generator] = {}
+        self._buffers: list[StepHandle | None] = [None, None]
+        self._step_count = 0
+        self.token_buffer = torch.zeros(num_request_slots, dtype=torch.int64, device=device)
+        """Per request slot: the last sampled token (written by sample, read by forward)."""
+        self._slots: dict[str, int] = {}
+        self._free_slots = list(range(num_request_slots - 1, -1, -1))
+        self._slot_users: Counter[str] = Counter()
+        self._parked: set[str] = set()
+        self._finished: set[str] = set()
 
     # -- start-up phases -----------------------------------------------------------------------
     def load_model(self, model_dir: str | Path) -> None:
@@ -63,23 +95,129 @@ class ModelRunner:
         cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
 
+    # -- requests' device slots -------------------------------------------------------------
+    def _slot_of(self, req_id: str) -> int:
+        slot = self._slots.get(req_id)
+        if slot is None:
+            if not self._free_slots:
+                raise RuntimeError("no free request slot: more live requests than slots")
+            slot = self._slots[req_id] = self._free_slots.pop()
+        return slot
+
+    def _park(self, req_id: str, finished: bool) -> None:
+        """A request left the running set: free its slot once no in-flight step uses it."""
+        if finished:
+            self._finished.add(req_id)
+        self._parked.add(req_id)
+        self._release_if_idle(req_id)
+
+    def _release_if_idle(self, req_id: str) -> None:
+        if req_id in self._parked and not self._slot_users[req_id]:
+            self._parked.discard(req_id)
+            self._slot_users.pop(req_id, None)
+            slot = self._slots.pop(req_id, None)
+            if slot is not None:
+                self._free_slots.append(slot)
+            if req_id in self._finished:
+                self._finished.discard(req_id)
+                self._generators.pop(req_id, None)
+
     # -- step ----------------------------------------------------------------------------------
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """The sync path: forward, sample and wait for the result."""
+        handle = self.launch_forward(sched)
+        self.launch_sample(handle)
+        return self.collect(handle)
+
+    def launch_forward(self, sched: SchedulerOutput) -> StepHandle:
+        handle = self.prepare_step(sched)
+        self.submit_forward(handle)
+        return handle
+
+    def prepare_step(self, sched: SchedulerOutput) -> StepHandle:
+        """Host half of a launch: build the step's inputs and take its request slots."""
         for req_id in sched.finished_req_ids:
-            self._generators.pop(req_id, None)
-        # NOTE: a preempted request keeps its generator: its random stream continues.
+            self._park(req_id, finished=True)
+        for req_id in sched.preempted_req_ids:
+            self._park(req_id, finished=False)  # NOTE: keeps its generator: the stream goes on
+        buf = self._step_count % 2
+        previous = self._buffers[buf]
+        assert previous is None or previous.collected, "ping-pong slot reused while in flight"
+        self._step_count += 1
+        handle = StepHandle(sched=sched, buffer=buf)
+        self._buffers[buf] = handle
         if sched.is_empty:
-            return RunnerOutput([], [])
+            return handle
         step = self.prepare(sched.scheduled)
-        hidden = self.model(
-            step.input_ids, step.positions, self.kv_caches, step.meta, self.attention
-        )
-        if not step.sample_rows:
-            return RunnerOutput([], [])
-        logits = self.model.compute_logits(hidden[step.sample_index])
+        handle.inputs = step
+        for s in step.rows:
+            self._parked.discard(s.req_id)
+            self._slot_of(s.req_id)
+            self._slot_users[s.req_id] += 1
+        return handle
+
+    def submit_forward(self, handle: StepHandle) -> None:
+        """Enqueue the forward; returns at once. Rows whose input token is still on the device
+        read it from their request slot (no host round trip)."""
+        step = handle.inputs
+        if step is None:
+            return
+        rows = zip(step.last_index, step.rows, strict=True)
+        fed = [(i, self._slots[s.req_id]) for i, s in rows if s.device_fed]
+        fed_index = self._tensor([i for i, _ in fed])
+        fed_slots = self._tensor([slot for _, slot in fed])
+
+        def forward() -> None:
+            if fed:
+                step.input_ids[fed_index] = self.token_buffer[fed_slots]
+            hidden = self.model(
+                step.input_ids, step.positions, self.kv_caches, step.meta, self.attention
+            )
+            if step.sample_rows:
+                handle.logits = self.model.compute_logits(hidden[step.sample_index])
+
+        self.stream.submit(forward)
+
+    def launch_sample(self, handle: StepHandle, bitmask: torch.Tensor | None = None) -> None:
+        """Enqueue sampling with host state as committed now (penalty histories, grammar
+        masks); the sampled ids go to the request slots and to host memory, then an event."""
+        step = handle.inputs
+        if step is None or not step.sample_rows:
+            handle.event = self.stream.record()
+            return
         rows = [self._sampling_row(s) for s in step.sample_rows]
-        return self._to_output(step.sample_rows, self.sampler(logits, rows))
+        slots = self._tensor([self._slots[s.req_id] for s in step.sample_rows])
+        masked = [i for i, s in enumerate(step.sample_rows) if s.params.structured_outputs]
+        if bitmask is not None:
+            bitmask = bitmask.to(self.device, non_blocking=True)
+
+        def sample() -> None:
+            logits = handle.logits
+            if bitmask is not None:
+                from warmboot.engine.grammar import apply_bitmask
+
+                apply_bitmask(logits, bitmask, masked)
+            out = self.sampler(logits, rows)
+            self.token_buffer[slots] = out.token_ids
+            handle.result = _to_host(out)
+
+        self.stream.submit(sample)
+        handle.event = self.stream.record()
+
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        """Wait for the step and return its sampled tokens; the step's slots are released."""
+        handle.event.wait()
+        handle.collected = True
+        for s in handle.inputs.rows if handle.inputs else ():
+            self._slot_users[s.req_id] -= 1
+            self._release_if_idle(s.req_id)
+        if handle.result is None:
+            return RunnerOutput([], [])
+        rows = handle.inputs.sample_rows
+        return self._to_output(rows, handle.result)
+
+    def _tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         bs = self.block_size
@@ -127,6 +265,7 @@ class ModelRunner:
             meta=meta,
             sample_rows=[rows[i] for i in sampling],
             sample_index=torch.tensor([last_index[i] for i in sampling], device=dev),
+            last_index=last_index,
         )
 
     def _sampling_row(self, s: ScheduledRequest) -> SamplingRow:
@@ -145,6 +284,7 @@ class ModelRunner:
 
     @staticmethod
     def _to_output(rows: list[ScheduledRequest], out: SamplerOutput) -> RunnerOutput:
+        """``out`` holds host tensors."""
         token_ids = out.token_ids.tolist()
         logprobs = None
         if out.sampled_logprobs is not None:
@@ -159,3 +299,20 @@ class ModelRunner:
                 top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
                 logprobs.append(TokenLogprobs(sampled[i], top))
         return RunnerOutput([s.req_id for s in rows], token_ids, logprobs)
+
+
+def _to_host(out: SamplerOutput) -> SamplerOutput:
+    """Copy the sampler's tensors to host memory (non-blocking on CUDA; ordered by the event
+    recorded after them)."""
+
+    def host(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or t.device.type == "cpu":
+            return t
+        return t.to("cpu", non_blocking=True)
+
+    return SamplerOutput(
+        host(out.token_ids),
+        host(out.sampled_logprobs),
+        host(out.top_logprobs),
+        host(out.top_token_ids),
+    )

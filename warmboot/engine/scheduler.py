@@ -19,6 +19,7 @@ class ScheduledRequest:
 
     req_id: str
     token_ids: list[int]
+    """Token ids to compute; the last is a placeholder (-1) when ``device_fed``."""
     start_pos: int
     block_table: list[int]
     sample: bool
@@ -28,6 +29,9 @@ class ScheduledRequest:
     output_token_ids: list[int]
     """The request's output so far (for penalties). NOTE: read-only for the runner."""
     suppress_token_ids: tuple[int, ...] = ()
+    device_fed: bool = False
+    """The last input token was sampled by the previous, still running step: the runner reads
+    it on the device from the request's token slot."""
 
     @property
     def num_tokens(self) -> int:
@@ -100,10 +104,7 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.is_finished:
                 continue
-            if req.status is RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
+            self._remove(req)
             self._finish(req, reason)
 
     # -- schedule ------------------------------------------------------------------------------
@@ -120,6 +121,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_planned_outputs >= req.max_tokens:
+                i += 1  # NOTE: its last token is in flight; never launch a row past max_tokens
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
                 victim = self.running.pop()
@@ -157,25 +161,33 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
     def _waits_for_leader(self, req: Request) -> bool:
-        # n > 1: siblings wait until the leader's prompt is in the prefix cache, then share it.
+        # n > 1: siblings wait until the leader's first token is committed; by then its prompt's
+        # full blocks are in the prefix cache and the siblings share them.
         leader = req.leader
         return (
             leader is not None
             and self.kv.enable_prefix_caching
             and not leader.is_finished
-            and not leader.prompt_computed
+            and leader.num_output_tokens == 0
         )
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
         sample = start + n == req.num_tokens
+        token_ids = req.all_token_ids[start : start + n]
+        device_fed = len(token_ids) < n
+        if device_fed:  # NOTE: only the newest token can be unknown to the host
+            assert req.num_inflight == 1 and len(token_ids) == n - 1
+            token_ids.append(-1)
         suppress: tuple[int, ...] = ()
-        if sample and req.num_output_tokens < req.params.min_tokens:
+        if sample and req.num_planned_outputs < req.params.min_tokens:
             eos = () if req.params.ignore_eos else tuple(req.eos_token_ids)
             suppress = eos + req.params.stop_token_ids
+        req.num_computed_tokens += n
+        req.num_inflight += sample
         return ScheduledRequest(
             req_id=req.request_id,
-            token_ids=req.all_token_ids[start : start + n],
+            token_ids=token_ids,
             start_pos=start,
             block_table=list(self.kv.block_table(req.request_id)),
             sample=sample,
@@ -183,6 +195,7 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids,
             output_token_ids=req.output_token_ids,
             suppress_token_ids=suppress,
+            device_fed=device_fed,
         )
 
     def _preempt(self, req: Request) -> None:
@@ -195,26 +208,26 @@ class Scheduler:
 
     # -- update --------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[TokenEvent]:
-        """Apply a step's results: advance computed tokens, append samples, check token stops."""
+        """Commit a step: append its sampled tokens, check token stops, cache full blocks."""
         rows = {rid: i for i, rid in enumerate(result.req_ids)}
         events = []
         for s in out.scheduled:
             req = self.requests.get(s.req_id)
-            if req is None or req.is_finished:
-                continue  # finished while the step ran (abort)
-            req.num_computed_tokens += s.num_tokens
-            self.kv.cache_full_blocks(req.request_id, req.all_token_ids, req.num_computed_tokens)
-            if not s.sample:
-                continue
-            row = rows[s.req_id]
-            token = result.sampled_token_ids[row]
-            req.append_output(token)
-            reason = self._check_stop(req, token)
-            if reason is not None:
-                self.running.remove(req)
-                self._finish(req, reason)
-            logprobs = result.logprobs[row] if result.logprobs else None
-            events.append(TokenEvent(req, [token], [logprobs], reason is not None))
+            if req is None:
+                continue  # finished while the step ran: a zombie row, its token is dropped
+            if s.sample:
+                row = rows[s.req_id]
+                token = result.sampled_token_ids[row]
+                req.append_output(token)
+                reason = self._check_stop(req, token)
+                if reason is not None:
+                    self._remove(req)
+                    self._finish(req, reason)
+                logprobs = result.logprobs[row] if result.logprobs else None
+                events.append(TokenEvent(req, [token], [logprobs], reason is not None))
+            if req.status is RequestStatus.RUNNING:
+                known = min(req.num_computed_tokens, req.num_known_tokens)
+                self.kv.cache_full_blocks(req.request_id, req.all_token_ids, known)
         return events
 
     def _check_stop(self, req: Request, token: int) -> FinishReason | None:
@@ -228,6 +241,12 @@ class Scheduler:
         if req.num_output_tokens >= req.max_tokens:
             return FinishReason.LENGTH
         return None
+
+    def _remove(self, req: Request) -> None:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)  # preempted while its last step was in flight
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.status = RequestStatus.FINISHED

@@ -1,0 +1,143 @@
+"""Device streams and events, one interface for CUDA and the CPU.
+
+- CUDA: torch streams and events; ``submit`` runs the function at once under the stream, which
+  only enqueues kernels.
+- CPU: one executor thread per stream runs submitted functions in order; an event completes
+  when everything submitted before it has run. torch releases the GIL inside ops, so the
+  "device" thread computes while the main thread does host work.
+
+Both record device-busy intervals for the bubble meter.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+
+class Event(Protocol):
+    def wait(self) -> None:
+        """Block the host until the work recorded before this event has run."""
+
+    def query(self) -> bool: ...
+
+
+class Stream(Protocol):
+    def submit(self, fn: Callable[[], object]) -> None: ...
+
+    def record(self) -> Event: ...
+
+    def busy_seconds(self) -> float:
+        """Total time the stream spent running submitted work so far."""
+
+
+class _CpuEvent:
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise RuntimeError("work on the CPU device stream failed") from self.error
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+
+class CpuStream:
+    """An in-order executor thread standing in for a device stream."""
+
+    def __init__(self, name: str = "warmboot-device"):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._busy = 0.0
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], object]) -> None:
+        self._queue.put(fn)
+
+    def record(self) -> _CpuEvent:
+        event = _CpuEvent()
+        self._queue.put(event)
+        return event
+
+    def busy_seconds(self) -> float:
+        return self._busy
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                item = self._queue.get()
+                if item is None:
+                    return
+                if isinstance(item, _CpuEvent):
+                    # NOTE: a failure poisons every later event, so the host sees it on wait().
+                    item.error = self._error
+                    item._done.set()
+                    continue
+                if self._error is not None:
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    item()
+                except BaseException as e:  # noqa: BLE001 - reported through the next event
+                    self._error = e
+                self._busy += time.perf_counter() - t0
+
+
+class _CudaEvent:
+    def __init__(self, event: torch.cuda.Event):
+        self.event = event
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+    def query(self) -> bool:
+        return self.event.query()
+
+
+class CudaStream:
+    """A torch CUDA stream; busy time from pairs of timing events around each submission."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self._intervals: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._busy = 0.0
+
+    def submit(self, fn: Callable[[], object]) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.stream):
+            start.record()
+            fn()
+            end.record()
+        self._intervals.append((start, end))
+
+    def record(self) -> _CudaEvent:
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return _CudaEvent(event)
+
+    def busy_seconds(self) -> float:
+        done = [(s, e) for s, e in self._intervals if e.query()]
+        self._intervals = [(s, e) for s, e in self._intervals if not e.query()]
+        self._busy += sum(s.elapsed_time(e) for s, e in done) / 1e3
+        return self._busy
+
+    def close(self) -> None:
+        self.stream.synchronize()
+
+
+def make_stream(device: torch.device) -> CpuStream | CudaStream:
+    return CudaStream(device) if device.type == "cuda" else CpuStream()
