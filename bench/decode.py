@@ -160,8 +160,12 @@ def plot(path: Path, meta: dict, rows: list[dict]) -> None:
     ax.bar([i - 0.2 for i in x], [r["warmboot_tok_s"] for r in rows], 0.4, label="warmboot")
     ax.bar([i + 0.2 for i in x], [r["transformers_tok_s"] for r in rows], 0.4, label="transformers")
     for i, r in enumerate(rows):
-        ax.annotate(f"{r['ratio']:.2f}x", (i, max(r["warmboot_tok_s"], r["transformers_tok_s"])),
-                    ha="center", va="bottom")
+        ax.annotate(
+            f"{r['ratio']:.2f}x",
+            (i, max(r["warmboot_tok_s"], r["transformers_tok_s"])),
+            ha="center",
+            va="bottom",
+        )
     ax.set_xticks(list(x), labels)
     ax.set_xlabel("batch size")
     ax.set_ylabel("output tokens/s")

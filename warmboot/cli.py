@@ -52,13 +52,33 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=None)
+    loop = p.add_mutually_exclusive_group()
+    loop.add_argument(
+        "--sync",
+        dest="pipelined",
+        action="store_false",
+        default=None,
+        help="use the sync decode loop",
+    )
+    loop.add_argument(
+        "--pipelined",
+        dest="pipelined",
+        action="store_true",
+        help="use the pipelined decode loop (default on CUDA and >= 4 cores)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log start-up phases")
 
 
 def _make_llm(args, model: str):
     from warmboot import LLM
 
-    return LLM(model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    return LLM(
+        model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        pipelined=args.pipelined,
+    )
 
 
 def _generate(args) -> int:
@@ -119,6 +139,13 @@ def _demo(args) -> int:
     console.print(
         f"generated {tokens} tokens for {len(outs)} prompts in {elapsed:.2f}s: "
         f"{tokens / elapsed:.1f} output tokens/s (batch {len(outs)}, random weights)"
+    )
+    stats = llm.stats()
+    bubble = stats["bubble_fraction"]
+    console.print(
+        f"decode loop: {stats['loop']}, bubble {bubble:.1%} of wall time"
+        if bubble is not None
+        else f"decode loop: {stats['loop']}"
     )
     return 0
 
