@@ -7,7 +7,9 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -r requirements.txt
+	# requirements.txt is the complete pinned set: --no-deps stops pip from adding unpinned
+	# extras (xgrammar would pull triton, and an unpinned torch would be a CUDA build).
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(STAMP)
 

@@ -77,11 +77,12 @@ def _xgrammar():
 class CompiledGrammar:
     """A compiled ``StructuredOutputs`` spec; share it between matchers (it is immutable)."""
 
-    __slots__ = ("key", "_compiled")
+    __slots__ = ("key", "_compiled", "_never")
 
-    def __init__(self, key: tuple, compiled: Any) -> None:
+    def __init__(self, key: tuple, compiled: Any, never: frozenset[int]) -> None:
         self.key = key
         self._compiled = compiled
+        self._never = never
 
     def __repr__(self) -> str:
         return f"CompiledGrammar({self.key[0]})"
@@ -132,24 +133,55 @@ class GrammarBackend:
         for idx, added in tok.get_added_tokens_decoder().items():
             if added.special and idx < self.vocab_size:
                 encoded[idx] = ""
-        meta = xgr.TokenizerInfo._detect_metadata_from_hf(text)
-        self._info = xgr.TokenizerInfo(
-            encoded,
-            vocab_type=meta["vocab_type"],
-            vocab_size=self.vocab_size,
-            stop_token_ids=list(self.eos_token_ids),
-            add_prefix_space=meta["add_prefix_space"],
-        )
-        self.vocab_type = meta["vocab_type"].name
-        # Special non-stop ids: rejected by GrammarMatcher.accept before xgrammar sees them
-        # (xgrammar would print a warning for each).
-        self._never = frozenset(self._info.special_token_ids) - set(self.eos_token_ids)
-        # Our own LRU cache: xgrammar's returns a new wrapper object per call and is unbounded.
-        self._compiler = xgr.GrammarCompiler(self._info, cache_enabled=False)
+        self._meta = xgr.TokenizerInfo._detect_metadata_from_hf(text)
+        self.vocab_type: str = self._meta["vocab_type"].name
+        self._encoded = encoded
+        self._text_info = self._tokenizer_info(encoded)
+        self._compilers = {"text": self._compiler(self._text_info)}
+        # Bytes no JSON output may contain raw (RFC 8259: escape them in strings); \t \n \r
+        # only as whitespace between tokens.
+        self._json_banned = bytes(b for b in range(32) if not (any_whitespace and b in b"\t\n\r"))
         self._any_whitespace = any_whitespace
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+
+    def _tokenizer_info(self, encoded: list[str]) -> Any:
+        return _xgr.TokenizerInfo(
+            encoded,
+            vocab_type=self._meta["vocab_type"],
+            vocab_size=self.vocab_size,
+            stop_token_ids=list(self.eos_token_ids),
+            add_prefix_space=self._meta["add_prefix_space"],
+        )
+
+    def _compiler(self, info: Any) -> tuple[Any, frozenset[int]]:
+        """An xgrammar compiler for ``info`` and its never-allowed ids (specials but stops)."""
+        # Special non-stop ids are rejected by GrammarMatcher.accept before xgrammar sees them
+        # (xgrammar would print a warning for each). Our own LRU cache replaces xgrammar's,
+        # which returns a new wrapper object per call and is unbounded by default.
+        never = frozenset(info.special_token_ids) - set(self.eos_token_ids)
+        return _xgr.GrammarCompiler(info, cache_enabled=False), never
+
+    def _json_compiler(self) -> tuple[Any, frozenset[int]]:
+        """The compiler for JSON specs: tokens with raw control bytes are special (never allowed).
+
+        NOTE: xgrammar 0.2.8 compiles a string with minLength/maxLength to a bounded repeat of
+        "any character but quote, backslash, CR, LF", which admits raw control characters
+        (invalid JSON: ``json.loads`` rejects them) and no escapes (xgrammar issue #800). Removing such tokens from the JSON vocabulary closes
+        the first hole at no per-token cost; escapes stay impossible in length-bounded strings.
+        """
+        with self._lock:
+            if "json" not in self._compilers:
+                banned = self._json_banned
+                encoded = [
+                    "" if len(piece.translate(None, banned)) != len(piece) else token
+                    for token, piece in zip(
+                        self._encoded, self._text_info.decoded_vocab, strict=True
+                    )
+                ]
+                self._compilers["json"] = self._compiler(self._tokenizer_info(encoded))
+            return self._compilers["json"]
 
     def compile(self, spec: StructuredOutputs) -> CompiledGrammar:
         """Compile ``spec`` (or return the cached result for an equal spec).
@@ -164,7 +196,9 @@ class GrammarBackend:
                 self._cache.move_to_end(key)
                 return hit
         kind, source = key
-        c = self._compiler
+        c, never = (
+            self._json_compiler() if kind in ("json", "json_object") else self._compilers["text"]
+        )
         try:
             if kind == "json":
                 g = c.compile_json_schema(source, any_whitespace=self._any_whitespace)
@@ -178,9 +212,8 @@ class GrammarBackend:
             else:
                 g = c.compile_grammar(source)
         except (RuntimeError, ValueError, TypeError) as e:
-            field = "json" if kind == "json" else kind
-            raise ValueError(f"invalid structured_outputs.{field}: {_xgr_message(e)}") from None
-        compiled = CompiledGrammar(key, g)
+            raise ValueError(f"invalid structured_outputs.{kind}: {_xgr_message(e)}") from None
+        compiled = CompiledGrammar(key, g, never)
         with self._lock:
             compiled = self._cache.setdefault(key, compiled)
             self._cache.move_to_end(key)
@@ -190,22 +223,23 @@ class GrammarBackend:
 
     def matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
         """A fresh matcher (one per sequence) at the start of ``compiled``."""
-        return GrammarMatcher(self, _xgr.GrammarMatcher(compiled._compiled))
+        return GrammarMatcher(self, _xgr.GrammarMatcher(compiled._compiled), compiled._never)
 
 
 class GrammarMatcher:
     """The grammar state of one sequence."""
 
-    def __init__(self, backend: GrammarBackend, matcher: Any) -> None:
+    def __init__(self, backend: GrammarBackend, matcher: Any, never: frozenset[int]) -> None:
         """Use ``GrammarBackend.matcher`` rather than constructing this directly."""
         self._backend = backend
         self._m = matcher
+        self._never = never
 
     def accept(self, token_id: int) -> bool:
         """Advance by one token; ``False`` (state unchanged) if the grammar does not allow it."""
         token_id = int(token_id)
         b = self._backend
-        if not 0 <= token_id < b.vocab_size or token_id in b._never or self._m.is_terminated():
+        if not 0 <= token_id < b.vocab_size or token_id in self._never or self._m.is_terminated():
             return False
         return self._m.accept_token(token_id)
 
@@ -284,7 +318,8 @@ def _spec_key(spec: StructuredOutputs) -> tuple:
             except json.JSONDecodeError as e:
                 raise ValueError(f"invalid structured_outputs.json: not valid JSON ({e})") from None
         try:
-            return ("json", json.dumps(schema, sort_keys=True))
+            # NOTE: no sort_keys: xgrammar emits properties in schema order.
+            return ("json", json.dumps(schema))
         except (TypeError, ValueError) as e:
             raise ValueError(f"invalid structured_outputs.json: {e}") from None
     if spec.json_object:

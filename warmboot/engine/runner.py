@@ -164,17 +164,18 @@ class ModelRunner:
             return
         rows = zip(step.last_index, step.rows, strict=True)
         fed = [(i, self._slots[s.req_id]) for i, s in rows if s.device_fed]
-        fed_index = self._tensor([i for i, _ in fed])
-        fed_slots = self._tensor([slot for _, slot in fed])
+        fed_index = self._host([i for i, _ in fed])
+        fed_slots = self._host([slot for _, slot in fed])
 
         def forward() -> None:
+            up = self._upload
+            input_ids = up(step.input_ids)
             if fed:
-                step.input_ids[fed_index] = self.token_buffer[fed_slots]
-            hidden = self.model(
-                step.input_ids, step.positions, self.kv_caches, step.meta, self.attention
-            )
+                input_ids[up(fed_index)] = self.token_buffer[up(fed_slots)]
+            meta = step.meta.to(up)
+            hidden = self.model(input_ids, up(step.positions), self.kv_caches, meta, self.attention)
             if step.sample_rows:
-                handle.logits = self.model.compute_logits(hidden[step.sample_index])
+                handle.logits = self.model.compute_logits(hidden[up(step.sample_index)])
 
         self.stream.submit(forward)
 
@@ -186,7 +187,7 @@ class ModelRunner:
             handle.event = self.stream.record()
             return
         rows = [self._sampling_row(s) for s in step.sample_rows]
-        slots = self._tensor([self._slots[s.req_id] for s in step.sample_rows])
+        slots = self._host([self._slots[s.req_id] for s in step.sample_rows])
         masked = [i for i, s in enumerate(step.sample_rows) if s.params.structured_outputs]
         if bitmask is not None:
             bitmask = bitmask.to(self.device, non_blocking=True)
@@ -198,7 +199,7 @@ class ModelRunner:
 
                 apply_bitmask(logits, bitmask, masked)
             out = self.sampler(logits, rows)
-            self.token_buffer[slots] = out.token_ids
+            self.token_buffer[self._upload(slots)] = out.token_ids
             handle.result = _to_host(out)
 
         self.stream.submit(sample)
@@ -216,8 +217,14 @@ class ModelRunner:
         rows = handle.inputs.sample_rows
         return self._to_output(rows, handle.result)
 
-    def _tensor(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+    def _host(self, values: list) -> torch.Tensor:
+        """An int64 host tensor, pinned when the device is a GPU (so uploads are async)."""
+        t = torch.tensor(values, dtype=torch.int64)
+        return t.pin_memory() if self.device.type == "cuda" else t
+
+    def _upload(self, t: torch.Tensor) -> torch.Tensor:
+        """Host -> device inside the stream: non-blocking from pinned memory; no-op on CPU."""
+        return t.to(self.device, non_blocking=True)
 
     def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
         bs = self.block_size
@@ -234,9 +241,9 @@ class ModelRunner:
             ids.extend(s.token_ids)
             last_index.append(len(ids) - 1)
         num_decodes = sum(1 for s in rows if s.num_tokens == 1)
-        dev = self.device
+        host = self._host
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            slot_mapping=host(slots),
             num_decode_tokens=num_decodes,
             decode_block_tables=None,
             decode_seq_lens=None,
@@ -247,24 +254,22 @@ class ModelRunner:
             decodes = rows[:num_decodes]
             width = max(len(s.block_table) for s in decodes)
             tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
-            meta.decode_block_tables = torch.tensor(tables, dtype=torch.int64, device=dev)
-            meta.decode_seq_lens = torch.tensor(
-                [s.start_pos + 1 for s in decodes], dtype=torch.int64, device=dev
-            )
+            meta.decode_block_tables = host(tables)
+            meta.decode_seq_lens = host([s.start_pos + 1 for s in decodes])
         start = num_decodes
         for s in rows[num_decodes:]:
             ctx = s.start_pos + s.num_tokens
-            table = torch.tensor(s.block_table[: -(-ctx // bs)], dtype=torch.int64, device=dev)
+            table = host(s.block_table[: -(-ctx // bs)])
             meta.prefills.append(PrefillSeq(start, s.num_tokens, ctx, table))
             start += s.num_tokens
         sampling = [i for i, s in enumerate(rows) if s.sample]
         return StepInputs(
             rows=rows,
-            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
-            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            input_ids=host(ids),
+            positions=host(positions),
             meta=meta,
             sample_rows=[rows[i] for i in sampling],
-            sample_index=torch.tensor([last_index[i] for i in sampling], device=dev),
+            sample_index=host([last_index[i] for i in sampling]),
             last_index=last_index,
         )
 

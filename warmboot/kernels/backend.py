@@ -8,7 +8,8 @@ per step; every layer reuses it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -37,6 +38,21 @@ class AttentionMetadata:
     block_size: int
     cache: dict = field(default_factory=dict)
     """Backend scratch shared by the layers of one step (e.g. masks per window size)."""
+
+    def to(self, move: Callable[[torch.Tensor], torch.Tensor]) -> AttentionMetadata:
+        """A copy with every tensor passed through ``move`` (the host -> device upload)."""
+
+        def opt(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else move(t)
+
+        return replace(
+            self,
+            slot_mapping=move(self.slot_mapping),
+            decode_block_tables=opt(self.decode_block_tables),
+            decode_seq_lens=opt(self.decode_seq_lens),
+            prefills=[replace(p, block_table=move(p.block_table)) for p in self.prefills],
+            cache={},
+        )
 
 
 class AttentionBackend(ABC):
