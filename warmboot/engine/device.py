@@ -53,7 +53,8 @@ class _CpuEvent:
 class CpuStream:
     """An in-order executor thread standing in for a device stream."""
 
-    def __init__(self, name: str = "warmboot-device"):
+    def __init__(self, threads: int | None = None, name: str = "warmboot-device"):
+        self._threads = threads
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._busy = 0.0
         self._error: BaseException | None = None
@@ -72,10 +73,13 @@ class CpuStream:
         return self._busy
 
     def close(self) -> None:
+        """Let the thread exit after the work already submitted."""
         self._queue.put(None)
-        self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        if self._threads:
+            # NOTE: OpenMP thread counts are per calling thread: set it on the device thread.
+            torch.set_num_threads(self._threads)
         with torch.inference_mode():
             while True:
                 item = self._queue.get()
@@ -139,5 +143,5 @@ class CudaStream:
         self.stream.synchronize()
 
 
-def make_stream(device: torch.device) -> CpuStream | CudaStream:
-    return CudaStream(device) if device.type == "cuda" else CpuStream()
+def make_stream(device: torch.device, cpu_threads: int | None = None) -> CpuStream | CudaStream:
+    return CudaStream(device) if device.type == "cuda" else CpuStream(cpu_threads)

@@ -71,7 +71,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         attention = _attention_backend(config.attention_backend, device)
         self.pipelined = _resolve_pipelined(config.pipelined, device)
-        _set_cpu_threads(config, device, self.pipelined)
+        threads = _cpu_threads(config, device, self.pipelined)
         self.runner = ModelRunner(
             self.model_config,
             dtype,
@@ -79,6 +79,7 @@ class LLMEngine:
             attention,
             config.cache.block_size,
             num_request_slots=2 * self.sched_config.max_num_seqs + 2,
+            cpu_threads=threads,
         )
         self.grammars: GrammarRequests | None = None
         with self._phase("load_weights"):
@@ -336,12 +337,13 @@ def _resolve_pipelined(pipelined: bool | None, device: torch.device) -> bool:
     return device.type == "cuda" or (os.cpu_count() or 1) >= 4
 
 
-def _set_cpu_threads(config: EngineConfig, device: torch.device, pipelined: bool) -> None:
+def _cpu_threads(config: EngineConfig, device: torch.device, pipelined: bool) -> int | None:
     """On the CPU the "device" is an executor thread; pipelined leaves one core to the host."""
     if device.type != "cpu":
-        return
+        return None
     threads = config.cpu_threads or max(1, (os.cpu_count() or 1) - int(pipelined))
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads)  # the loading phases run on this thread
+    return threads
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -3,6 +3,7 @@ turns a ``SchedulerOutput`` into a ``RunnerOutput``."""
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +60,7 @@ class ModelRunner:
         attention: AttentionBackend,
         block_size: int,
         num_request_slots: int,
+        cpu_threads: int | None = None,
     ):
         self.model_cfg = model_cfg
         self.dtype = dtype
@@ -68,7 +70,8 @@ class ModelRunner:
         self.model: DecoderModel | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
-        self.stream = make_stream(device)
+        self.stream = make_stream(device, cpu_threads)
+        weakref.finalize(self, self.stream.close)
         self._generators: dict[str, torch.Generator] = {}
         self._buffers: list[StepHandle | None] = [None, None]
         self._step_count = 0
