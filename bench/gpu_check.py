@@ -1,0 +1,149 @@
+"""One call on a GPU machine: correctness, then the figures, written under $OUT (or --out).
+
+1. correctness: greedy tokens of every tiny architecture against transformers on the GPU
+   (fp32), sync and pipelined loops identical;
+2. the bubble: sync vs pipelined on a small model (tokens/s, bubble fraction from CUDA events);
+3. decode throughput of the built-in 135M model in bf16 at batch 1 / 8 / 32 / 64.
+
+Usage: ``python -m bench.gpu_check --out $OUT``. Prints one JSON summary line at the end.
+Not done yet: CUDA-graph capture of the decode step (so there is no "with graphs" row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def correctness(out: dict) -> None:
+    from tests.helpers import hf_greedy, random_prompts
+    from tests.tiny_models import KINDS, VOCAB_SIZE, make_tiny_model
+    from transformers import AutoModelForCausalLM
+
+    from warmboot import LLM, SamplingParams
+
+    root = Path(tempfile.mkdtemp(prefix="wb-gpu-"))
+    prompts = random_prompts((5, 13, 31, 47), VOCAB_SIZE)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    results = {}
+    for kind in KINDS:
+        path = make_tiny_model(kind, root / kind)
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        ref = [hf_greedy(hf, p, 16) for p in prompts]
+        loops = {}
+        for pipelined in (False, True):
+            llm = LLM(
+                str(path),
+                device="cuda",
+                dtype="float32",
+                max_model_len=128,
+                block_size=16,
+                num_kv_blocks=64,
+                pipelined=pipelined,
+            )
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+            loops[pipelined] = [o.outputs[0].token_ids for o in outs]
+        results[kind] = {
+            "matches_transformers": sum(a == b for a, b in zip(loops[True], ref, strict=True)),
+            "of": len(prompts),
+            "sync_equals_pipelined": loops[True] == loops[False],
+        }
+        print(kind, results[kind], flush=True)
+    out["correctness"] = results
+
+
+def bubble(out: dict, args) -> None:
+    from bench.bubble import SHAPE, run
+    from warmboot import LLM
+    from warmboot.models.demo import write_random_llama
+    from warmboot.tokenizer.train import train_tokenizer
+
+    model_dir = Path(tempfile.mkdtemp(prefix="wb-bubble-")) / "model"
+    write_random_llama(model_dir, **SHAPE, seed=0, dtype="bfloat16")
+    train_tokenizer(model_dir, SHAPE["vocab_size"])
+    rows = []
+    llms = {
+        name: LLM(
+            str(model_dir),
+            device="cuda",
+            max_model_len=128,
+            max_num_seqs=64,
+            max_num_batched_tokens=64 * 32,
+            pipelined=name == "pipelined",
+        )
+        for name in ("sync", "pipelined")
+    }
+    for schema in (False, True):
+        for batch in (1, 8, 32, 64):
+            row = {"batch": batch, "schema": schema}
+            for name, llm in llms.items():
+                r = run(llm, batch, 32, 64, schema)
+                row[f"{name}_tok_s"], row[f"{name}_bubble"] = r["tok_s"], r["bubble"]
+            print(row, flush=True)
+            rows.append(row)
+    out["bubble"] = rows
+
+
+def decode(out: dict) -> None:
+    from warmboot import LLM, SamplingParams
+    from warmboot.models.demo import ensure_default_model
+
+    llm = LLM(
+        str(ensure_default_model()),
+        device="cuda",
+        max_model_len=512,
+        max_num_seqs=64,
+        max_num_batched_tokens=64 * 128,
+    )
+    rows = []
+    for batch in (1, 8, 32, 64):
+        g = torch.Generator().manual_seed(batch)
+        prompts = [
+            {"prompt_token_ids": torch.randint(1, 49152, (128,), generator=g).tolist()}
+            for _ in range(batch)
+        ]
+        params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+        llm.generate(prompts, params)  # warm
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        llm.generate(prompts, params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        rows.append(
+            {"batch": batch, "tok_s": batch * 128 / wall, "bubble": llm.stats()["bubble_fraction"]}
+        )
+        print(rows[-1], flush=True)
+    out["decode_bf16"] = rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-results")))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("no CUDA device: this script is for the GPU machine")
+    args.out.mkdir(parents=True, exist_ok=True)
+    out = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+    for part in (correctness, lambda o: bubble(o, args), decode):
+        try:
+            part(out)
+        except Exception as e:  # noqa: BLE001 - record and go on: device time is scarce
+            out.setdefault("errors", []).append(f"{getattr(part, '__name__', 'part')}: {e!r}")
+            print("ERROR", e, flush=True)
+    (args.out / "gpu_check.json").write_text(json.dumps(out, indent=2))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
