@@ -23,10 +23,10 @@ import torch
 
 
 def correctness(out: dict) -> None:
-    from tests.helpers import hf_greedy, random_prompts
-    from tests.tiny_models import KINDS, VOCAB_SIZE, make_tiny_model
     from transformers import AutoModelForCausalLM
 
+    from tests.helpers import hf_greedy, random_prompts
+    from tests.tiny_models import KINDS, VOCAB_SIZE, make_tiny_model
     from warmboot import LLM, SamplingParams
 
     root = Path(tempfile.mkdtemp(prefix="wb-gpu-"))
