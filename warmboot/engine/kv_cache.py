@@ -10,6 +10,8 @@ Every block is in exactly one state:
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,15 +21,27 @@ from dataclasses import dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
-    parent_hash: int | None = None
+    block_hash: bytes | None = None
+    parent_hash: bytes | None = None
+    parent_ref: tuple[int, int] | None = None
     token_ids: tuple[int, ...] = ()
-    """Tokens and parent hash of a hashed block, kept to verify a hit against a collision."""
+    """Tokens, parent hash and parent (block id, generation) of a hashed block: a hit is
+    verified against all three, so even a hash collision cannot hand out KV that was computed
+    after another prefix."""
+    generation: int = 0
+    """Bumped whenever the block loses its cache entry (its content may change)."""
+
+    @property
+    def ref(self) -> tuple[int, int]:
+        return (self.block_id, self.generation)
 
 
-def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block given its parent's hash: equal prefixes give equal chains."""
-    return hash((parent, token_ids))
+def chain_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
+    """Collision-resistant hash of a full block given its parent's: equal prefixes give equal
+    chains, and a crafted prompt cannot make two different prefixes share KV."""
+    h = hashlib.blake2b(parent or b"", digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -48,7 +62,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[bytes, int] = {}  # block hash -> block id
         self._tables: dict[str, list[int]] = {}
         self._held: Counter[int] = Counter()  # external holds (in-flight steps)
         self.prefix_hits = 0
@@ -83,13 +97,14 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent: int | None = None
+        parent: bytes | None = None
         bs = self.block_size
         for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
             chunk = tuple(token_ids[start : start + bs])
             block_hash = chain_hash(parent, chunk)
             block_id = self._cached.get(block_hash)
-            if block_id is None or not self._verify(self.blocks[block_id], parent, chunk):
+            prev = self.blocks[hits[-1]].ref if hits else None
+            if block_id is None or not self._verify(self.blocks[block_id], parent, prev, chunk):
                 break
             hits.append(block_id)
             parent = block_hash
@@ -102,23 +117,47 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         table = self._tables[seq_id]
-        parent: int | None = None
+        parent: bytes | None = None
+        prev: Block | None = None
         bs = self.block_size
         for i in range(min(num_computed // bs, len(table))):
             block = self.blocks[table[i]]
-            if block.block_hash is not None:
+            parent_ref = self._parent_ref(prev, parent)
+            if block.block_hash is None:
+                chunk = tuple(token_ids[i * bs : (i + 1) * bs])
+                block_hash = chain_hash(parent, chunk)
+                if parent is not None and parent_ref is None:
+                    return  # the parent's entry was evicted: no lookup can reach this block
+                if block_hash not in self._cached:  # else computed twice at once: keep first
+                    block.block_hash, block.parent_hash = block_hash, parent
+                    block.parent_ref, block.token_ids = parent_ref, chunk
+                    self._cached[block_hash] = block.block_id
+                parent = block_hash
+            else:
+                if prev is not None and prev.block_hash is not None:
+                    block.parent_ref = prev.ref  # NOTE: this table is ground truth for its chain
                 parent = block.block_hash
-                continue
-            chunk = tuple(token_ids[i * bs : (i + 1) * bs])
-            block_hash = chain_hash(parent, chunk)
-            if block_hash not in self._cached:  # else: computed twice at once, keep the first
-                block.block_hash, block.parent_hash, block.token_ids = block_hash, parent, chunk
-                self._cached[block_hash] = block.block_id
-            parent = block_hash
+            prev = block
+
+    def _parent_ref(self, prev: Block | None, parent: bytes | None) -> tuple[int, int] | None:
+        """The block a lookup reaches for ``parent``: this table's own block when it is cached,
+        else the cached block with the same hash (same tokens, so the same KV)."""
+        if prev is None:
+            return None
+        if prev.block_hash is not None:
+            return prev.ref
+        canonical = self._cached.get(parent)
+        return None if canonical is None else self.blocks[canonical].ref
 
     @staticmethod
-    def _verify(block: Block, parent: int | None, chunk: tuple[int, ...]) -> bool:
-        return block.token_ids == chunk and block.parent_hash == parent
+    def _verify(
+        block: Block, parent: bytes | None, parent_ref: tuple[int, int] | None, chunk: tuple
+    ) -> bool:
+        return (
+            block.token_ids == chunk
+            and block.parent_hash == parent
+            and block.parent_ref == parent_ref
+        )
 
     # -- allocation ----------------------------------------------------------------------------
     def allocate(self, seq_id: str, num_tokens: int, cached_prefix: Sequence[int] = ()) -> bool:
@@ -206,6 +245,8 @@ class BlockManager:
         if block.block_hash is not None and self._cached.get(block.block_hash) == block.block_id:
             del self._cached[block.block_hash]
         block.block_hash, block.parent_hash, block.token_ids = None, None, ()
+        block.parent_ref = None
+        block.generation += 1
 
     # -- checks --------------------------------------------------------------------------------
     def check_invariants(self) -> None:
