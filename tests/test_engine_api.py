@@ -515,8 +515,8 @@ def test_abort_running_and_waiting_requests(path, hf):
     engine.add_request("n2", {"prompt_token_ids": prompts[0]}, SamplingParams(n=2, max_tokens=20))
     results: dict = {}
     run_engine(engine, results, steps=5)
-    running = {r.request_id for r in engine.scheduler.running}
-    waiting = {r.request_id for r in engine.scheduler.waiting}
+    running = {r.request_id.split("@")[0] for r in engine.scheduler.running}
+    waiting = {r.request_id.split("@")[0] for r in engine.scheduler.waiting}
     assert running == {"a#0", "b#0", "c#0"}
     assert {"d#0", "n2#0", "n2#1"} <= waiting
     assert 0 < len(results["b"].outputs[0].token_ids) < 20

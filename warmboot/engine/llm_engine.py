@@ -57,6 +57,7 @@ class LLMEngine:
         self.config = config
         self.startup_times: dict[str, float] = {}
         self._ids = itertools.count()
+        self._submissions = itertools.count()
         model_dir = Path(config.model)
         with self._phase("config"):
             if not model_dir.is_dir():
@@ -173,11 +174,14 @@ class LLMEngine:
         max_tokens = self._max_tokens(token_ids, params)
         eos = frozenset(self.facts.eos_token_ids)
         children, states = [], []
+        # NOTE: internal ids are unique per submission, so a user id reused while a zombie row
+        # of its previous request is still in flight never collides with it.
+        submission = next(self._submissions)
         for i in range(params.n):
             child_params = params if params.seed is None else replace(params, seed=params.seed + i)
             children.append(
                 Request(
-                    request_id=f"{request_id}#{i}",
+                    request_id=f"{request_id}#{i}@{submission}",
                     prompt_token_ids=list(token_ids),
                     params=child_params,
                     max_tokens=max_tokens,
