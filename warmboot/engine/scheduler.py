@@ -125,16 +125,30 @@ class Scheduler:
                 i += 1  # NOTE: its last token is in flight; never launch a row past max_tokens
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                out.preempted_req_ids.append(victim.request_id)
-                if victim is req:
-                    return budget
+            if not self._make_room(req, n, out):
+                if req.status is not RequestStatus.RUNNING:
+                    return budget  # req preempted itself
+                i += 1  # room comes when the in-flight step retires: req sits this step out
+                continue
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
             i += 1
         return budget
+
+    def _make_room(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Allocate for ``n`` more tokens of ``req``, preempting the newest requests as needed.
+
+        NOTE: a victim's blocks may be held by the in-flight step (pipelined loop); they come
+        back only when it retires. Preempting further would free nothing now, so stop there.
+        """
+        while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
+            free_before = self.kv.num_free_blocks
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted_req_ids.append(victim.request_id)
+            if victim is req or self.kv.num_free_blocks == free_before:
+                return False
+        return True
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Request] = []
