@@ -82,6 +82,11 @@ class BlockManager:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
+    @property
+    def num_held_only_blocks(self) -> int:
+        """Blocks referenced only by external holds: free once those steps retire."""
+        return sum(1 for b, n in self._held.items() if self.blocks[b].ref_count == n)
+
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables.get(seq_id, [])
 

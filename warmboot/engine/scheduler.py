@@ -118,6 +118,7 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        incoming = 0  # blocks that preempted victims return when the in-flight step retires
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
@@ -125,30 +126,39 @@ class Scheduler:
                 i += 1  # NOTE: its last token is in flight; never launch a row past max_tokens
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._make_room(req, n, out):
+            room, incoming = self._make_room(req, n, out, incoming)
+            if not room:
                 if req.status is not RequestStatus.RUNNING:
                     return budget  # req preempted itself
-                i += 1  # room comes when the in-flight step retires: req sits this step out
+                i += 1  # its blocks come when the in-flight step retires: it sits this step out
                 continue
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
             i += 1
         return budget
 
-    def _make_room(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+    def _make_room(
+        self, req: Request, n: int, out: SchedulerOutput, incoming: int
+    ) -> tuple[bool, int]:
         """Allocate for ``n`` more tokens of ``req``, preempting the newest requests as needed.
 
-        NOTE: a victim's blocks may be held by the in-flight step (pipelined loop); they come
-        back only when it retires. Preempting further would free nothing now, so stop there.
+        NOTE: in the pipelined loop a victim's blocks are held by the in-flight step and return
+        only when it retires. Blocks already on their way count as room: the requester then sits
+        this step out instead of preempting more (one missing block must not empty the batch).
         """
+        table = self.kv.block_table(req.request_id)
+        need = self.kv.blocks_needed(req.num_computed_tokens + n) - len(table)
         while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
-            free_before = self.kv.num_free_blocks
+            if need <= self.kv.num_free_blocks + incoming:
+                return False, incoming - max(0, need - self.kv.num_free_blocks)
+            held_before = self.kv.num_held_only_blocks
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted_req_ids.append(victim.request_id)
-            if victim is req or self.kv.num_free_blocks == free_before:
-                return False
-        return True
+            incoming += self.kv.num_held_only_blocks - held_before
+            if victim is req:
+                return False, incoming
+        return True, incoming
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         skipped: list[Request] = []
