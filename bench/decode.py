@@ -23,9 +23,14 @@ from warmboot.models.demo import ensure_default_model
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 
 
-def prompts_for(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+def prompts_for(batch: int, length: int, vocab: int, seed: int, mixed: bool = False):
+    """``batch`` random prompts of ``length`` tokens, or (mixed) of lengths spread evenly
+    over [length / 8, 2 * length - length / 8] (same mean)."""
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, vocab, (length,), generator=g).tolist() for _ in range(batch)]
+    lo = length // 8
+    lengths = [lo + (2 * (length - lo) * i) // max(1, batch - 1) for i in range(batch)]
+    lengths = lengths if mixed else [length] * batch
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def run_warmboot(llm: LLM, prompts, new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -40,19 +45,21 @@ def run_warmboot(llm: LLM, prompts, new_tokens: int) -> tuple[float, list[list[i
 def run_transformers(model, prompts, new_tokens: int) -> tuple[float, list[list[int]]]:
     from transformers import GenerationConfig
 
-    ids = torch.tensor(prompts)
+    width = max(len(p) for p in prompts)  # left padding, as transformers expects
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     config = GenerationConfig(
         max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     t0 = time.perf_counter()
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=config)
-    return time.perf_counter() - t0, out[:, ids.shape[1] :].tolist()
+    out = model.generate(ids, attention_mask=mask, generation_config=config)
+    return time.perf_counter() - t0, out[:, width:].tolist()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None, help="model dir (default: the built-in demo model)")
-    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--batches", default="1,8,32,32m", help="'m': mixed prompt lengths")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
@@ -61,8 +68,9 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     model_dir = args.model or str(ensure_default_model())
-    batches = [int(b) for b in args.batches.split(",")]
-    max_len = args.prompt_len + args.new_tokens
+    configs = [(int(b.rstrip("m")), b.endswith("m")) for b in args.batches.split(",")]
+    batches = [b for b, _ in configs]
+    max_len = 2 * args.prompt_len + args.new_tokens
     llm = LLM(
         model_dir,
         dtype="float32",
@@ -73,8 +81,8 @@ def main() -> None:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     vocab = llm.engine.model_config.vocab_size
     rows = []
-    for batch in batches:
-        prompts = prompts_for(batch, args.prompt_len, vocab, seed=batch)
+    for batch, mixed in configs:
+        prompts = prompts_for(batch, args.prompt_len, vocab, seed=batch, mixed=mixed)
         ours, theirs, same = [], [], True
         for _ in range(args.repeats):  # interleaved, so drift hits both alike
             t, a = run_warmboot(llm, prompts, args.new_tokens)
@@ -85,6 +93,7 @@ def main() -> None:
         tokens = batch * args.new_tokens
         row = {
             "batch": batch,
+            "mixed_lengths": mixed,
             "warmboot_tok_s": tokens / statistics.median(ours),
             "transformers_tok_s": tokens / statistics.median(theirs),
             "identical_tokens": same,
@@ -94,7 +103,7 @@ def main() -> None:
         row["ratio"] = row["warmboot_tok_s"] / row["transformers_tok_s"]
         rows.append(row)
         print(
-            f"batch {batch:3d}: warmboot {row['warmboot_tok_s']:8.1f} tok/s  transformers "
+            f"batch {batch:3d}{' mixed' if mixed else ''}: warmboot {row['warmboot_tok_s']:8.1f} tok/s  transformers "
             f"{row['transformers_tok_s']:8.1f} tok/s  ratio {row['ratio']:.2f}x  same={same}",
             flush=True,
         )
@@ -135,12 +144,17 @@ def write_report(args, model_dir: str, rows: list[dict]) -> None:
         f"tokens, greedy, EOS ignored · median of {args.repeats} interleaved runs · "
         "`python bench/decode.py`",
         "",
-        "| batch | warmboot tok/s | transformers tok/s | ratio | same tokens |",
-        "| ---: | ---: | ---: | ---: | :---: |",
+        "| batch | prompt lengths | warmboot tok/s | transformers tok/s | ratio | same tokens |",
+        "| ---: | :--- | ---: | ---: | ---: | :---: |",
     ]
     for r in rows:
+        lengths = (
+            f"{args.prompt_len // 8}..{2 * args.prompt_len - args.prompt_len // 8}"
+            if r["mixed_lengths"]
+            else str(args.prompt_len)
+        )
         lines.append(
-            f"| {r['batch']} | {r['warmboot_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | "
+            f"| {r['batch']} | {lengths} | {r['warmboot_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | "
             f"{r['ratio']:.2f}x | {'yes' if r['identical_tokens'] else 'no'} |"
         )
     (args.out / "decode.md").write_text("\n".join(lines) + "\n")
@@ -154,7 +168,7 @@ def plot(path: Path, meta: dict, rows: list[dict]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [str(r["batch"]) for r in rows]
+    labels = [f"{r['batch']}{' mixed' if r['mixed_lengths'] else ''}" for r in rows]
     x = range(len(rows))
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.bar([i - 0.2 for i in x], [r["warmboot_tok_s"] for r in rows], 0.4, label="warmboot")
