@@ -41,3 +41,15 @@ def hf_model():
 @pytest.fixture(params=KINDS)
 def kind(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="module")
+def path(tiny_model_dir) -> Path:
+    """The tiny Llama most behaviour tests use."""
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def hf(path, hf_model):
+    """Its transformers reference."""
+    return hf_model(path)

@@ -62,16 +62,6 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def path(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def hf(path, hf_model):
-    return hf_model(path)
-
-
 @pytest.fixture
 def llm(path):
     return make_llm(path)

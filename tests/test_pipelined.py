@@ -38,16 +38,6 @@ def _restore_threads():
     torch.set_num_threads(threads)
 
 
-@pytest.fixture(scope="module")
-def path(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def hf(path, hf_model):
-    return hf_model(path)
-
-
 def make_llm(path, pipelined: bool, **kw) -> LLM:
     args = dict(
         device="cpu",
