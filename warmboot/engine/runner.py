@@ -1,5 +1,6 @@
-"""The model runner owns every device tensor (weights, KV cache, per-request generators) and
-turns a ``SchedulerOutput`` into a ``RunnerOutput``."""
+"""The model runner owns every device tensor (weights, KV cache, per-request token slots and
+generators) and turns a ``SchedulerOutput`` into a ``RunnerOutput`` in three calls that the
+loops order: ``prepare_step`` + ``submit_forward``, ``launch_sample``, ``collect``."""
 
 from __future__ import annotations
 
@@ -126,17 +127,6 @@ class ModelRunner:
                 self._generators.pop(req_id, None)
 
     # -- step ----------------------------------------------------------------------------------
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """The sync path: forward, sample and wait for the result."""
-        handle = self.launch_forward(sched)
-        self.launch_sample(handle)
-        return self.collect(handle)
-
-    def launch_forward(self, sched: SchedulerOutput) -> StepHandle:
-        handle = self.prepare_step(sched)
-        self.submit_forward(handle)
-        return handle
-
     def prepare_step(self, sched: SchedulerOutput) -> StepHandle:
         """Host half of a launch: build the step's inputs and take its request slots."""
         for req_id in sched.finished_req_ids:
