@@ -72,9 +72,8 @@ class LLM:
         ids = self._add_all(prompts, params)
         done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+            for out in self.engine.step(finished_only=True):
+                done[out.request_id] = out
         return [done[i] for i in ids]
 
     def generate_stream(

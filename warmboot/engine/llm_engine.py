@@ -274,13 +274,16 @@ class LLMEngine:
         return bool(self.outputs.groups) or self.scheduler.has_unfinished() or self.loop.in_flight()
 
     # -- step ----------------------------------------------------------------------------------
-    def step(self, delta: bool = False) -> list[RequestOutput]:
-        """One loop iteration (commits one step); returns the outputs of advanced requests."""
+    def step(self, delta: bool = False, finished_only: bool = False) -> list[RequestOutput]:
+        """One loop iteration (commits one step); returns the outputs of advanced requests
+        (only of finished ones with ``finished_only``: no per-step copies for batch use)."""
         touched = self.loop.step()
         touched |= {rid for rid, g in self.outputs.groups.items() if g.finished}
         outputs = []
         for rid in [r for r in self.outputs.groups if r in touched]:
             group = self.outputs.groups[rid]
+            if finished_only and not group.finished:
+                continue
             outputs.append(group.output(delta))
             if group.finished:
                 self.outputs.pop_finished(rid)
