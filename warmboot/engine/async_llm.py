@@ -1,0 +1,123 @@
+"""An asyncio front for the engine, for servers: the engine loop runs on its own thread.
+
+Requests and aborts reach that thread through an inbox drained between steps, so callers never
+wait for a step to finish. ``generate`` validates on the caller's side (a bad request raises
+there and never reaches the engine) and yields incremental outputs; a consumer that stops
+early (client gone, task cancelled) aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from warmboot.engine.llm_engine import InvalidRequestError, LLMEngine, Prompt
+from warmboot.outputs import RequestOutput
+from warmboot.sampling_params import SamplingParams
+
+log = logging.getLogger("warmboot")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped; no request can be served."""
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._validate_lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="warmboot-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield incremental outputs (``delta_text`` / ``delta_token_ids``) until finished."""
+        if self._error is not None:
+            raise EngineDeadError("the engine loop has stopped") from self._error
+        request_id = request_id or f"async-{next(self._ids)}"
+        if request_id in self._streams:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        with self._validate_lock:  # NOTE: tokenizer and grammar compiler, off the engine thread
+            text, token_ids = self.engine.validate(prompt, params)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._inbox.put(
+            ("add", request_id, {"prompt": text, "prompt_token_ids": token_ids}, params)
+        )
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def shutdown(self) -> None:
+        self._inbox.put(("stop",))
+        self._thread.join(timeout=10)
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    # -- engine thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                if not self._drain(block):
+                    return
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step(delta=True):
+                        self._deliver(out.request_id, out)
+        except BaseException as e:  # noqa: BLE001 - every waiting caller must hear about it
+            log.exception("engine loop failed")
+            self._error = e
+            for request_id in list(self._streams):
+                self._deliver(request_id, EngineDeadError(f"engine loop failed: {e!r}"))
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; wait for one when idle. False means stop."""
+        while True:
+            try:
+                cmd = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd[0] == "stop":
+                return False
+            if cmd[0] == "add":
+                _, request_id, prompt, params = cmd
+                try:
+                    self.engine.add_request(request_id, prompt, params)
+                except ValueError as e:
+                    self._deliver(request_id, e)
+            elif cmd[0] == "abort":
+                self.engine.abort_request(cmd[1])
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        entry = self._streams.get(request_id)
+        if entry is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            del self._streams[request_id]
+        loop, stream = entry
+        try:
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+        except RuntimeError:  # the caller's event loop is closed: nobody is listening
+            pass
