@@ -38,3 +38,13 @@ def assert_engine_clean(llm) -> None:
     assert not engine.has_unfinished_requests()
     engine.block_manager.check_invariants()
     assert engine.block_manager.num_used_blocks == 0
+
+
+def stop_window(text: str, start: int, size: int) -> tuple[int, str]:
+    """The first ``size``-char printable ASCII window at or after ``start`` whose first
+    occurrence in ``text`` is where it was found (a stop string that really hits there)."""
+    for i in range(start, len(text) - size):
+        s = text[i : i + size]
+        if all(c.isascii() and c.isprintable() for c in s) and text.find(s) == i:
+            return i, s
+    raise AssertionError(f"precondition: no {size}-char ASCII window in {text!r}")

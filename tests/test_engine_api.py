@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.helpers import assert_engine_clean, hf_greedy, hf_logits, random_prompts
+from tests.helpers import assert_engine_clean, hf_greedy, hf_logits, random_prompts, stop_window
 from tests.tiny_models import KINDS, VOCAB_SIZE
 from warmboot import LLM, SamplingParams
 from warmboot.config import SUPPORTED_ARCHITECTURES
@@ -75,16 +75,6 @@ def base(llm):
     return out
 
 
-def _window(text: str, start: int, size: int) -> tuple[int, str]:
-    """The first ``size``-char window at or after ``start`` of printable ASCII whose first
-    occurrence in ``text`` is where it was found."""
-    for i in range(start, len(text) - size):
-        s = text[i : i + size]
-        if all(c.isascii() and c.isprintable() for c in s) and text.find(s) == i:
-            return i, s
-    raise AssertionError(f"precondition: no {size}-char ASCII window in {text!r}")
-
-
 def _first_prefix_containing(tok, ids: list[int], s: str) -> int:
     """Smallest k such that decode(ids[:k]) contains s."""
     for k in range(1, len(ids) + 1):
@@ -97,7 +87,7 @@ def _first_prefix_containing(tok, ids: list[int], s: str) -> int:
 def test_stop_string_cuts_text_before_first_occurrence(llm, base):
     tok = llm.get_tokenizer()
     text = base.text
-    i, stop = _window(text, len(text) // 3, 4)
+    i, stop = stop_window(text, len(text) // 3, 4)
     out = one(llm, TEXT_PROMPT, greedy(30, stop=[stop]))
     assert out.text == text[:i]
     assert stop not in out.text
@@ -112,8 +102,8 @@ def test_stop_string_cuts_text_before_first_occurrence(llm, base):
 
 def test_earliest_of_several_stop_strings_wins(llm, base):
     text = base.text
-    i, early = _window(text, len(text) // 3, 4)
-    _, late = _window(text, i + 6, 3)  # starts after early ends
+    i, early = stop_window(text, len(text) // 3, 4)
+    _, late = stop_window(text, i + 6, 3)  # starts after early ends
     never = "#no such stop#"
     out = one(llm, TEXT_PROMPT, greedy(30, stop=[never, late, early]))
     assert (out.text, out.stop_reason, out.finish_reason) == (text[:i], early, "stop")
@@ -132,7 +122,7 @@ def test_earliest_of_several_stop_strings_wins(llm, base):
 def test_min_tokens_defers_stop_strings(llm, base):
     tok = llm.get_tokenizer()
     text = base.text
-    i, stop = _window(text, len(text) // 3, 4)
+    i, stop = stop_window(text, len(text) // 3, 4)
     k = _first_prefix_containing(tok, base.token_ids, stop)  # the stop completes at token k
     # min_tokens below k: no change.
     out = one(llm, TEXT_PROMPT, greedy(30, stop=[stop], min_tokens=k - 1))
@@ -173,8 +163,8 @@ def test_stream_without_stop_strings(llm, base):
 
 def test_stream_with_stop_strings(llm, base):
     text = base.text
-    i, stop = _window(text, len(text) // 3, 4)
-    _, long_stop = _window(text, i, 7)  # a long one: a bigger hold-back while streaming
+    i, stop = stop_window(text, len(text) // 3, 4)
+    _, long_stop = stop_window(text, i, 7)  # a long one: a bigger hold-back while streaming
     _stream_checks(llm, greedy(30, stop=[stop]), [stop])
     _stream_checks(llm, greedy(30, stop=[long_stop]), [long_stop])
     _stream_checks(llm, greedy(30, stop=["#no such stop#"]), [])
@@ -194,7 +184,7 @@ def test_n_completions_each_stop_at_their_own_stop_string(llm):
     kw = dict(n=3, temperature=1.0, seed=17, max_tokens=30, ignore_eos=True, logprobs=2)
     free = llm.generate(TEXT_PROMPT, SamplingParams(**kw))[0].outputs
     assert len({tuple(c.token_ids) for c in free}) == 3, "precondition: completions differ"
-    _, stop = _window(free[0].text, len(free[0].text) // 3, 2)
+    _, stop = stop_window(free[0].text, len(free[0].text) // 3, 2)
     out = llm.generate(TEXT_PROMPT, SamplingParams(stop=[stop], **kw))[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
     for ref, c in zip(free, out.outputs, strict=True):

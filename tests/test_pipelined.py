@@ -21,7 +21,7 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import assert_engine_clean, hf_greedy, random_prompts
+from tests.helpers import assert_engine_clean, hf_greedy, random_prompts, stop_window
 from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM, SamplingParams
 from warmboot.engine.scheduler import SchedulerOutput
@@ -76,16 +76,6 @@ def run_to_end(engine, outputs: dict[str, list], delta: bool = False) -> None:
             outputs.setdefault(out.request_id, []).append(out)
         n += 1
         assert n < MAX_STEPS, "the engine does not make progress"
-
-
-def _window(text: str, start: int, size: int) -> tuple[int, str]:
-    """The first ``size``-char printable ASCII window at or after ``start`` whose first
-    occurrence in ``text`` is where it was found."""
-    for i in range(start, len(text) - size):
-        s = text[i : i + size]
-        if all(c.isascii() and c.isprintable() for c in s) and text.find(s) == i:
-            return i, s
-    raise AssertionError(f"precondition: no {size}-char ASCII window in {text!r}")
 
 
 # -- a workload both loops run with the same step counter ----------------------------------------
@@ -418,7 +408,7 @@ def _stream(llm, params, prompts) -> tuple[dict, dict, dict]:
 
 @pytest.mark.parametrize("size", [4, 7])
 def test_stop_string_found_one_step_late(path, base_text, size):
-    i, stop = _window(base_text, len(base_text) // 3, size)
+    i, stop = stop_window(base_text, len(base_text) // 3, size)
     params = greedy(30, stop=[stop])
     prompts = [TEXT_PROMPT, TEXT_PROMPT + " again"]
     sync_deltas, sync_finals, _ = _stream(make_llm(path, False), params, prompts)
