@@ -13,13 +13,15 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from warmboot.engine.llm_engine import InvalidRequestError, LLMEngine, Prompt
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
 
 log = logging.getLogger("warmboot")
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -41,29 +43,40 @@ class AsyncLLM:
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Yield incremental outputs (``delta_text`` / ``delta_token_ids``) until finished."""
+        stream = await self.add_request(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()
+
+    async def add_request(
+        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
+        """Validate (off the event loop) and queue a request; raise ``InvalidRequestError`` if
+        bad. Iterate the returned stream for outputs; leaving it early aborts the request."""
         if self._error is not None:
             raise EngineDeadError("the engine loop has stopped") from self._error
         request_id = request_id or f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        with self._validate_lock:  # NOTE: tokenizer and grammar compiler, off the engine thread
-            text, token_ids = self.engine.validate(prompt, params)
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        text, token_ids = await asyncio.to_thread(self._validate, prompt, params)
+        queue_: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), queue_)
         self._inbox.put(
             ("add", request_id, {"prompt": text, "prompt_token_ids": token_ids}, params)
         )
-        finished = False
-        try:
-            while not finished:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    raise item
-                finished = item.finished
-                yield item
-        finally:
-            if not finished:
-                self.abort(request_id)
+        return RequestStream(self, request_id, len(token_ids), queue_)
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
+        future = asyncio.get_running_loop().create_future()
+        self._inbox.put(("call", fn, future))
+        return await future
+
+    def _validate(self, prompt: Prompt, params: SamplingParams):
+        with self._validate_lock:  # NOTE: tokenizer and grammar compiler are not shared
+            return self.engine.validate(prompt, params)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -109,6 +122,28 @@ class AsyncLLM:
                     self._deliver(request_id, e)
             elif cmd[0] == "abort":
                 self.engine.abort_request(cmd[1])
+                self._streams.pop(cmd[1], None)
+            elif cmd[0] == "call":
+                self._run_call(cmd[1], cmd[2])
+
+    def _run_call(self, fn: Callable, future: asyncio.Future) -> None:
+        try:
+            result, error = fn(self.engine), None
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            result, error = None, e
+
+        def settle() -> None:
+            if future.cancelled():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+        try:
+            future.get_loop().call_soon_threadsafe(settle)
+        except RuntimeError:  # the caller's loop is closed
+            pass
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         entry = self._streams.get(request_id)
@@ -121,3 +156,42 @@ class AsyncLLM:
             loop.call_soon_threadsafe(stream.put_nowait, item)
         except RuntimeError:  # the caller's event loop is closed: nobody is listening
             pass
+
+
+class RequestStream:
+    """The outputs of one request, as an async iterator; closing it early aborts the request."""
+
+    def __init__(self, front: AsyncLLM, request_id: str, num_prompt_tokens: int, q):
+        self.request_id = request_id
+        self.num_prompt_tokens = num_prompt_tokens
+        self._front = front
+        self._queue: asyncio.Queue = q
+        self.finished = False
+        self.aborted = False
+        """Aborted before its last output (the consumer left or called ``abort``)."""
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # cancelled: the consumer is gone
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def abort(self) -> None:
+        if not self.finished:
+            self.finished = self.aborted = True
+            self._front.abort(self.request_id)
+
+    def __del__(self) -> None:
+        if not self.finished:  # dropped without being drained
+            self._front.abort(self.request_id)

@@ -1,0 +1,44 @@
+"""A real uvicorn server on 127.0.0.1 (a free port) in a background thread, for tests."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+
+from warmboot import LLM
+from warmboot.server.app import ServerConfig, create_app
+from warmboot.server.engine_holder import EngineHolder
+
+MODEL_NAME = "tiny"
+
+
+def tiny_llm(path, **kw) -> LLM:
+    opts = dict(max_model_len=256, block_size=4, num_kv_blocks=256, cpu_threads=1)
+    return LLM(str(path), **{**opts, **kw})
+
+
+@contextmanager
+def running_server(holder: EngineHolder, **config) -> Iterator[str]:
+    """Serve ``holder`` until the block exits; yields the base URL (``http://127.0.0.1:PORT``)."""
+    app = create_app(holder, ServerConfig(served_model_name=MODEL_NAME, **config))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False)
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        holder.shutdown()

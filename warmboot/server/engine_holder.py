@@ -1,0 +1,82 @@
+"""Boots the engine off the event loop and hands out the ``AsyncLLM`` once it is ready.
+
+Until then the server answers ``/health`` with 503 and every API call with a 503 error, so a
+load balancer can route around a replica that is still starting.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from warmboot.engine.async_llm import AsyncLLM
+from warmboot.engine.llm_engine import LLMEngine
+
+log = logging.getLogger("warmboot")
+
+
+class EngineNotReady(RuntimeError):
+    """The engine is still starting, or failed to start."""
+
+
+class EngineHolder:
+    def __init__(self, factory: Callable[[], LLMEngine], started_at: float | None = None):
+        """``started_at`` is a ``time.monotonic()`` stamp of process start (default: now)."""
+        self._factory = factory
+        self.started_at = time.monotonic() if started_at is None else started_at
+        self.llm: AsyncLLM | None = None
+        self.error: str | None = None
+        self.time_to_ready: float | None = None
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def ready(cls, engine: LLMEngine) -> EngineHolder:
+        """A holder around an engine that is already booted (tests, embedding)."""
+        holder = cls(lambda: engine)
+        holder.boot()
+        return holder
+
+    def start(self) -> None:
+        """Boot in a background thread."""
+        self._thread = threading.Thread(target=self.boot, name="warmboot-boot", daemon=True)
+        self._thread.start()
+
+    def boot(self) -> None:
+        try:
+            engine = self._factory()
+        except Exception as e:  # noqa: BLE001 - reported through /health and every API call
+            log.exception("engine failed to start")
+            self.error = f"{type(e).__name__}: {e}"
+            return
+        self.time_to_ready = time.monotonic() - self.started_at
+        self.llm = AsyncLLM(engine)
+        log.info("engine ready after %.2fs (%s)", self.time_to_ready, self.start_path()[0])
+
+    def require(self) -> AsyncLLM:
+        if self.llm is not None:
+            return self.llm
+        if self.error is not None:
+            raise EngineNotReady(f"the engine failed to start: {self.error}")
+        raise EngineNotReady("the engine is still starting; retry shortly")
+
+    def start_path(self) -> tuple[str, str]:
+        """(path, reason): how the engine started. Cold unless the engine says otherwise."""
+        info = getattr(self.llm.engine, "start_info", None) if self.llm else None
+        if info is None:
+            return "cold", "no snapshot store configured"
+        return info.path, info.reason
+
+    def state(self) -> dict | None:
+        """Engine stats plus start facts for the metrics, or None while not ready."""
+        if self.llm is None:
+            return None
+        path, reason = self.start_path()
+        stats = self.llm.stats()
+        stats.update(start_path=path, start_reason=reason, time_to_ready_s=self.time_to_ready)
+        return stats
+
+    def shutdown(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()

@@ -1,0 +1,111 @@
+"""Prometheus metrics: one registry per server (no process globals, so tests can run several).
+
+Request counters and latency histograms are updated by the handlers; engine gauges (running,
+waiting, KV usage, bubble fraction) are read from the engine at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class ServerMetrics:
+    def __init__(self, engine_state: Callable[[], dict | None]):
+        """``engine_state()`` returns the engine's stats plus start facts, or None while booting."""
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "warmboot_requests",
+            "Finished HTTP requests by endpoint and status code",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.finished = Counter(
+            "warmboot_completions_finished",
+            "Generated completions by finish reason",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.aborted = Counter(
+            "warmboot_requests_aborted",
+            "Requests aborted because their client went away",
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "warmboot_time_to_first_token_seconds",
+            "Time from request arrival to its first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "warmboot_inter_token_latency_seconds",
+            "Time between consecutive generated tokens of a request",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.e2e = Histogram(
+            "warmboot_request_latency_seconds",
+            "Time from request arrival to its last token",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "warmboot_prompt_tokens", "Prompt tokens processed", registry=self.registry
+        )
+        self.generation_tokens = Counter(
+            "warmboot_generation_tokens", "Tokens generated", registry=self.registry
+        )
+        self.registry.register(_EngineCollector(engine_state))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _EngineCollector:
+    def __init__(self, engine_state: Callable[[], dict | None]):
+        self._state = engine_state
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        state = self._state()
+        ready = GaugeMetricFamily("warmboot_ready", "1 when the engine serves requests")
+        ready.add_metric([], 0.0 if state is None else 1.0)
+        yield ready
+        if state is None:
+            return
+        for name, key, doc in (
+            ("warmboot_requests_running", "running", "Requests in the running batch"),
+            ("warmboot_requests_waiting", "waiting", "Requests waiting to be scheduled"),
+            ("warmboot_kv_cache_usage", "kv_usage", "Fraction of KV blocks in use"),
+            ("warmboot_kv_blocks_used", "kv_blocks_used", "KV blocks in use"),
+            ("warmboot_kv_blocks_total", "kv_blocks_total", "KV blocks in the pool"),
+            ("warmboot_preemptions", "preemptions", "Requests preempted so far"),
+        ):
+            gauge = GaugeMetricFamily(name, doc)
+            gauge.add_metric([], float(state[key]))
+            yield gauge
+        bubble = GaugeMetricFamily(
+            "warmboot_bubble_fraction", "Share of decode wall time the device sat idle"
+        )
+        bubble.add_metric([], float(state["bubble_fraction"] or 0.0))
+        yield bubble
+        start = InfoMetricFamily("warmboot_start", "How this replica started and why")
+        start.add_metric([], {"path": state["start_path"], "reason": state["start_reason"]})
+        yield start
+        ready_s = GaugeMetricFamily(
+            "warmboot_time_to_ready_seconds", "Seconds from process start to engine ready"
+        )
+        ready_s.add_metric([], float(state["time_to_ready_s"]))
+        yield ready_s
+        phases = GaugeMetricFamily(
+            "warmboot_startup_phase_seconds", "Seconds per start-up phase", labels=["phase"]
+        )
+        for phase, seconds in state["startup_times"].items():
+            phases.add_metric([phase], float(seconds))
+        yield phases
