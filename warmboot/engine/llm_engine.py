@@ -22,6 +22,7 @@ from warmboot.engine.request import FinishReason, Request
 from warmboot.engine.runner import ModelRunner, StepHandle
 from warmboot.engine.scheduler import Scheduler, SchedulerOutput
 from warmboot.engine.structured import GrammarRequests
+from warmboot.kernels.backend import AttentionBackend
 from warmboot.kernels.torch_attention import TorchAttentionBackend
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
@@ -373,14 +374,21 @@ def _resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.d
     return _DTYPES[name]
 
 
-def _attention_backend(name: str, device: torch.device) -> TorchAttentionBackend:
-    if name in ("auto", "torch"):
+def _attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """auto: Triton on CUDA, torch elsewhere. triton on the CPU needs Triton's interpreter."""
+    if name not in ("auto", "torch", "triton"):
+        raise ValueError(f"unknown attention_backend {name!r}; use auto, torch or triton")
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend()
-    if name == "triton":
-        raise NotImplementedError(
-            "attention_backend='triton' is not available yet (Triton kernels are issue 4)"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        raise ValueError(
+            "attention_backend='triton' on a CPU device runs only in Triton's interpreter: "
+            "set TRITON_INTERPRET=1 before warmboot's kernels are imported (slow; for tests)"
         )
-    raise ValueError(f"unknown attention_backend {name!r}; use auto, torch or triton")
+    # NOTE: imported here so the kernels are defined only when used (and after the env is set)
+    from warmboot.kernels.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend()
 
 
 def _eos_ids(model_dir: Path, cfg: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:
