@@ -37,10 +37,15 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--model", default=None, help="model directory (default: built-in)")
     demo.add_argument("--max-tokens", type=int, default=64)
     _engine_args(demo)
+    from warmboot.snapshot.cli import add_snapshot_parser, run_snapshot
+
+    add_snapshot_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s"
     )
+    if args.command == "snapshot":
+        return run_snapshot(args)
     try:
         return {"generate": _generate, "demo": _demo}[args.command](args)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:

@@ -191,3 +191,8 @@ class EngineConfig:
     """torch intra-op threads on the CPU; None = all cores (sync) or all but one (pipelined)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    snapshot_store: str | None = None
+    """Tier-A snapshot store (a directory or ``s3://bucket/prefix``); None disables snapshots.
+    A snapshot matching the compatibility key is restored instead of loading the checkpoint."""
+    snapshot_publish: bool = True
+    """After a cold boot with a ``snapshot_store``, publish a snapshot for the next start."""

@@ -32,6 +32,8 @@ class LLM:
         pipelined: bool | None = None,
         cpu_threads: int | None = None,
         seed: int = 0,
+        snapshot_store: str | None = None,
+        snapshot_publish: bool = True,
     ):
         config = EngineConfig(
             model=str(model),
@@ -50,6 +52,8 @@ class LLM:
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
             ),
+            snapshot_store=None if snapshot_store is None else str(snapshot_store),
+            snapshot_publish=snapshot_publish,
         )
         self.engine = LLMEngine(config, max_model_len=max_model_len)
 

@@ -9,7 +9,7 @@ import os
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -49,12 +49,25 @@ class RuntimeFacts:
     attention_backend: str
 
 
+@dataclass(frozen=True)
+class StartInfo:
+    """How the engine started: ``path`` is "cold" or "restored_image" (a tier-A snapshot)."""
+
+    path: str
+    reason: str
+    """Why that path: the matching snapshot, or why none was used."""
+    ready_s: float
+    """Seconds from the start of ``LLMEngine.__init__`` to ready (publishing included)."""
+    phase_times: dict[str, float] = field(default_factory=dict)
+
+
 class InvalidRequestError(ValueError):
     """A request that cannot be served; the engine keeps serving the others."""
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, max_model_len: int | None = None):
+        t_start = time.perf_counter()
         self.config = config
         self.startup_times: dict[str, float] = {}
         self._ids = itertools.count()
@@ -84,8 +97,11 @@ class LLMEngine:
             cpu_threads=threads,
         )
         self.grammars: GrammarRequests | None = None
-        with self._phase("load_weights"):
-            self.runner.load_model(model_dir)
+        self.snapshot = self._open_snapshot(model_dir, device, dtype, attention.name)
+        restored = self._restore_weights()
+        if not restored:
+            with self._phase("load_weights"):
+                self.runner.load_model(model_dir)
         with self._phase("allocate_kv"):
             num_blocks = self._num_kv_blocks(device)
             self.runner.allocate_kv_cache(num_blocks)
@@ -99,9 +115,31 @@ class LLMEngine:
         )
         self._new_scheduler()
         with self._phase("warmup"):
-            self._warmup()
+            canary = self._warmup()
+        if restored and not self.snapshot.canary_matches(canary):
+            restored = False
+            log.warning("snapshot canary failed (%s); booting cold", self.snapshot.reason)
+            with self._phase("load_weights"):
+                self.runner.load_model(model_dir)
+            with self._phase("warmup"):
+                canary = self._warmup()
+        reason = self.snapshot.reason if self.snapshot else "no snapshot store configured"
+        if self.snapshot and not restored and config.snapshot_publish:
+            with self._phase("snapshot_publish"):
+                facts = asdict(self.facts) | {"canary": canary}
+                self.snapshot.publish(self.runner.model, facts | {"cold_boot": self.startup_times})
+        self.start_info = StartInfo(
+            path="restored_image" if restored else "cold",
+            reason=reason,
+            ready_s=time.perf_counter() - t_start,
+            phase_times=dict(self.startup_times),
+        )
         log.info(
-            "engine ready: %s", ", ".join(f"{k} {v:.2f}s" for k, v in self.startup_times.items())
+            "engine ready in %.2fs via %s (%s): %s",
+            self.start_info.ready_s,
+            self.start_info.path,
+            reason,
+            ", ".join(f"{k} {v:.2f}s" for k, v in self.startup_times.items()),
         )
 
     # -- start-up helpers ----------------------------------------------------------------------
@@ -111,6 +149,43 @@ class LLMEngine:
         yield
         self.startup_times[name] = time.perf_counter() - t0
         log.info("start-up phase %-12s %.3fs", name, self.startup_times[name])
+
+    def _open_snapshot(self, model_dir: Path, device, dtype, attention: str):
+        if self.config.snapshot_store is None:
+            return None
+        from warmboot.snapshot.boot import SnapshotBoot
+
+        settings = {
+            "dtype": str(dtype).removeprefix("torch."),
+            "device_type": device.type,
+            "block_size": self.config.cache.block_size,
+            "max_model_len": self.sched_config.max_model_len,
+            "max_num_seqs": self.sched_config.max_num_seqs,
+            "max_num_batched_tokens": self.sched_config.max_num_batched_tokens,
+            "attention_backend": attention,
+        }
+        with self._phase("snapshot_key"):
+            return SnapshotBoot(self.config.snapshot_store, model_dir, settings, device)
+
+    def _restore_weights(self) -> bool:
+        """Restore the runner's weights from a matching snapshot; False (reason logged) if none."""
+        if self.snapshot is None:
+            return False
+        with self._phase("snapshot_lookup"):
+            manifest = self.snapshot.lookup()
+        if manifest is not None:
+            with self._phase("restore_weights"):
+                tensors = self.snapshot.restore(manifest, self.runner.dtype)
+                if tensors is not None:
+                    try:
+                        self.runner.install_weights(tensors, f"snapshot {manifest.key}")
+                    except ValueError as e:
+                        self.snapshot.reason = f"snapshot {manifest.key} does not fit: {e}"
+                        tensors = None
+            if tensors is not None:
+                return True
+        log.info("snapshot not used, booting cold: %s", self.snapshot.reason)
+        return False
 
     def _resolve_scheduler(self, max_model_len: int | None) -> SchedulerConfig:
         limit = self.model_config.max_position_embeddings
@@ -153,14 +228,20 @@ class LLMEngine:
         self.meter = BubbleMeter()
         self.loop = PipelinedLoop(self) if self.pipelined else SyncLoop(self)
 
-    def _warmup(self) -> None:
-        """Run one short real request through every part, then forget it."""
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-        self.add_request("warmup", {"prompt_token_ids": [0] * 3}, params)
+    def _warmup(self) -> list[tuple[int, float]]:
+        """Run one short real request through every part, then forget it; returns its greedy
+        tokens with their logprobs (a snapshot's canary)."""
+        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=1)
+        # NOTE: not token 0, often a padding token whose zero embedding would make the canary blind
+        self.add_request("warmup", {"prompt_token_ids": [1, 2, 3]}, params)
+        canary: list[tuple[int, float]] = []
         while self.has_unfinished_requests():
-            self.step()
+            for out in self.step(finished_only=True):
+                c = out.outputs[0]
+                canary = [(t, lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
         self.block_manager.reset_prefix_cache()
         self.block_manager.check_invariants()
+        return canary
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(

@@ -17,7 +17,7 @@ from warmboot.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_ge
 from warmboot.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, PrefillSeq
 from warmboot.models.decoder import DecoderModel
-from warmboot.models.loader import load_model
+from warmboot.models.loader import assemble_model, load_model
 
 
 @dataclass
@@ -87,6 +87,12 @@ class ModelRunner:
     # -- start-up phases -----------------------------------------------------------------------
     def load_model(self, model_dir: str | Path) -> None:
         self.model = load_model(model_dir, self.model_cfg, self.dtype, self.device)
+
+    def install_weights(self, tensors: dict[str, torch.Tensor], source: str) -> None:
+        """Use weights that are already transformed (a snapshot's ``named_parameters``)."""
+        self.model = assemble_model(
+            self.model_cfg, tensors.items(), self.dtype, self.device, source
+        )
 
     def kv_bytes_per_block(self) -> int:
         cfg = self.model_cfg

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -101,14 +101,29 @@ def load_model(
 ) -> DecoderModel:
     """Build on meta, then assign every parameter from the checkpoint (after transforms)."""
     model_dir = Path(model_dir)
+    raw = dict(iter_checkpoint(model_dir))
+    weights = (
+        (name, t.to(device=device, dtype=dtype)) for name, t in _transformed_weights(raw, cfg)
+    )
+    return assemble_model(cfg, weights, dtype, device, source=str(model_dir))
+
+
+def assemble_model(
+    cfg: ModelConfig,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device,
+    source: str = "weights",
+) -> DecoderModel:
+    """Build on meta and assign already-transformed weights (our names, final dtype/device);
+    a snapshot restore enters here with the tensors of ``named_parameters()``."""
     with torch.device("meta"):
         model = DecoderModel(cfg)
-    raw = dict(iter_checkpoint(model_dir))
-    for name, tensor in _transformed_weights(raw, cfg):
-        _assign(model, name, tensor.to(device=device, dtype=dtype))
+    for name, tensor in weights:
+        _assign(model, name, tensor)
     unset = [n for n, p in model.named_parameters() if p.is_meta]
     if unset:
-        raise ValueError(f"{model_dir}: checkpoint is missing weights for {unset[:5]}")
+        raise ValueError(f"{source}: missing weights for {unset[:5]}")
     max_pos = max(cfg.max_position_embeddings, 1)
     model.rope_cos, model.rope_sin = cos_sin_table(cfg.rope, cfg.head_dim, max_pos, dtype, device)
     return model.eval()

@@ -1,0 +1,195 @@
+"""The engine with a snapshot store: a restored engine equals a cold one bitwise, and every
+injected fault ends in a cold boot (reason named) whose tokens match the cold reference."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from tests.helpers import random_prompts
+from tests.tiny_models import VOCAB_SIZE
+from warmboot import LLM, SamplingParams
+from warmboot.snapshot import publish as publish_mod
+from warmboot.snapshot import restore as restore_mod
+from warmboot.snapshot.image import Manifest, chunk_hash, tensor_bytes
+from warmboot.snapshot.store import LocalStore
+
+ENGINE_ARGS = dict(max_model_len=128, block_size=4, num_kv_blocks=64)
+PROMPTS = random_prompts([5, 17, 9], VOCAB_SIZE, seed=7)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_llm(path, store=None, **kw) -> LLM:
+    return LLM(str(path), **(ENGINE_ARGS | kw), snapshot_store=store and str(store))
+
+
+def outputs(llm: LLM) -> list:
+    """Greedy tokens and top-5 logprobs (floats compared exactly) of every prompt."""
+    outs = llm.generate(PROMPTS, PARAMS)
+    return [
+        (
+            o.outputs[0].token_ids,
+            [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs],
+        )
+        for o in outs
+    ]
+
+
+@pytest.fixture(scope="module")
+def golden(path, tmp_path_factory):
+    """A store holding one snapshot of the tiny llama (16 KiB chunks: multi-chunk tensors),
+    and the cold engine's outputs."""
+    root = tmp_path_factory.mktemp("golden") / "store"
+    mp = pytest.MonkeyPatch()
+    mp.setattr(publish_mod, "CHUNK_BYTES", 16 << 10)
+    cold = make_llm(path, root)
+    mp.undo()
+    assert cold.engine.start_info.path == "cold"
+    assert "no snapshot for key" in cold.engine.start_info.reason
+    (key,) = LocalStore(root).list_keys()
+    return root, key, outputs(cold), dict(cold.engine.runner.model.named_parameters())
+
+
+@pytest.fixture
+def store(golden, tmp_path):
+    """A private copy of the golden store to damage."""
+    root = tmp_path / "store"
+    shutil.copytree(golden[0], root)
+    return LocalStore(root)
+
+
+def manifest_of(store: LocalStore, key: str) -> Manifest:
+    return Manifest.from_json(store.get_manifest(key))
+
+
+def embed(store: LocalStore, key: str):
+    """The manifest entry of the embedding (several chunks)."""
+    (entry,) = [t for t in manifest_of(store, key).tensors if t.name == "embed_tokens.weight"]
+    return entry
+
+
+def assert_cold_fallback(path, store, golden, reason: str) -> LLM:
+    llm = make_llm(path, store.root, snapshot_publish=False)
+    info = llm.engine.start_info
+    assert info.path == "cold", info
+    assert reason in info.reason, info.reason
+    assert outputs(llm) == golden[2]
+    return llm
+
+
+def test_restored_engine_is_bitwise_equal(path, golden):
+    llm = make_llm(path, golden[0])
+    info = llm.engine.start_info
+    assert info.path == "restored_image", info.reason
+    assert golden[1] in info.reason
+    assert "restore_weights" in info.phase_times and "load_weights" not in info.phase_times
+    params = dict(llm.engine.runner.model.named_parameters())
+    assert params.keys() == golden[3].keys()
+    for name, p in params.items():
+        assert torch.equal(p, golden[3][name]), name
+    assert len(embed(LocalStore(golden[0]), golden[1]).chunks) > 1, (
+        "precondition: a tensor mapped from several chunk files"
+    )
+    assert outputs(llm) == golden[2]
+
+
+def test_flipped_byte_in_a_chunk(path, golden, store):
+    chunk = store.local_chunk_path(embed(store, golden[1]).chunks[-1].hash)
+    data = bytearray(chunk.read_bytes())
+    data[7] ^= 1
+    chunk.write_bytes(bytes(data))
+    assert_cold_fallback(path, store, golden, "is corrupt")
+
+
+def test_truncated_chunk(path, golden, store):
+    chunk = store.local_chunk_path(embed(store, golden[1]).chunks[1].hash)
+    chunk.write_bytes(chunk.read_bytes()[:-1])
+    assert_cold_fallback(path, store, golden, "truncated")
+
+
+def test_missing_chunk(path, golden, store):
+    entry = manifest_of(store, golden[1]).tensors[-1]
+    store.local_chunk_path(entry.chunks[0].hash).unlink()
+    assert_cold_fallback(path, store, golden, "missing")
+
+
+def test_newer_schema(path, golden, store):
+    doc = json.loads(store.get_manifest(golden[1]))
+    doc["schema"] = 2
+    store.put_manifest(golden[1], json.dumps(doc).encode())
+    assert_cold_fallback(path, store, golden, "schema 2, newer than this warmboot")
+
+
+def test_key_mismatch_names_the_field(path, golden, store):
+    doc = json.loads(store.get_manifest(golden[1]))
+    doc["fields"]["torch"] = "1.0.0"
+    store.put_manifest(golden[1], json.dumps(doc).encode())
+    assert_cold_fallback(path, store, golden, f"torch: {torch.__version__} (this engine) != 1.0.0")
+
+
+def test_other_settings_name_the_closest_snapshot(path, golden, store):
+    llm = make_llm(path, store.root, block_size=8, snapshot_publish=False)
+    assert llm.engine.start_info.path == "cold"
+    assert "engine.block_size: 8 (this engine) != 4 (snapshot)" in llm.engine.start_info.reason
+
+
+def test_store_vanishes_mid_restore(path, golden, store, monkeypatch):
+    real, calls = restore_mod._map_one, []
+
+    def map_then_vanish(addr, chunk_path, size):
+        calls.append(chunk_path)
+        if len(calls) == 2:
+            shutil.rmtree(store.root)
+        return real(addr, chunk_path, size)
+
+    monkeypatch.setattr(restore_mod, "_map_one", map_then_vanish)
+    assert_cold_fallback(path, store, golden, "missing")
+    assert len(calls) == 2
+
+
+def test_consistent_but_wrong_weights_fail_the_canary(path, golden, store):
+    """A manifest re-hashed over other weights passes every hash; the warm-up canary catches it."""
+    doc = json.loads(store.get_manifest(golden[1]))
+    (lm_head,) = [t for t in doc["tensors"] if t["name"] == "lm_head.weight"]
+    chunk = store.local_chunk_path(lm_head["chunks"][0]["hash"]).read_bytes()
+    weights = torch.frombuffer(bytearray(chunk), dtype=torch.float32)
+    poisoned = tensor_bytes(weights * 1.5).tobytes()  # sharper logits, same argmax
+    lm_head["chunks"][0] = {"hash": chunk_hash(poisoned), "size": len(poisoned)}
+    store.put_chunk(chunk_hash(poisoned), poisoned)
+    store.put_manifest(golden[1], json.dumps(doc).encode())
+    llm = assert_cold_fallback(path, store, golden, "canary")
+    assert "load_weights" in llm.engine.start_info.phase_times
+
+
+def test_crash_during_publish_then_cold_boot_publishes(path, golden, tmp_path, monkeypatch):
+    root = tmp_path / "crashing"
+    real, calls = LocalStore.put_chunk, []
+
+    def put_then_fail(self, h, data):
+        calls.append(h)
+        if len(calls) == 5:
+            raise OSError("disk full")
+        return real(self, h, data)
+
+    monkeypatch.setattr(LocalStore, "put_chunk", put_then_fail)
+    first = make_llm(path, root)
+    assert first.engine.start_info.path == "cold"
+    assert LocalStore(root).list_keys() == []  # chunks only: no visible snapshot
+    assert outputs(first) == golden[2]
+    monkeypatch.setattr(LocalStore, "put_chunk", real)
+    second = make_llm(path, root)
+    assert second.engine.start_info.path == "cold"
+    third = make_llm(path, root)
+    assert third.engine.start_info.path == "restored_image"
+    assert outputs(third) == golden[2]

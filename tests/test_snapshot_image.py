@@ -1,0 +1,213 @@
+"""Snapshot image, key and local store without an engine: round trips through both CPU restore
+paths, schema and integrity errors, dedup on bytes stored, concurrent and crashed publishers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from warmboot.snapshot.image import (
+    PAGE_SIZE,
+    IntegrityError,
+    Manifest,
+    SchemaError,
+    SnapshotError,
+)
+from warmboot.snapshot.key import diff_fields, key_digest, key_fields
+from warmboot.snapshot.ops import copy_snapshot, remove_snapshot, verify_snapshot
+from warmboot.snapshot.publish import publish_image
+from warmboot.snapshot.restore import restore_tensors
+from warmboot.snapshot.store import LocalStore, open_store
+
+SMALL_CHUNK = 4 * PAGE_SIZE
+FIELDS = {"model_files": "abc", "engine.dtype": "float32"}
+
+
+def tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "big": torch.randn(97, 301, generator=g),  # 116 KB: 8 chunks, the last one partial
+        "bf16": torch.randn(33, 7, generator=g).to(torch.bfloat16),
+        "ones_a": torch.ones(50),
+        "ones_b": torch.ones(50),  # same bytes as ones_a: one chunk
+        "ints": torch.arange(12, dtype=torch.int64).view(3, 4),
+        "empty": torch.empty(0, 5),
+    }
+
+
+def publish(store, key="k1", ts=None, fields=FIELDS, **kw):
+    ts = tensors() if ts is None else ts
+    files = {"model/config.json": b'{"a": 1}'}
+    return publish_image(
+        store, key, fields, ts.items(), files, {"n": 1}, chunk_bytes=SMALL_CHUNK, **kw
+    )
+
+
+@pytest.fixture
+def store(tmp_path) -> LocalStore:
+    return LocalStore(tmp_path / "store")
+
+
+def largest_chunk(store: LocalStore, manifest: Manifest) -> Path:
+    entry = max(manifest.tensors, key=lambda t: t.chunks[0].size if t.chunks else 0)
+    return store.local_chunk_path(entry.chunks[0].hash)
+
+
+@pytest.mark.parametrize("use_mmap", [True, False], ids=["mmap", "read"])
+def test_round_trip_bitwise(store, use_mmap):
+    manifest, _ = publish(store)
+    assert Manifest.from_json(store.get_manifest("k1")) == manifest
+    assert len(manifest.tensors[0].chunks) == 8
+    out = restore_tensors(store, manifest, "cpu", use_mmap=use_mmap)
+    for name, t in tensors().items():
+        assert out[name].dtype == t.dtype and out[name].shape == t.shape
+        assert torch.equal(out[name], t), name
+    assert out["big"].data_ptr() % PAGE_SIZE == 0 or not use_mmap
+
+
+def test_mapped_tensor_outlives_store_files(store):
+    """Chunk files are immutable once published: a mapping stays valid after ``rm``."""
+    manifest, _ = publish(store)
+    out = restore_tensors(store, manifest, "cpu")
+    remove_snapshot(store, "k1")
+    assert store.list_chunks() == {}
+    assert torch.equal(out["big"], tensors()["big"])
+
+
+@pytest.mark.parametrize("use_mmap", [True, False], ids=["mmap", "read"])
+def test_restore_fault_is_named(store, use_mmap):
+    manifest, _ = publish(store)
+    path = largest_chunk(store, manifest)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="corrupt"):
+        restore_tensors(store, manifest, "cpu", use_mmap=use_mmap)
+    path.write_bytes(bytes(data[:100]))
+    with pytest.raises(IntegrityError, match="truncated"):
+        restore_tensors(store, manifest, "cpu", use_mmap=use_mmap)
+    path.unlink()
+    with pytest.raises(IntegrityError, match="missing"):
+        restore_tensors(store, manifest, "cpu", use_mmap=use_mmap)
+    with pytest.raises(IntegrityError, match="1 bad chunks"):
+        verify_snapshot(store, "k1")
+
+
+def test_newer_schema_is_refused():
+    doc = json.loads(Manifest("k", {}, (), (), {}, "now").to_json())
+    doc["schema"] = 99
+    with pytest.raises(SchemaError, match="schema 99, newer than this warmboot"):
+        Manifest.from_json(json.dumps(doc).encode())
+    with pytest.raises(SchemaError, match="not valid JSON"):
+        Manifest.from_json(b"{half")
+
+
+def test_store_refuses_chunk_whose_bytes_do_not_match(store):
+    with pytest.raises(IntegrityError, match="do not match"):
+        store.put_chunk("0" * 64, b"hello")
+    assert store.list_chunks() == {}
+
+
+def test_dedup_second_snapshot_adds_only_differing_bytes(store):
+    _, first = publish(store, "k1")
+    assert first == store.stored_bytes()
+    before = store.stored_bytes()
+    _, again = publish(store, "k2", fields=FIELDS | {"engine.block_size": "8"})
+    assert again == 0 and store.stored_bytes() == before
+    changed = tensors()
+    changed["ints"] = changed["ints"] + 1
+    _, written = publish(store, "k3", ts=changed)
+    assert written == changed["ints"].numel() * 8
+    assert store.stored_bytes() == before + written
+    # rm frees only what no other snapshot uses
+    assert remove_snapshot(store, "k3") == written
+    assert remove_snapshot(store, "k2") == 0
+    assert store.list_keys() == ["k1"]
+
+
+def test_copy_moves_only_missing_chunks(store, tmp_path):
+    publish(store, "k1")
+    dst = open_store(tmp_path / "dst")
+    moved = copy_snapshot(store, dst, "k1")
+    assert moved == store.stored_bytes() == dst.stored_bytes()
+    changed = tensors()
+    changed["ints"] = changed["ints"] * 3
+    publish(store, "k2", ts=changed)
+    assert copy_snapshot(store, dst, "k2") == changed["ints"].numel() * 8
+    assert dst.list_keys() == ["k1", "k2"]
+    verify_snapshot(dst, "k2")
+
+
+def test_concurrent_publishers_of_one_key(store, tmp_path):
+    errors = []
+
+    def run(i: int) -> None:
+        try:
+            publish(LocalStore(store.root), "same")
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert store.list_keys() == ["same"]
+    manifest = verify_snapshot(store, "same")
+    assert torch.equal(restore_tensors(store, manifest)["big"], tensors()["big"])
+    assert not list((store.root / "tmp").iterdir())
+
+
+CRASH_SCRIPT = textwrap.dedent(
+    """
+    import os, sys, torch
+    from warmboot.snapshot.store import LocalStore
+    from warmboot.snapshot.publish import publish_image
+    calls = []
+    real = LocalStore.put_chunk
+    def put_then_die(self, h, data):
+        calls.append(h)
+        if len(calls) == 3:
+            os._exit(9)  # a crash: no cleanup, no exception handlers
+        return real(self, h, data)
+    LocalStore.put_chunk = put_then_die
+    ts = {f"t{i}": torch.full((1000,), float(i)) for i in range(8)}
+    publish_image(LocalStore(sys.argv[1], parallelism=1), "k", {}, ts.items(), chunk_bytes=4096)
+    """
+)
+
+
+def test_crash_during_publish_leaves_no_snapshot(tmp_path):
+    root = tmp_path / "store"
+    proc = subprocess.run([sys.executable, "-c", CRASH_SCRIPT, str(root)], cwd=Path.cwd())
+    assert proc.returncode == 9
+    store = LocalStore(root)
+    assert store.list_keys() == []
+    assert len(store.list_chunks()) == 2  # written before the crash; unreferenced
+    with pytest.raises(SnapshotError, match="no snapshot"):
+        verify_snapshot(store, "k")
+
+
+def test_key_fields_name_differences(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    big = tmp_path / "model.safetensors"
+    big.write_bytes(b"\0" * (17 << 20))
+    settings = {"dtype": "float32", "block_size": 16}
+    a = key_fields(tmp_path, settings, torch.device("cpu"))
+    assert {"model_files", "engine.dtype", "torch", "python", "device.cpu_flags"} <= set(a)
+    b = key_fields(tmp_path, settings | {"block_size": 8}, torch.device("cpu"))
+    assert key_digest(a) != key_digest(b)
+    (diff,) = diff_fields(b, a)
+    assert diff.startswith("engine.block_size: 8 (this engine) != 16")
+    with open(big, "r+b") as f:  # a weight change inside the sampled first MiB
+        f.seek(1000)
+        f.write(b"\1")
+    assert key_fields(tmp_path, settings, torch.device("cpu"))["model_files"] != a["model_files"]

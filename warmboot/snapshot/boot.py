@@ -1,0 +1,132 @@
+"""The engine's side of tier-A snapshots: find a snapshot matching the compatibility key,
+restore the runner's weights from it, check the warm-up canary, or publish one after a cold
+boot. Every failure is turned into a logged reason and a cold boot; nothing here raises."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from warmboot.snapshot.image import Manifest, SnapshotError, dtype_name
+from warmboot.snapshot.key import diff_fields, key_digest, key_fields
+from warmboot.snapshot.publish import publish_image, runtime_files, triton_cache_dir
+from warmboot.snapshot.restore import restore_files, restore_tensors
+from warmboot.snapshot.store import Store, open_store
+
+log = logging.getLogger("warmboot")
+MAX_MANIFESTS_COMPARED = 32
+CANARY_RTOL = 1e-3
+
+
+class SnapshotBoot:
+    """One engine start's snapshot decision. ``reason`` says why the last step went as it did."""
+
+    def __init__(
+        self,
+        store: str | Path | Store,
+        model_dir: Path,
+        settings: dict[str, object],
+        device: torch.device,
+    ):
+        self.store = open_store(store)
+        self.model_dir = model_dir
+        self.device = device
+        self.fields = key_fields(model_dir, settings, device)
+        self.key = key_digest(self.fields)
+        self.manifest: Manifest | None = None
+        self.reason = ""
+
+    # -- restore --------------------------------------------------------------------------------
+    def lookup(self) -> Manifest | None:
+        """The manifest for this engine's key, or None with ``reason`` set."""
+        try:
+            data = self.store.get_manifest(self.key)
+            if data is None:
+                self.reason = self._no_match_reason()
+                return None
+            manifest = Manifest.from_json(data, where=f"snapshot {self.key}")
+        except (SnapshotError, OSError) as e:
+            self.reason = f"snapshot store {self.store.url}: {e}"
+            return None
+        diff = diff_fields(self.fields, manifest.fields)
+        if diff or manifest.key != self.key:
+            detail = "; ".join(diff) or f"manifest key {manifest.key}"
+            self.reason = f"snapshot {self.key} in {self.store.url} does not match: {detail}"
+            return None
+        self.manifest = manifest
+        return manifest
+
+    def _no_match_reason(self) -> str:
+        base = f"no snapshot for key {self.key} in {self.store.url}"
+        closest: list[str] | None = None
+        for key in self.store.list_keys()[:MAX_MANIFESTS_COMPARED]:
+            try:
+                other = Manifest.from_json(self.store.get_manifest(key) or b"", where=key)
+            except SnapshotError:
+                continue
+            diff = diff_fields(self.fields, other.fields)
+            if closest is None or len(diff) < len(closest):
+                closest, closest_key = diff, key
+        if closest is None:
+            return base
+        return f"{base}; the closest, {closest_key}, differs in: {'; '.join(closest)}"
+
+    def restore(self, manifest: Manifest, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+        """Verified tensors on the engine's device, or None with ``reason`` set."""
+        try:
+            tensors = restore_tensors(self.store, manifest, self.device)
+            _check_dtypes(tensors, dtype)
+            if self.device.type == "cuda":
+                restore_files(self.store, manifest, "triton_cache", triton_cache_dir())
+        except (SnapshotError, OSError, ValueError) as e:
+            self.reason = f"restore from {self.store.url} failed: {e}"
+            return None
+        gb = manifest.tensor_bytes / 1e9
+        self.reason = f"snapshot {self.key} matches ({len(tensors)} tensors, {gb:.3f} GB verified)"
+        return tensors
+
+    def canary_matches(self, canary: list[tuple[int, float]]) -> bool:
+        """Whether the warm-up's greedy tokens and their logprobs (within ``CANARY_RTOL``)
+        equal the ones recorded at the cold boot: wrong weights that pass every hash (a
+        consistent but wrong manifest) still fail here."""
+        want = (self.manifest.facts if self.manifest else {}).get("canary")
+        if want is None:
+            return True
+        same = len(want) == len(canary) and all(
+            t == wt and abs(lp - wlp) <= CANARY_RTOL * max(1.0, abs(wlp))
+            for (t, lp), (wt, wlp) in zip(canary, want, strict=False)
+        )
+        if not same:
+            self.reason = f"warm-up canary gave {canary}, the snapshot recorded {want}"
+        return same
+
+    # -- publish --------------------------------------------------------------------------------
+    def publish(self, model: torch.nn.Module, facts: dict[str, Any]) -> Manifest | None:
+        """Publish this engine's image; a failure is logged, never raised."""
+        try:
+            tensors = [(n, p) for n, p in model.named_parameters()]
+            files = runtime_files(self.model_dir, self.device)
+            extra = {"model_dir": str(self.model_dir)}
+            manifest, written = publish_image(
+                self.store, self.key, self.fields, tensors, files, facts, extra=extra
+            )
+        except (SnapshotError, OSError) as e:
+            log.warning("snapshot publish to %s failed: %s", self.store.url, e)
+            return None
+        log.info(
+            "published snapshot %s to %s: %.3f GB of tensors, %.3f GB new",
+            self.key,
+            self.store.url,
+            manifest.tensor_bytes / 1e9,
+            written / 1e9,
+        )
+        return manifest
+
+
+def _check_dtypes(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    bad = [n for n, t in tensors.items() if t.is_floating_point() and t.dtype != dtype]
+    if bad:
+        raise ValueError(f"tensors {bad[:3]} are not {dtype_name(dtype)}")
