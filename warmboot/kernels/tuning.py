@@ -33,12 +33,18 @@ def interpreting() -> bool:
 
 
 def warp_specialize_supported(device: torch.device) -> bool:
-    """Hopper or newer GPU and a Triton whose ``tl.range`` takes ``warp_specialize``."""
+    """A GPU and a Triton that implement ``tl.range(warp_specialize=True)``.
+
+    NOTE: Triton 3.6 implements it on Blackwell only; on sm_90 it compiles to the same SASS
+    as without (bench/sass_check.py), so Hopper gets it from the next Triton on, where the
+    tuner keeps it only if it measures faster."""
     if interpreting() or device.type != "cuda":
         return False
     if "warp_specialize" not in inspect.signature(tl.range.__init__).parameters:
         return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
+    major = torch.cuda.get_device_capability(device)[0]
+    newer = tuple(int(x) for x in triton.__version__.split(".")[:2]) > (3, 6)
+    return major >= 10 or (major == 9 and newer)
 
 
 def autotune_cache_path() -> Path:
