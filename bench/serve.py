@@ -1,0 +1,279 @@
+"""Serving under load: warmboot's server against ``transformers serve``, same model, same run.
+
+Each server runs as its own process on 127.0.0.1; a closed-loop load generator keeps
+``concurrency`` streaming completions in flight (same prompts, greedy, fixed output length)
+and measures requests/s, output tokens/s, time to first token and inter-token latency
+(p50 / p99) per concurrency. Both servers compute in float32 (the CPU default of warmboot;
+``--dtype float32`` for transformers). Writes ``docs/benchmarks/serve.{json,md,png}``.
+
+    python -m bench.serve [--model DIR] [--concurrency 1 8 32] [--max-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from bench.decode import machine
+
+OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+ROOT = Path(__file__).resolve().parent.parent
+WORDS = "the quick brown fox jumps over a lazy dog while serverless replicas boot".split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A server process; ``model_id`` is what requests must name."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, model_id: str, extra: dict):
+        self.name, self.cmd, self.port, self.model_id, self.extra = name, cmd, port, model_id, extra
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> Server:
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
+        self.log = open(f"/tmp/bench-serve-{self.name}.log", "w")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            self.cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        t0, deadline = time.monotonic(), time.monotonic() + 300
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited; see {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not become healthy")
+            time.sleep(0.2)
+        self.ready_s = time.monotonic() - t0
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def prompts(count: int) -> list[str]:
+    return [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(6 + i % 5)) for i in range(count)]
+
+
+async def one_request(client: httpx.AsyncClient, server: Server, prompt: str, max_tokens: int):
+    body = {
+        "model": server.model_id,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **server.extra,
+    }
+    t0 = time.perf_counter()
+    stamps, usage = [], None
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                stamps.append(time.perf_counter())
+    tokens = usage["completion_tokens"] if usage else len(stamps)
+    return {"t0": t0, "stamps": stamps, "tokens": tokens, "end": time.perf_counter()}
+
+
+async def load(server: Server, concurrency: int, requests: int, max_tokens: int) -> dict:
+    todo = list(reversed(prompts(requests)))
+    done: list[dict] = []
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=server.url, limits=limits, timeout=600) as client:
+
+        async def worker():
+            while todo:
+                done.append(await one_request(client, server, todo.pop(), max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    ttft = [r["stamps"][0] - r["t0"] for r in done if r["stamps"]]
+    itl = [
+        (r["stamps"][-1] - r["stamps"][0]) / (r["tokens"] - 1)
+        for r in done
+        if len(r["stamps"]) > 1 and r["tokens"] > 1
+    ]
+    tokens = sum(r["tokens"] for r in done)
+    return {
+        "server": server.name,
+        "concurrency": concurrency,
+        "requests": len(done),
+        "wall_s": wall,
+        "req_per_s": len(done) / wall,
+        "out_tok_per_s": tokens / wall,
+        "ttft_p50_ms": 1e3 * pct(ttft, 50),
+        "ttft_p99_ms": 1e3 * pct(ttft, 99),
+        "itl_p50_ms": 1e3 * pct(itl, 50),
+        "itl_p99_ms": 1e3 * pct(itl, 99),
+        "mean_tokens": tokens / len(done),
+    }
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def servers(model: str) -> list[Server]:
+    py = sys.executable
+    wb_port, hf_port = free_port(), free_port()
+    warmboot = Server(
+        "warmboot",
+        [py, "-m", "warmboot.cli", "serve", "--model", model, "--port", str(wb_port)]
+        + ["--served-model-name", "bench", "--dtype", "float32"],
+        wb_port,
+        "bench",
+        {"ignore_eos": True},
+    )
+    hf = Server(
+        "transformers",
+        [str(Path(py).parent / "transformers"), "serve", model, "--port", str(hf_port)]
+        + ["--host", "127.0.0.1", "--dtype", "float32", "--continuous-batching"]
+        + ["--log-level", "warning"],
+        hf_port,
+        model,
+        {},
+    )
+    return [warmboot, hf]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=None, help="model directory (default: built-in)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    if args.model is None:
+        from warmboot.models.demo import ensure_default_model
+
+        args.model = str(ensure_default_model())
+    rows, ready = [], {}
+    for server in servers(args.model):
+        with server:
+            ready[server.name] = server.ready_s
+            asyncio.run(load(server, 1, 2, 4))  # warm-up: first-request compile / allocation
+            for c in args.concurrency:
+                row = asyncio.run(load(server, c, max(2 * c, 8), args.max_tokens))
+                rows.append(row)
+                print(
+                    json.dumps(
+                        {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
+                    )
+                )
+    write_report(args, rows, ready)
+
+
+def write_report(args, rows: list[dict], ready: dict) -> None:
+    import transformers
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "model": Path(args.model).name,
+        "max_tokens": args.max_tokens,
+        "transformers": transformers.__version__,
+        "time_to_healthy_s": ready,
+    }
+    (args.out / "serve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    by = {(r["server"], r["concurrency"]): r for r in rows}
+    lines = [
+        "# Serving under load: warmboot vs `transformers serve`",
+        "",
+        f"{meta['date']} · {meta['machine']} · model `{meta['model']}` (float32 on the CPU) · "
+        f"{args.max_tokens} output tokens per request, greedy · transformers "
+        f"{meta['transformers']} with `--continuous-batching` · made by `python -m bench.serve`.",
+        "",
+        "| concurrency | server | req/s | out tok/s | TTFT p50 / p99 ms | ITL p50 / p99 ms "
+        "| tok/s vs transformers |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for c in args.concurrency:
+        base = by.get(("transformers", c))
+        for name in ("warmboot", "transformers"):
+            r = by.get((name, c))
+            if r is None:
+                continue
+            ratio = r["out_tok_per_s"] / base["out_tok_per_s"] if base else float("nan")
+            lines.append(
+                f"| {c} | {name} | {r['req_per_s']:.2f} | {r['out_tok_per_s']:.1f} | "
+                f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
+                f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {ratio:.2f}× |"
+            )
+    lines += [
+        "",
+        "Time from process start to a healthy `/health`: "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in ready.items())
+        + ".",
+        "",
+        "![serving](serve.png)",
+        "",
+    ]
+    (args.out / "serve.md").write_text("\n".join(lines))
+    plot(args, by)
+
+
+def plot(args, by: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for name, color in (("warmboot", "tab:blue"), ("transformers", "tab:gray")):
+        cs = [c for c in args.concurrency if (name, c) in by]
+        axes[0].plot(cs, [by[(name, c)]["out_tok_per_s"] for c in cs], "o-", c=color, label=name)
+        axes[1].plot(cs, [by[(name, c)]["ttft_p50_ms"] for c in cs], "o-", c=color, label=name)
+        axes[2].plot(cs, [by[(name, c)]["itl_p50_ms"] for c in cs], "o-", c=color, label=name)
+    titles = ("output tokens/s", "TTFT p50 (ms)", "inter-token latency p50 (ms)")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_title(title)
+        ax.legend()
+    fig.suptitle(f"serving, {Path(args.model).name}, {datetime.date.today().isoformat()}")
+    fig.tight_layout()
+    fig.savefig(args.out / "serve.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
