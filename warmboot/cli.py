@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -33,6 +34,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object")
     _engine_args(gen)
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    srv.add_argument("--model", default=None, help="model directory (default: built-in)")
+    srv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--served-model-name", default=None, help="model id (default: dir name)")
+    srv.add_argument("--max-num-seqs", type=int, default=64)
+    srv.add_argument("--max-body-bytes", type=int, default=4 << 20)
+    srv.add_argument("--debug-endpoints", action="store_true", help="enable GET /debug/engine")
+    _engine_args(srv)
     demo = sub.add_parser("demo", help="create the built-in model if needed and run it")
     demo.add_argument("--model", default=None, help="model directory (default: built-in)")
     demo.add_argument("--max-tokens", type=int, default=64)
@@ -47,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "snapshot":
         return run_snapshot(args)
     try:
-        return {"generate": _generate, "demo": _demo}[args.command](args)
+        commands = {"generate": _generate, "demo": _demo, "serve": _serve}
+        return commands[args.command](args)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -71,6 +83,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="use the pipelined decode loop (default on CUDA and >= 4 cores)",
     )
+    p.add_argument(
+        "--snapshot-store",
+        default=None,
+        help="tier-A snapshot store (a directory or s3://bucket/prefix): restore if a matching "
+        "snapshot exists, else boot cold and publish one",
+    )
+    p.add_argument(
+        "--no-snapshot-publish",
+        dest="snapshot_publish",
+        action="store_false",
+        help="with --snapshot-store: restore if possible but never publish",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log start-up phases")
 
 
@@ -83,6 +107,9 @@ def _make_llm(args, model: str):
         device=args.device,
         max_model_len=args.max_model_len,
         pipelined=args.pipelined,
+        snapshot_store=args.snapshot_store,
+        snapshot_publish=args.snapshot_publish,
+        **({"max_num_seqs": args.max_num_seqs} if hasattr(args, "max_num_seqs") else {}),
     )
 
 
@@ -113,6 +140,26 @@ def _generate(args) -> int:
         print(json.dumps(record, ensure_ascii=False))
     else:
         print(c.text)
+    return 0
+
+
+def _serve(args) -> int:
+    from warmboot.server.app import ServerConfig
+    from warmboot.server.serve import default_model_name, serve
+
+    if args.model is None:
+        from warmboot.models.demo import ensure_default_model
+
+        args.model = str(ensure_default_model())
+    config = ServerConfig(
+        served_model_name=args.served_model_name or default_model_name(args.model),
+        api_key=args.api_key or os.environ.get("WARMBOOT_API_KEY") or None,
+        max_body_bytes=args.max_body_bytes,
+        enable_debug=args.debug_endpoints,
+    )
+    print(f"serving {config.served_model_name!r} on http://{args.host}:{args.port}/v1", flush=True)
+    level = "info" if args.verbose else "warning"
+    serve(lambda: _make_llm(args, args.model).engine, config, args.host, args.port, level)
     return 0
 
 
