@@ -11,6 +11,7 @@ import openai
 import pytest
 
 from tests.server_harness import MODEL_NAME, running_server, tiny_llm
+from warmboot.engine.async_llm import AsyncLLM
 from warmboot.server.engine_holder import EngineHolder
 
 GOOD = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3, "temperature": 0}
@@ -145,7 +146,7 @@ def test_503_until_the_engine_is_ready(path):
 
     def slow_boot():
         release.wait(30)
-        return tiny_llm(path).engine
+        return AsyncLLM(tiny_llm(path).engine)
 
     holder = EngineHolder(slow_boot)
     holder.start()

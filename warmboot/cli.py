@@ -159,7 +159,13 @@ def _serve(args) -> int:
     )
     print(f"serving {config.served_model_name!r} on http://{args.host}:{args.port}/v1", flush=True)
     level = "info" if args.verbose else "warning"
-    serve(lambda: _make_llm(args, args.model).engine, config, args.host, args.port, level)
+
+    def boot():
+        from warmboot.engine.async_llm import AsyncLLM
+
+        return AsyncLLM(_make_llm(args, args.model).engine)
+
+    serve(boot, config, args.host, args.port, level)
     return 0
 
 

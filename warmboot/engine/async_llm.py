@@ -16,16 +16,14 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-from warmboot.engine.llm_engine import InvalidRequestError, LLMEngine, Prompt
+from warmboot.engine.client import RequestStream
+from warmboot.engine.errors import EngineDeadError, InvalidRequestError
+from warmboot.engine.llm_engine import LLMEngine, Prompt
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
 
 log = logging.getLogger("warmboot")
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine loop stopped; no request can be served."""
 
 
 class AsyncLLM:
@@ -66,7 +64,7 @@ class AsyncLLM:
         self._inbox.put(
             ("add", request_id, {"prompt": text, "prompt_token_ids": token_ids}, params)
         )
-        return RequestStream(self, request_id, len(token_ids), queue_)
+        return RequestStream(request_id, len(token_ids), queue_, self.abort)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
@@ -77,6 +75,29 @@ class AsyncLLM:
     def _validate(self, prompt: Prompt, params: SamplingParams):
         with self._validate_lock:  # NOTE: tokenizer and grammar compiler are not shared
             return self.engine.validate(prompt, params)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.sched_config.max_model_len
+
+    @property
+    def start_info(self):
+        return self.engine.start_info
+
+    async def debug_state(self) -> dict:
+        def inspect(engine: LLMEngine) -> dict:
+            engine.block_manager.check_invariants()
+            return {
+                **engine.stats(),
+                "unfinished": engine.has_unfinished_requests(),
+                "invariants_ok": True,
+            }
+
+        return await self.call(inspect)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -156,42 +177,3 @@ class AsyncLLM:
             loop.call_soon_threadsafe(stream.put_nowait, item)
         except RuntimeError:  # the caller's event loop is closed: nobody is listening
             pass
-
-
-class RequestStream:
-    """The outputs of one request, as an async iterator; closing it early aborts the request."""
-
-    def __init__(self, front: AsyncLLM, request_id: str, num_prompt_tokens: int, q):
-        self.request_id = request_id
-        self.num_prompt_tokens = num_prompt_tokens
-        self._front = front
-        self._queue: asyncio.Queue = q
-        self.finished = False
-        self.aborted = False
-        """Aborted before its last output (the consumer left or called ``abort``)."""
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        if self.finished:
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:  # cancelled: the consumer is gone
-            self.abort()
-            raise
-        if isinstance(item, BaseException):
-            self.finished = True
-            raise item
-        self.finished = item.finished
-        return item
-
-    def abort(self) -> None:
-        if not self.finished:
-            self.finished = self.aborted = True
-            self._front.abort(self.request_id)
-
-    def __del__(self) -> None:
-        if not self.finished:  # dropped without being drained
-            self._front.abort(self.request_id)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from warmboot.config import EngineConfig, ModelConfig, ModelFilesError, SchedulerConfig
+from warmboot.engine.errors import InvalidRequestError
 from warmboot.engine.kv_cache import BlockManager
 from warmboot.engine.loop import BubbleMeter, PipelinedLoop, SyncLoop
 from warmboot.engine.output_processor import CompletionState, OutputProcessor, RequestGroup
@@ -59,10 +60,6 @@ class StartInfo:
     ready_s: float
     """Seconds from the start of ``LLMEngine.__init__`` to ready (publishing included)."""
     phase_times: dict[str, float] = field(default_factory=dict)
-
-
-class InvalidRequestError(ValueError):
-    """A request that cannot be served; the engine keeps serving the others."""
 
 
 class LLMEngine:

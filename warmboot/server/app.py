@@ -22,8 +22,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from warmboot.engine.async_llm import EngineDeadError, RequestStream
-from warmboot.engine.llm_engine import InvalidRequestError
+from warmboot.engine.client import RequestStream
+from warmboot.engine.errors import EngineDeadError, InvalidRequestError
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
 from warmboot.server import responses as R
@@ -214,7 +214,7 @@ class _Api:
         card = {"id": self.config.served_model_name, "object": "model", "owned_by": "warmboot"}
         card["created"] = 0
         if self.holder.llm is not None:
-            card["max_model_len"] = self.holder.llm.engine.sched_config.max_model_len
+            card["max_model_len"] = self.holder.llm.max_model_len
         return {"object": "list", "data": [card]}
 
     async def health(self) -> JSONResponse:
@@ -228,14 +228,7 @@ class _Api:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")
 
     async def debug_engine(self) -> dict:
-        def inspect(engine) -> dict:
-            engine.block_manager.check_invariants()
-            stats = engine.stats()
-            stats["unfinished"] = engine.has_unfinished_requests()
-            stats["invariants_ok"] = True
-            return stats
-
-        return await self.holder.require().call(inspect)
+        return await self.holder.require().debug_state()
 
     def _check_model(self, model: str) -> None:
         if model != self.config.served_model_name:
@@ -391,11 +384,11 @@ async def _add_all(llm, prompts: list, params: SamplingParams) -> list[RequestSt
 
 
 def _prompt_text(llm, prompt) -> str:
-    return prompt if isinstance(prompt, str) else llm.engine.tokenizer.decode(prompt, False)
+    return prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt, False)
 
 
 def _chat_prompt(llm, body: ChatCompletionRequest) -> dict:
-    tokenizer = llm.engine.tokenizer
+    tokenizer = llm.tokenizer
     try:
         text = tokenizer.apply_chat_template(
             body.conversation(), add_generation_prompt=body.add_generation_prompt

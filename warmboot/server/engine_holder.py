@@ -11,8 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from warmboot.engine.async_llm import AsyncLLM
-from warmboot.engine.llm_engine import LLMEngine
+from warmboot.engine.client import EngineClient
 
 log = logging.getLogger("warmboot")
 
@@ -22,19 +21,23 @@ class EngineNotReady(RuntimeError):
 
 
 class EngineHolder:
-    def __init__(self, factory: Callable[[], LLMEngine], started_at: float | None = None):
-        """``started_at`` is a ``time.monotonic()`` stamp of process start (default: now)."""
+    def __init__(self, factory: Callable[[], EngineClient], started_at: float | None = None):
+        """``factory`` boots the engine and returns its client (``AsyncLLM`` in-process, or a
+        worker's ``RemoteLLM``); ``started_at`` is a ``time.monotonic()`` stamp of process
+        start (default: now)."""
         self._factory = factory
         self.started_at = time.monotonic() if started_at is None else started_at
-        self.llm: AsyncLLM | None = None
+        self.llm: EngineClient | None = None
         self.error: str | None = None
         self.time_to_ready: float | None = None
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def ready(cls, engine: LLMEngine) -> EngineHolder:
-        """A holder around an engine that is already booted (tests, embedding)."""
-        holder = cls(lambda: engine)
+    def ready(cls, engine) -> EngineHolder:
+        """A holder around an in-process ``LLMEngine`` that is already booted (tests)."""
+        from warmboot.engine.async_llm import AsyncLLM
+
+        holder = cls(lambda: AsyncLLM(engine))
         holder.boot()
         return holder
 
@@ -45,16 +48,16 @@ class EngineHolder:
 
     def boot(self) -> None:
         try:
-            engine = self._factory()
+            client = self._factory()
         except Exception as e:  # noqa: BLE001 - reported through /health and every API call
             log.exception("engine failed to start")
             self.error = f"{type(e).__name__}: {e}"
             return
         self.time_to_ready = time.monotonic() - self.started_at
-        self.llm = AsyncLLM(engine)
+        self.llm = client
         log.info("engine ready after %.2fs (%s)", self.time_to_ready, self.start_path()[0])
 
-    def require(self) -> AsyncLLM:
+    def require(self) -> EngineClient:
         if self.llm is not None:
             return self.llm
         if self.error is not None:
@@ -63,7 +66,7 @@ class EngineHolder:
 
     def start_path(self) -> tuple[str, str]:
         """(path, reason): how the engine started. Cold unless the engine says otherwise."""
-        info = getattr(self.llm.engine, "start_info", None) if self.llm else None
+        info = getattr(self.llm, "start_info", None) if self.llm else None
         if info is None:
             return "cold", "no snapshot store configured"
         return info.path, info.reason

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from warmboot.engine.llm_engine import LLMEngine
+from warmboot.engine.client import EngineClient
 from warmboot.server.app import ServerConfig, create_app
 from warmboot.server.engine_holder import EngineHolder
 
@@ -16,7 +16,7 @@ log = logging.getLogger("warmboot")
 
 
 def serve(
-    engine_factory: Callable[[], LLMEngine],
+    engine_factory: Callable[[], EngineClient],
     config: ServerConfig,
     host: str = "127.0.0.1",
     port: int = 8000,
