@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-os.environ["TRITON_INTERPRET"] = "1"  # NOTE: read when the kernels are defined (import)
+os.environ["TRITON_INTERPRET"] = "1"  # NOTE: before triton is first imported (jit decorations)
 
 import zlib  # noqa: E402
 

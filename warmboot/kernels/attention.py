@@ -595,15 +595,15 @@ def emu_div(fraction: float) -> int:
 def _candidates(head_dim: int, warp_spec: bool, emu: int | None) -> list[tuning.Config]:
     """GPU tuning candidates per head dim (tile M x N, warps, stages, WS, emulation)."""
     if head_dim <= 64:
-        tiles = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 4)]
+        tiles = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3)]
     elif head_dim <= 128:
-        tiles = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 32, 4, 3)]
+        tiles = [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3)]
     else:
-        tiles = [(64, 64, 4, 2), (128, 32, 8, 2), (64, 32, 4, 2)]
+        tiles = [(64, 64, 4, 2), (128, 32, 8, 2)]
     out = []
     for i, (bm, bn, w, s) in enumerate(tiles):
-        for ws in (False, True) if warp_spec and i < 2 else (False,):
-            for e in (0, 8) if emu is None and i < 2 else (emu or 0,):
+        for ws in (False, True) if warp_spec and i == 0 else (False,):
+            for e in (0, 8) if emu is None and i == 0 else (emu or 0,):
                 out.append(
                     dict(
                         BLOCK_M=bm,

@@ -1,0 +1,298 @@
+"""Attention kernels: correctness, then speed against torch SDPA (one call, under 5 minutes).
+
+1. correctness: varlen forward (every mask, GQA, empty / length-1 sequences, tau 0 and 8,
+   exp2 emulation) and paged decode against the float64 reference;
+2. prefill TFLOP/s, head dim 64 and 128, seqlen 512 .. 16k (16k tokens per batch, 2048 hidden),
+   causal and not, vs ``scaled_dot_product_attention`` with each backend (flash, cuDNN,
+   efficient); columns for tau = 0, 1/8 of exp2 emulated, and the plain (non-LPT) order;
+3. decode GB/s (K+V bytes read) vs a measured device-to-device copy;
+4. first-call JIT compile time of each kernel, cold (empty Triton cache) and from the cache.
+
+``python -m bench.attention --out $OUT`` on a GPU; ``--cpu`` runs only the correctness half in
+Triton's interpreter at tiny sizes. Writes ``attention.json`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
+TOKENS, HIDDEN = 16384, 2048
+
+
+def _cu(lens, device):
+    import torch
+
+    return torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32).to(device)
+
+
+def correctness(device, tiny: bool) -> list[dict]:
+    import torch
+
+    from warmboot.kernels.attention import flash_attn_varlen_func
+    from warmboot.kernels.decode import paged_decode_attention
+    from warmboot.kernels.reference import paged_decode_ref, varlen_attention_ref
+
+    g = torch.Generator().manual_seed(0)
+    lens_q = [5, 0, 1, 37, 20] if tiny else [500, 0, 1, 1537, 2000]
+    lens_k = [5, 0, 3, 37, 50] if tiny else [500, 0, 3, 1537, 2500]
+    dtypes = [torch.float16] if tiny else [torch.float16, torch.bfloat16]
+    rows = []
+    cases = [
+        ("none", False, (-1, -1), 0.0, 8.0, 0.0),
+        ("causal", True, (-1, -1), 0.0, 8.0, 0.0),
+        ("causal tau=0", True, (-1, -1), 0.0, 0.0, 0.0),
+        ("causal emu=1/8", True, (-1, -1), 0.0, 8.0, 0.125),
+        ("causal emu=all", True, (-1, -1), 0.0, 8.0, 1.0),
+        ("window (16,4)", False, (16, 4), 0.0, 8.0, 0.0),
+        ("causal+window 16", True, (16, -1), 0.0, 8.0, 0.0),
+        ("softcap 20", True, (-1, -1), 20.0, 8.0, 0.0),
+    ]
+    for dtype in dtypes:
+        for d in (64,) if tiny else (64, 128):
+            hq, hkv = 8, 2
+            q = torch.randn(sum(lens_q), hq, d, generator=g).to(dtype).to(device)
+            k = torch.randn(sum(lens_k), hkv, d, generator=g).to(dtype).to(device)
+            v = torch.randn(sum(lens_k), hkv, d, generator=g).to(dtype).to(device)
+            cu_q, cu_k = _cu(lens_q, device), _cu(lens_k, device)
+            for name, causal, window, cap, tau, emu in cases:
+                out = torch.full_like(q, float("nan"))
+                o, lse = flash_attn_varlen_func(
+                    q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                    window_size=window, softcap=cap, return_lse=True, tau=tau,
+                    emulate_fraction=emu, out=out,
+                )  # fmt: skip
+                ro, rl = varlen_attention_ref(q, k, v, cu_q, cu_k, None, causal, window, cap)
+                fin = torch.isfinite(rl)
+                rows.append(
+                    dict(
+                        kernel="varlen", case=name, dtype=str(dtype)[6:], d=d,
+                        rel_err=((o.double() - ro).norm() / ro.norm()).item(),
+                        lse_err=(lse.double() - rl)[fin].abs().max().item(),
+                        nan=bool(o.isnan().any()),
+                    )
+                )  # fmt: skip
+        rows += _decode_correctness(
+            device, dtype, tiny, g, paged_decode_attention, paged_decode_ref
+        )
+    return rows
+
+
+def _decode_correctness(device, dtype, tiny, g, kernel, ref) -> list[dict]:
+    import torch
+
+    lens = [1, 37, 0, 70] if tiny else [1, 3000, 0, 7001]
+    bs, hq, hkv, d = 16, 8, 2, 64 if tiny else 128
+    nblk = [-(-n // bs) for n in lens]
+    num_blocks = sum(nblk) + 5
+    perm = torch.randperm(num_blocks, generator=g)
+    table = torch.zeros(len(lens), max(nblk), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(nblk):
+        table[b, :n] = perm[used : used + n]
+        used += n
+    kc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype).to(device)
+    vc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype).to(device)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype).to(device)
+    table, seqlens = table.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
+    rows = []
+    for name, window, cap, splits in [
+        ("plain", (-1, -1), 0.0, 1),
+        ("split 4", (-1, -1), 0.0, 4),
+        ("window 31", (31, 0), 0.0, 3),
+        ("softcap 20", (-1, -1), 20.0, 2),
+    ]:
+        out = torch.full_like(q, float("nan"))
+        kernel(q, kc, vc, table, seqlens, None, window, cap, splits, out=out)
+        ro, _ = ref(q, kc, vc, table, seqlens, None, window, cap)
+        rows.append(
+            dict(
+                kernel="decode", case=name, dtype=str(dtype)[6:], d=d,
+                rel_err=((out.double() - ro).norm() / ro.norm()).item(), lse_err=None,
+                nan=bool(out.isnan().any()),
+            )
+        )  # fmt: skip
+    return rows
+
+
+def _bench(fn, *args, **kwargs) -> float:
+    """Mean milliseconds of ``fn(*args, **kwargs)``."""
+    import triton.testing
+
+    return triton.testing.do_bench(lambda: fn(*args, **kwargs), warmup=10, rep=40)
+
+
+def prefill_perf() -> list[dict]:
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from warmboot.kernels.attention import attention_flops, flash_attn_func
+
+    sdpa = {
+        "sdpa_flash": SDPBackend.FLASH_ATTENTION,
+        "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+        "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
+    }
+    rows = []
+    for d in (64, 128):
+        for causal in (False, True):
+            for n in SEQLENS:
+                bsz, h = TOKENS // n, HIDDEN // d
+                q, k, v = (
+                    torch.randn(bsz, n, h, d, device="cuda", dtype=torch.float16) for _ in "qkv"
+                )
+                flops = bsz * attention_flops([n], [n], h, d, causal)
+                row = dict(d=d, causal=causal, seqlen=n, batch=bsz, heads=h)
+                variants = {
+                    "triton": {},
+                    "triton_tau0": dict(tau=0.0),
+                    "triton_emu0": dict(emulate_fraction=0.0),
+                    "triton_emu1/8": dict(emulate_fraction=0.125),
+                    "triton_plain_order": dict(lpt=False),
+                }
+                for name, kw in variants.items():
+                    ms = _bench(flash_attn_func, q, k, v, causal=causal, **kw)
+                    row[name] = flops / ms / 1e9
+                qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+                for name, backend in sdpa.items():
+                    try:
+                        with sdpa_kernel(backend):
+                            ms = _bench(
+                                F.scaled_dot_product_attention, qt, kt, vt, is_causal=causal
+                            )
+                        row[name] = flops / ms / 1e9
+                    except RuntimeError:
+                        row[name] = None
+                rows.append(row)
+                print(_fmt_perf(row), flush=True)
+    return rows
+
+
+def decode_perf() -> list[dict]:
+    import torch
+
+    from warmboot.kernels.decode import paged_decode_attention
+
+    rows = []
+    hq, hkv, d, bs = 32, 8, 128, 16
+    for batch, ctx in ((1, 16384), (32, 4096), (128, 2048), (64, 8192)):
+        nblk = ctx // bs
+        num_blocks = batch * nblk
+        kc = torch.randn(num_blocks, bs, hkv, d, device="cuda", dtype=torch.float16)
+        vc = torch.randn_like(kc)
+        table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, nblk)
+        seqlens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, hq, d, device="cuda", dtype=torch.float16)
+        ms = _bench(paged_decode_attention, q, kc, vc, table, seqlens)
+        kv_bytes = 2 * kc.numel() * kc.element_size()
+        src = torch.empty(kv_bytes // 2, dtype=torch.float16, device="cuda")
+        dst = torch.empty_like(src)
+        copy_ms = _bench(dst.copy_, src)
+        row = dict(
+            batch=batch, ctx=ctx, kernel_GBps=kv_bytes / ms / 1e6,
+            copy_GBps=2 * kv_bytes / copy_ms / 1e6,  # read + write
+        )  # fmt: skip
+        row["fraction_of_copy"] = row["kernel_GBps"] / row["copy_GBps"]
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def compile_times() -> dict:
+    """First call of each kernel in a fresh process: empty Triton cache, then warm cache."""
+    code = (
+        "import time, json, torch\n"
+        "from warmboot.kernels import tuning\n"
+        "from warmboot.kernels.attention import flash_attn_func\n"
+        "from warmboot.kernels.decode import paged_decode_attention\n"
+        "q = torch.randn(1, 1024, 16, 128, device='cuda', dtype=torch.float16)\n"
+        "res = {}\n"
+        "t = time.perf_counter(); flash_attn_func(q, q, q, causal=True); torch.cuda.synchronize()\n"
+        "res['varlen_fwd'] = time.perf_counter() - t\n"
+        "kc = torch.randn(64, 16, 16, 128, device='cuda', dtype=torch.float16)\n"
+        "tb = torch.arange(64, device='cuda', dtype=torch.int32).view(1, 64)\n"
+        "sl = torch.tensor([1000], device='cuda', dtype=torch.int32)\n"
+        "t = time.perf_counter(); paged_decode_attention(q[0, :1], kc, kc, tb, sl, num_splits=4)\n"
+        "torch.cuda.synchronize(); res['paged_decode'] = time.perf_counter() - t\n"
+        "print(json.dumps(res))\n"
+    )
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/triton", WARMBOOT_CACHE_DIR=f"{tmp}/wb")
+        env.pop("TRITON_INTERPRET", None)
+        for label in ("cold", "cached"):  # the autotune JSON persists too: cached skips tuning
+            p = subprocess.run(
+                [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True
+            )
+            out[label] = (
+                json.loads(p.stdout.strip().splitlines()[-1])
+                if p.returncode == 0
+                else p.stderr[-500:]
+            )
+    return out
+
+
+def _fmt_perf(r: dict) -> str:
+    cols = [k for k in r if k.startswith(("triton", "sdpa"))]
+    head = f"d={r['d']} causal={int(r['causal'])} n={r['seqlen']:>5}"
+    return head + " " + " ".join(f"{c}={r[c]:.0f}" if r[c] else f"{c}=-" for c in cols)
+
+
+def _print_correctness(rows: list[dict]) -> None:
+    print("| kernel | case | dtype | d | rel err | LSE err | NaN |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        lse = "-" if r["lse_err"] is None else f"{r['lse_err']:.1e}"
+        print(
+            f"| {r['kernel']} | {r['case']} | {r['dtype']} | {r['d']} | {r['rel_err']:.1e} | {lse} | {r['nan']} |"
+        )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
+    ap.add_argument("--cpu", action="store_true", help="correctness only, in the interpreter")
+    args = ap.parse_args()
+    if args.cpu:
+        os.environ["TRITON_INTERPRET"] = "1"  # NOTE: before the kernels are imported
+    sys.path.insert(0, str(ROOT))
+    import torch
+    import triton
+
+    device = torch.device("cpu" if args.cpu else "cuda")
+    result = dict(
+        date=time.strftime("%Y-%m-%d"), triton=triton.__version__, torch=torch.__version__,
+        device="interpreter (CPU)" if args.cpu else torch.cuda.get_device_name(),
+    )  # fmt: skip
+    t0 = time.perf_counter()
+    result["correctness"] = correctness(device, tiny=args.cpu)
+    _print_correctness(result["correctness"])
+    if not args.cpu:
+        result["prefill_tflops"] = prefill_perf()
+        result["decode"] = decode_perf()
+        result["compile_s"] = compile_times()
+        print(json.dumps(result["compile_s"]))
+    result["wall_s"] = time.perf_counter() - t0
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / ("attention_cpu.json" if args.cpu else "attention.json")
+    path.write_text(json.dumps(result, indent=1))
+    print(f"wrote {path} in {result['wall_s']:.0f}s")
+    bad = [
+        r
+        for r in result["correctness"]
+        if r["nan"] or r["rel_err"] > 2e-3 * (5 if r["dtype"] == "bfloat16" else 1)
+    ]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
