@@ -20,8 +20,10 @@ What ``runsc restore`` needs (checked here, Debian's release 2022-12-19, ptrace 
 - the same runsc version and host (CPU features): part of the snapshot key, not checked here;
 - a fresh container id (the old container has ended and was deleted).
 
-``checkpoint --leave-running`` does not work here (exit 128, the container ended), so
-``checkpoint`` always ends the container; to keep serving, restore from the new image.
+``checkpoint --leave-running`` does not work here (measured: exit 128 "destroying container:
+stopping container: context deadline exceeded"; the image is written but the container is
+gone and ``runsc run`` exits 137), so ``checkpoint`` always ends the container; to keep
+serving, restore from the new image.
 ``runsc run`` needs ``--network=none`` (it refuses to run with networking in the root
 network namespace), and ``--platform=kvm`` hangs at sandbox boot, so the default ptrace
 platform is used.
