@@ -43,6 +43,13 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-num-seqs", type=int, default=64)
     srv.add_argument("--max-body-bytes", type=int, default=4 << 20)
     srv.add_argument("--debug-endpoints", action="store_true", help="enable GET /debug/engine")
+    srv.add_argument(
+        "--sandbox",
+        default="auto",
+        choices=["auto", "none"],
+        help="auto: with --snapshot-store and runsc, run the engine in a gVisor worker and "
+        "restore it from a process snapshot; none: the engine runs in this process",
+    )
     _engine_args(srv)
     demo = sub.add_parser("demo", help="create the built-in model if needed and run it")
     demo.add_argument("--model", default=None, help="model directory (default: built-in)")
@@ -98,19 +105,26 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="log start-up phases")
 
 
-def _make_llm(args, model: str):
-    from warmboot import LLM
-
-    return LLM(
-        model,
+def _engine_kwargs(args, model: str) -> dict:
+    """``LLM`` keyword arguments from the command line (plain JSON data: a worker gets them)."""
+    kwargs = dict(
+        model=model,
         dtype=args.dtype,
         device=args.device,
         max_model_len=args.max_model_len,
         pipelined=args.pipelined,
         snapshot_store=args.snapshot_store,
         snapshot_publish=args.snapshot_publish,
-        **({"max_num_seqs": args.max_num_seqs} if hasattr(args, "max_num_seqs") else {}),
     )
+    if hasattr(args, "max_num_seqs"):
+        kwargs["max_num_seqs"] = args.max_num_seqs
+    return kwargs
+
+
+def _make_llm(args, model: str):
+    from warmboot import LLM
+
+    return LLM(**_engine_kwargs(args, model))
 
 
 def _generate(args) -> int:
@@ -161,9 +175,11 @@ def _serve(args) -> int:
     level = "info" if args.verbose else "warning"
 
     def boot():
-        from warmboot.engine.async_llm import AsyncLLM
+        from warmboot.launcher.launch import LaunchConfig, launch
 
-        return AsyncLLM(_make_llm(args, args.model).engine)
+        engine = _engine_kwargs(args, args.model)
+        store = args.snapshot_store
+        return launch(LaunchConfig(engine=engine, store=store, sandbox=args.sandbox))
 
     serve(boot, config, args.host, args.port, level)
     return 0

@@ -34,6 +34,7 @@ class AsyncLLM:
         self._ids = itertools.count()
         self._validate_lock = threading.Lock()
         self._error: BaseException | None = None
+        self.start_info_override = None
         self._thread = threading.Thread(target=self._run, name="warmboot-engine", daemon=True)
         self._thread.start()
 
@@ -86,7 +87,8 @@ class AsyncLLM:
 
     @property
     def start_info(self):
-        return self.engine.start_info
+        """How the engine started (a launcher may override it with its own account)."""
+        return self.start_info_override or self.engine.start_info
 
     async def debug_state(self) -> dict:
         def inspect(engine: LLMEngine) -> dict:

@@ -1,0 +1,147 @@
+"""The launcher <-> worker wire format: length-prefixed msgpack frames over stdin/stdout.
+
+A frame is a 4-byte big-endian length and a msgpack map with a ``t`` (type) field. Only plain
+data crosses: ``SamplingParams`` and ``RequestOutput`` are turned into maps and back here.
+No sockets: a worker inside a process snapshot keeps talking on whatever stdio the restore
+gave it.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from dataclasses import asdict
+from typing import BinaryIO
+
+import msgpack
+
+from warmboot.outputs import CompletionOutput, Logprob, RequestOutput
+from warmboot.sampling_params import SamplingParams, StructuredOutputs
+
+MAX_FRAME_BYTES = 256 << 20
+_HEADER = struct.Struct(">I")
+
+
+class FrameError(RuntimeError):
+    """The peer closed the pipe or sent something that is not a frame."""
+
+
+def read_frame(stream: BinaryIO) -> dict | None:
+    """The next frame, or None at a clean end of stream."""
+    header = _read_exact(stream, _HEADER.size, allow_eof=True)
+    if header is None:
+        return None
+    (size,) = _HEADER.unpack(header)
+    if size > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {size} bytes exceeds the limit of {MAX_FRAME_BYTES}")
+    body = _read_exact(stream, size, allow_eof=False)
+    frame = msgpack.unpackb(body, raw=False, strict_map_key=False)
+    if not isinstance(frame, dict) or "t" not in frame:
+        raise FrameError(f"not a frame: {str(frame)[:80]}")
+    return frame
+
+
+def _read_exact(stream: BinaryIO, size: int, allow_eof: bool) -> bytes | None:
+    data = bytearray()
+    while len(data) < size:
+        piece = stream.read(size - len(data))
+        if not piece:
+            if allow_eof and not data:
+                return None
+            raise FrameError(f"stream ended inside a frame ({len(data)} of {size} bytes)")
+        data += piece
+    return bytes(data)
+
+
+class FrameWriter:
+    """Thread-safe frame writer (the engine thread and the reader thread both reply)."""
+
+    def __init__(self, stream: BinaryIO):
+        self._stream = stream
+        self._lock = threading.Lock()
+
+    def send(self, frame: dict) -> None:
+        body = msgpack.packb(frame, use_bin_type=True)
+        with self._lock:
+            self._stream.write(_HEADER.pack(len(body)) + body)
+            self._stream.flush()
+
+
+# -- plain-data conversions ------------------------------------------------------------------
+def params_to_wire(params: SamplingParams) -> dict:
+    return asdict(params)
+
+
+def params_from_wire(data: dict) -> SamplingParams:
+    data = dict(data)
+    structured = data.pop("structured_outputs", None)
+    if structured is not None:
+        data["structured_outputs"] = StructuredOutputs(**structured)
+    return SamplingParams(**data)
+
+
+def output_to_wire(out: RequestOutput) -> dict:
+    """Only what is new since the previous output (``delta=True`` outputs): a long stream
+    costs O(tokens) on the wire, not O(tokens^2)."""
+    completions = []
+    for c in out.outputs:
+        new = len(c.delta_token_ids)
+        logprobs = None
+        if c.logprobs is not None:
+            logprobs = [
+                {t: [lp.logprob, lp.decoded_token] for t, lp in step.items()}
+                for step in c.logprobs[len(c.logprobs) - new :]
+            ]
+        completions.append(
+            {
+                "index": c.index,
+                "delta_text": c.delta_text,
+                "delta_token_ids": list(c.delta_token_ids),
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        )
+    return {"finished": out.finished, "num_cached_tokens": out.num_cached_tokens, "c": completions}
+
+
+class OutputAccumulator:
+    """Rebuilds cumulative ``RequestOutput``s (with deltas) from ``output_to_wire`` maps."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]):
+        self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
+        self._text: dict[int, str] = {}
+        self._ids: dict[int, list[int]] = {}
+        self._logprobs: dict[int, list[dict[int, Logprob]] | None] = {}
+
+    def add(self, data: dict) -> RequestOutput:
+        outputs = []
+        for c in data["c"]:
+            i = c["index"]
+            self._text[i] = self._text.get(i, "") + c["delta_text"]
+            self._ids.setdefault(i, []).extend(c["delta_token_ids"])
+            if c["logprobs"] is not None:
+                steps = [
+                    {int(t): Logprob(v[0], v[1]) for t, v in step.items()} for step in c["logprobs"]
+                ]
+                self._logprobs.setdefault(i, []).extend(steps)
+            outputs.append(
+                CompletionOutput(
+                    index=i,
+                    text=self._text[i],
+                    token_ids=list(self._ids[i]),
+                    finish_reason=c["finish_reason"],
+                    stop_reason=c["stop_reason"],
+                    logprobs=self._logprobs.get(i),
+                    delta_text=c["delta_text"],
+                    delta_token_ids=list(c["delta_token_ids"]),
+                )
+            )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=data["finished"],
+            num_cached_tokens=data["num_cached_tokens"],
+        )

@@ -1,0 +1,285 @@
+"""Boot or restore: the launcher's decision, playing the seed's "checkpoint service + shim".
+
+1. Compute the process key (tier-A fields that matter plus runsc version, CPU flags and the
+   sandbox spec).
+2. The store holds a process image for it: fetch, ``runsc restore``, send the fresh settings,
+   check the canary, serve  -> ``restored_process``.
+3. Otherwise: ``runsc run`` a worker (which boots from tier A when it can), let it shrink its
+   KV pool, checkpoint it, restore it from the fresh image (``--leave-running`` does not work
+   with this runsc), check the canary, publish the image, serve.
+4. Anything failing on the way, or no runsc, or ``sandbox="none"``: the engine boots
+   in-process (tier A if it can). The reason is kept and shown in ``/health`` and ``/metrics``.
+
+Settings sent *after* a restore, never baked into the image: the sampling seed and the KV pool
+size (``start`` frame). Everything else (model, dtype, lengths) is part of the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import shutil
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+from warmboot.launcher import process_image
+from warmboot.launcher.remote import Channel, LaunchInfo, RemoteLLM, WorkerError
+
+log = logging.getLogger("warmboot")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    engine: dict
+    """``LLM`` keyword arguments (``model`` included; ``snapshot_store`` for tier A)."""
+    store: str | None = None
+    """Where process images live (the tier-A store); None disables tier P."""
+    sandbox: str = "auto"
+    """auto (runsc when available), runsc (same, but say loudly when it is not), none."""
+    work_dir: Path = field(default_factory=lambda: Path("/tmp/warmboot-launcher"))
+    seed: int = 0
+    boot_timeout: float = 600.0
+    restore_timeout: float = 120.0
+    """A restore (to a started, canary-checked worker) that takes longer falls back."""
+    publish: bool = True
+
+
+@dataclass
+class Counters:
+    """What happened at start-up, for the log and ``/metrics``."""
+
+    fallbacks: dict[str, int] = field(default_factory=dict)
+
+    def fell_back(self, why: str) -> None:
+        self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
+
+
+def launch(cfg: LaunchConfig):
+    """An ``EngineClient``: a restored or fresh sandboxed worker, or the in-process engine."""
+    t0 = time.monotonic()
+    if cfg.sandbox == "none":
+        return _in_process(cfg, "sandbox disabled (--sandbox none)", t0)
+    if cfg.store is None:
+        return _in_process(cfg, "no snapshot store: nothing to restore from", t0)
+    from warmboot.snapshot.sandbox import runsc_status
+
+    version, why = runsc_status()
+    if version is None:
+        return _in_process(cfg, f"runsc unavailable: {why}", t0)
+    from warmboot.snapshot.store import open_store
+
+    store = open_store(cfg.store)
+    spec = worker_spec(cfg)
+    fields = process_key_fields(cfg, version, spec)
+    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+    try:
+        client = _try_restore(cfg, store, key, spec, t0)
+        if client is not None:
+            return client
+        reason = f"no process snapshot for key {key[:12]}"
+    except (WorkerError, process_image.ProcessImageError, OSError, RuntimeError) as e:
+        reason = f"process snapshot {key[:12]} unusable: {e}"
+        log.warning("%s; discarding it and booting cold", reason)
+        process_image.discard(store, key)
+    try:
+        return _create(cfg, store, key, fields, spec, reason, t0)
+    except (WorkerError, process_image.ProcessImageError, OSError, RuntimeError) as e:
+        log.warning("sandboxed boot failed (%s); booting in-process", e)
+        return _in_process(cfg, f"{reason}; sandboxed boot failed: {e}", t0)
+
+
+# -- paths ---------------------------------------------------------------------------------------
+def _try_restore(cfg: LaunchConfig, store, key: str, spec, t0: float) -> RemoteLLM | None:
+    manifest = process_image.lookup(store, key)
+    if manifest is None:
+        return None
+    work = _work_dir(cfg)
+    image = work / "image"
+    t_fetch = time.monotonic()
+    nbytes = process_image.fetch(store, manifest, image)
+    phases = {"fetch_image": time.monotonic() - t_fetch}
+    client = _restore_and_start(cfg, spec, work, image, manifest["canary"], phases)
+    reason = f"process snapshot {key[:12]} restored ({nbytes / 1e6:.0f} MB image), canary ok"
+    return _finish(client, "restored_process", reason, phases, t0, work)
+
+
+def _create(cfg: LaunchConfig, store, key: str, fields: dict, spec, reason: str, t0: float):
+    from warmboot.snapshot.sandbox import Sandbox
+
+    work = _work_dir(cfg)
+    phases: dict[str, float] = {}
+    sandbox = Sandbox(spec, work / "boot")
+    try:
+        t = time.monotonic()
+        proc = sandbox.run()
+        channel = Channel(proc.stdin, proc.stdout, "sandboxed worker")
+        channel.expect("booted", cfg.boot_timeout)
+        phases["sandboxed_boot"] = time.monotonic() - t
+        channel.send({"t": "prepare_checkpoint"})
+        canary = channel.expect("quiescent", 120)["canary"]
+        image = work / "image"
+        phases["checkpoint"] = sandbox.checkpoint(image)
+    finally:
+        sandbox.delete()
+    client = _restore_and_start(cfg, spec, work, image, canary, phases)
+    if cfg.publish:
+        t = time.monotonic()
+        meta = {"fields": fields, "canary": canary, "image_bytes": process_image.image_bytes(image)}
+        new = process_image.publish(store, key, image, meta)
+        phases["publish_image"] = time.monotonic() - t
+        log.info("published process snapshot %s (%.0f MB new)", key[:12], new / 1e6)
+    return _finish(client, "cold", f"{reason}; booted in gVisor and published", phases, t0, work)
+
+
+def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases: dict):
+    """``runsc restore`` the image, send the fresh settings, check the canary."""
+    from warmboot.snapshot.sandbox import Sandbox
+    from warmboot.tokenizer import Tokenizer
+
+    sandbox = Sandbox(spec, work / "serve")
+    t = time.monotonic()
+    try:
+        proc = sandbox.restore(image, timeout=cfg.restore_timeout)
+        channel = Channel(proc.stdin, proc.stdout, "restored worker")
+        phases["runsc_restore"] = time.monotonic() - t
+        t = time.monotonic()
+        channel.send({"t": "start", "seed": cfg.seed})
+        started = channel.expect("started", cfg.restore_timeout)
+        phases["start_and_canary"] = time.monotonic() - t
+        if not canary_matches(canary, started["canary"]):
+            raise WorkerError(f"canary mismatch: {canary[:4]}... != {started['canary'][:4]}...")
+    except BaseException:
+        sandbox.delete()
+        raise
+    tokenizer = Tokenizer.from_dir(cfg.engine["model"])
+    client = RemoteLLM(channel, tokenizer, started, LaunchInfo("pending", ""))
+    client.on_exit(lambda: _reap(sandbox, proc))
+    return client
+
+
+def _finish(client: RemoteLLM, path: str, reason: str, phases: dict, t0: float, work: Path):
+    client.start_info = LaunchInfo(path, reason, time.monotonic() - t0, dict(phases))
+    log.info("worker ready via %s (%s): %s", path, reason, _fmt(phases))
+    return client
+
+
+def _in_process(cfg: LaunchConfig, reason: str, t0: float):
+    from warmboot import LLM
+    from warmboot.engine.async_llm import AsyncLLM
+
+    engine = LLM(**cfg.engine).engine
+    info = engine.start_info
+    front = AsyncLLM(engine)
+    front.start_info_override = LaunchInfo(
+        info.path, f"{reason}; in-process: {info.reason}", time.monotonic() - t0, info.phase_times
+    )
+    return front
+
+
+def _reap(sandbox, proc) -> None:
+    try:
+        proc.wait(timeout=10)
+    except Exception:  # noqa: BLE001 - it is going away either way
+        pass
+    sandbox.delete()
+
+
+# -- the worker and its key ------------------------------------------------------------------
+def worker_spec(cfg: LaunchConfig):
+    from warmboot.snapshot.sandbox import SandboxSpec
+
+    keep = ("PATH", "HOME", "LANG", "WARMBOOT_CACHE", "PYTHONPATH", "OMP_NUM_THREADS")
+    env = {k: os.environ[k] for k in keep if k in os.environ}
+    env["PYTHONUNBUFFERED"] = "1"
+    binds = []
+    store = cfg.engine.get("snapshot_store")
+    if store and "://" not in str(store):  # the worker publishes tier A into a local store
+        Path(store).mkdir(parents=True, exist_ok=True)
+        binds.append(str(Path(store).resolve()))
+    argv = [sys.executable, "-m", "warmboot.launcher.worker", json.dumps(cfg.engine)]
+    # NOTE: the scratch tmpfs (captured in the image) sits on a fixed, otherwise empty path:
+    # a tmpfs over /tmp would hide models and stores that live there.
+    scratch = Path(cfg.work_dir).resolve() / "scratch"
+    scratch.mkdir(parents=True, exist_ok=True)
+    return SandboxSpec(
+        argv=argv,
+        cwd=os.getcwd(),
+        env=env,
+        writable_binds=tuple(binds),
+        tmpfs=(str(scratch),),
+    )
+
+
+def process_key_fields(cfg: LaunchConfig, runsc_version: str, spec) -> dict[str, str]:
+    """Everything that can change the restored process: model files, engine settings,
+    versions, CPU, runsc, and the sandbox spec itself."""
+    from warmboot.snapshot.key import model_files_digest
+
+    cpu = _cpu_flags()
+    return {
+        "model_files": model_files_digest(Path(cfg.engine["model"])),
+        "engine": json.dumps(cfg.engine, sort_keys=True),
+        "warmboot": metadata.version("warmboot"),
+        "python": platform.python_version(),
+        "torch": _version("torch"),
+        "triton": _version("triton"),
+        "runsc": runsc_version,
+        "cpu": cpu,
+        "sandbox_spec": json.dumps(
+            {"argv": spec.argv, "cwd": spec.cwd, "env": spec.env, "binds": spec.writable_binds},
+            sort_keys=True,
+        ),
+    }
+
+
+def canary_matches(recorded: list, fresh: list) -> bool:
+    """Same greedy tokens, logprobs equal to 1e-4 (bitwise on the CPU in practice)."""
+    if len(recorded) != len(fresh):
+        return False
+    return all(
+        int(a[0]) == int(b[0]) and abs(float(a[1]) - float(b[1])) <= 1e-4
+        for a, b in zip(recorded, fresh, strict=True)
+    )
+
+
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine()
+    model = flags = ""
+    for line in text.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() == "model name" and not model:
+            model = value.strip()
+        elif name.strip() == "flags" and not flags:
+            flags = " ".join(sorted(value.split()))
+    return f"{model} | {flags}"
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "absent"
+
+
+def _work_dir(cfg: LaunchConfig) -> Path:
+    path = Path(cfg.work_dir) / uuid.uuid4().hex[:12]
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _fmt(phases: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f}s" for k, v in phases.items())
+
+
+def cleanup_work_dir(cfg: LaunchConfig) -> None:
+    shutil.rmtree(cfg.work_dir, ignore_errors=True)

@@ -1,0 +1,222 @@
+"""The launcher's side of a worker: a frame channel, and ``RemoteLLM``, the ``EngineClient``
+the HTTP server uses when the engine lives in a worker process. Torch-free."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import BinaryIO
+
+from warmboot.engine.client import RequestStream
+from warmboot.engine.errors import EngineDeadError, InvalidRequestError
+from warmboot.launcher.frames import FrameWriter, OutputAccumulator, params_to_wire, read_frame
+from warmboot.sampling_params import SamplingParams
+from warmboot.tokenizer import Tokenizer
+
+log = logging.getLogger("warmboot")
+
+
+class WorkerError(RuntimeError):
+    """The worker died, said ``fatal``, or did not answer in time."""
+
+
+class Channel:
+    """Frames to a worker's stdin; frames from its stdout land in a queue (reader thread)."""
+
+    def __init__(self, stdin: BinaryIO, stdout: BinaryIO, name: str = "worker"):
+        self.name = name
+        self._writer = FrameWriter(stdin)
+        self._stdin = stdin
+        self.frames: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._read, args=(stdout,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stdout: BinaryIO) -> None:
+        try:
+            while (frame := read_frame(stdout)) is not None:
+                self.frames.put(frame)
+        except Exception as e:  # noqa: BLE001 - the consumer hears about it as EOF
+            log.warning("%s: bad frame stream: %s", self.name, e)
+        self.frames.put(None)
+
+    def send(self, frame: dict) -> None:
+        try:
+            self._writer.send(frame)
+        except (BrokenPipeError, ValueError, OSError) as e:
+            raise WorkerError(f"{self.name} is gone: {e}") from None
+
+    def expect(self, kind: str, timeout: float) -> dict:
+        """The next frame, which must be ``kind`` (``stats`` frames are skipped)."""
+        while True:
+            try:
+                frame = self.frames.get(timeout=timeout)
+            except queue.Empty:
+                raise WorkerError(f"{self.name} sent no {kind!r} within {timeout:.0f}s") from None
+            if frame is None:
+                raise WorkerError(f"{self.name} exited before sending {kind!r}")
+            if frame["t"] == "fatal":
+                raise WorkerError(f"{self.name} failed: {frame['message']}")
+            if frame["t"] == "stats":
+                continue
+            if frame["t"] != kind:
+                raise WorkerError(f"{self.name} sent {frame['t']!r}, expected {kind!r}")
+            return frame
+
+    def close(self) -> None:
+        try:
+            self._stdin.close()
+        except OSError:
+            pass
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """How this replica started: ``path`` is cold, restored_image or restored_process."""
+
+    path: str
+    reason: str
+    ready_s: float = 0.0
+    phase_times: dict[str, float] = field(default_factory=dict)
+
+
+class RemoteLLM:
+    """``EngineClient`` over a started worker's channel (after its ``started`` frame)."""
+
+    def __init__(self, channel: Channel, tokenizer: Tokenizer, started: dict, info: LaunchInfo):
+        self.channel = channel
+        self.tokenizer = tokenizer
+        self.max_model_len = int(started["max_model_len"])
+        self.start_info = info
+        self._stats = dict(started["stats"])
+        self._pending: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._acc: dict[str, OutputAccumulator] = {}
+        self._dead: str | None = None
+        self._on_exit: list = []
+        threading.Thread(target=self._dispatch, name="warmboot-remote", daemon=True).start()
+
+    # -- EngineClient --------------------------------------------------------------------------
+    async def add_request(
+        self, prompt, params: SamplingParams, request_id: str | None = None
+    ) -> RequestStream:
+        if self._dead is not None:
+            raise EngineDeadError(f"the worker is gone: {self._dead}")
+        rid = request_id or f"remote-{uuid.uuid4().hex}"
+        loop = asyncio.get_running_loop()
+        reply, outputs = loop.create_future(), asyncio.Queue()
+        self._pending[rid] = (loop, reply)
+        self._streams[rid] = (loop, outputs)
+        self.channel.send(
+            {"t": "add", "id": rid, "prompt": prompt, "params": params_to_wire(params)}
+        )
+        try:
+            added = await reply
+        except BaseException:
+            self._streams.pop(rid, None)
+            self.abort(rid)
+            raise
+        return RequestStream(rid, len(added["prompt_token_ids"]), outputs, self.abort)
+
+    async def debug_state(self) -> dict:
+        rid = f"debug-{uuid.uuid4().hex}"
+        future = asyncio.get_running_loop().create_future()
+        self._pending[rid] = (asyncio.get_running_loop(), future)
+        self.channel.send({"t": "debug", "id": rid})
+        return (await future)["state"]
+
+    def stats(self) -> dict:
+        return dict(self._stats)
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._acc.pop(request_id, None)
+        if self._dead is None:
+            try:
+                self.channel.send({"t": "abort", "id": request_id})
+            except WorkerError:
+                pass
+
+    def shutdown(self) -> None:
+        try:
+            self.channel.send({"t": "stop"})
+        except WorkerError:
+            pass
+        self.channel.close()
+        for fn in self._on_exit:
+            fn()
+
+    def on_exit(self, fn) -> None:
+        """Run ``fn`` at shutdown (the launcher reaps the worker and its sandbox)."""
+        self._on_exit.append(fn)
+
+    # -- dispatcher thread ---------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        while (frame := self.channel.frames.get()) is not None:
+            kind = frame["t"]
+            if kind == "out":
+                self._deliver_output(frame)
+            elif kind == "added":
+                self._acc[frame["id"]] = OutputAccumulator(
+                    frame["id"], frame["prompt"], frame["prompt_token_ids"]
+                )
+                self._settle(frame["id"], frame)
+            elif kind == "rejected":
+                self._streams.pop(frame["id"], None)
+                self._settle(frame["id"], InvalidRequestError(frame["message"]))
+            elif kind == "debug":
+                self._settle(frame["id"], frame)
+            elif kind == "stats":
+                self._stats = frame["stats"]
+            elif kind == "fatal":
+                log.error("worker failed: %s", frame["message"])
+                self._dead = frame["message"]
+            else:
+                log.warning("worker said %s", frame)
+        self._fail_all(self._dead or "the worker exited")
+
+    def _deliver_output(self, frame: dict) -> None:
+        rid = frame["id"]
+        acc, entry = self._acc.get(rid), self._streams.get(rid)
+        if acc is None or entry is None:
+            return  # aborted on our side: drop late outputs
+        out = acc.add(frame)
+        if out.finished:
+            self._acc.pop(rid, None)
+            self._streams.pop(rid, None)
+        _call(entry[0], entry[1].put_nowait, out)
+
+    def _settle(self, rid: str, value) -> None:
+        entry = self._pending.pop(rid, None)
+        if entry is None:
+            return
+        loop, future = entry
+
+        def settle() -> None:
+            if future.done():
+                return
+            if isinstance(value, BaseException):
+                future.set_exception(value)
+            else:
+                future.set_result(value)
+
+        _call(loop, settle)
+
+    def _fail_all(self, reason: str) -> None:
+        self._dead = reason
+        error = EngineDeadError(f"the worker is gone: {reason}")
+        for rid in list(self._pending):
+            self._settle(rid, error)
+        for loop, q in list(self._streams.values()):
+            _call(loop, q.put_nowait, error)
+        self._streams.clear()
+
+
+def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that event loop is closed: nobody is listening
+        pass

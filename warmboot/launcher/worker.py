@@ -1,0 +1,180 @@
+"""The worker process: holds the engine and serves frames on stdin/stdout.
+
+    python -m warmboot.launcher.worker '{"model": DIR, ...LLM kwargs}'
+
+Life: boot the engine -> ``booted`` -> (``prepare_checkpoint`` -> shrink the KV pool ->
+``quiescent``, and the launcher checkpoints the process here) -> ``start`` with the
+settings that must be fresh after a restore (seed, KV size) -> canary -> ``started`` ->
+requests until ``stop`` or end of stdin. Frames are written to the original fd 1; Python's
+``sys.stdout`` is pointed at stderr so a stray print cannot corrupt the stream.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import queue
+import sys
+import threading
+import time
+
+from warmboot.engine.errors import InvalidRequestError
+from warmboot.launcher.frames import (
+    FrameWriter,
+    output_to_wire,
+    params_from_wire,
+    read_frame,
+)
+
+log = logging.getLogger("warmboot.worker")
+STATS_INTERVAL_S = 0.5
+CHECKPOINT_KV_BLOCKS = 1
+
+
+class Worker:
+    def __init__(self, engine, writer: FrameWriter):
+        self.engine = engine
+        self.writer = writer
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.full_kv_blocks = engine.facts.num_kv_blocks
+        self._last_stats = 0.0
+
+    def reader(self, stdin) -> None:
+        """Thread: frames from stdin into the inbox; end of stdin means stop."""
+        try:
+            while (frame := read_frame(stdin)) is not None:
+                self.inbox.put(frame)
+        except Exception as e:  # noqa: BLE001 - a broken pipe ends the worker cleanly
+            log.error("stdin: %s", e)
+        self.inbox.put({"t": "stop"})
+
+    def run(self) -> None:
+        while True:
+            idle = not self.engine.has_unfinished_requests()
+            if not self._drain(block=idle):
+                return
+            if self.engine.has_unfinished_requests():
+                for out in self.engine.step(delta=True):
+                    self.writer.send({"t": "out", "id": out.request_id, **output_to_wire(out)})
+                self._send_stats(force=not self.engine.has_unfinished_requests())
+
+    def _drain(self, block: bool) -> bool:
+        while True:
+            try:
+                frame = self.inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if frame["t"] == "stop":
+                return False
+            getattr(self, f"_on_{frame['t']}", self._on_unknown)(frame)
+
+    # -- commands ------------------------------------------------------------------------------
+    def _on_add(self, f: dict) -> None:
+        try:
+            params = params_from_wire(f["params"])
+            text, ids = self.engine.validate(f["prompt"], params)
+            self.engine.add_request(f["id"], {"prompt": text, "prompt_token_ids": ids}, params)
+        except (InvalidRequestError, ValueError, TypeError) as e:
+            self.writer.send({"t": "rejected", "id": f["id"], "message": str(e)})
+            return
+        self.writer.send({"t": "added", "id": f["id"], "prompt": text, "prompt_token_ids": ids})
+
+    def _on_abort(self, f: dict) -> None:
+        self.engine.abort_request(f["id"])
+
+    def _on_debug(self, f: dict) -> None:
+        self.engine.block_manager.check_invariants()
+        state = {
+            **self.engine.stats(),
+            "unfinished": self.engine.has_unfinished_requests(),
+            "invariants_ok": True,
+        }
+        self.writer.send({"t": "debug", "id": f["id"], "state": state})
+
+    def _on_prepare_checkpoint(self, f: dict) -> None:
+        """Idle only: shrink the KV pool and free what can be freed, then say so."""
+        if self.engine.has_unfinished_requests():
+            self.writer.send({"t": "error", "message": "cannot checkpoint a busy worker"})
+            return
+        canary = self._canary()
+        self.engine.resize_kv_cache(CHECKPOINT_KV_BLOCKS)
+        gc.collect()
+        _trim_heap()
+        self.writer.send({"t": "quiescent", "canary": canary})
+
+    def _on_start(self, f: dict) -> None:
+        """Settings that must be fresh (after a restore too), then the canary."""
+        import torch
+
+        if self.engine.facts.num_kv_blocks != self.full_kv_blocks:
+            self.engine.resize_kv_cache(self.full_kv_blocks)
+        torch.manual_seed(int(f.get("seed", 0)))
+        t0 = time.perf_counter()
+        canary = self._canary()
+        self.writer.send(
+            {
+                "t": "started",
+                "canary": canary,
+                "canary_s": time.perf_counter() - t0,
+                "max_model_len": self.engine.sched_config.max_model_len,
+                "start_path": self.engine.start_info.path,
+                "start_reason": self.engine.start_info.reason,
+                "startup_times": dict(self.engine.startup_times),
+                "stats": self.engine.stats(),
+            }
+        )
+
+    def _canary(self) -> list[list]:
+        """Greedy tokens (and logprobs) of the engine's fixed warm-up prompt."""
+        return [[int(t), float(lp)] for t, lp in self.engine.run_canary()]
+
+    def _on_unknown(self, f: dict) -> None:
+        self.writer.send({"t": "error", "message": f"unknown frame type {f['t']!r}"})
+
+    def _send_stats(self, force: bool) -> None:
+        now = time.monotonic()
+        if force or now - self._last_stats >= STATS_INTERVAL_S:
+            self._last_stats = now
+            self.writer.send({"t": "stats", "stats": self.engine.stats()})
+
+
+def _trim_heap() -> None:
+    """Give freed heap pages back to the OS so they are not in the process image."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    frames_out, stdin = sys.stdout.buffer, sys.stdin.buffer
+    sys.stdout = sys.stderr  # NOTE: fd 1 carries frames only
+    logging.basicConfig(level=logging.INFO, format="worker: %(message)s", stream=sys.stderr)
+    writer = FrameWriter(frames_out)
+    t0 = time.perf_counter()
+    try:
+        from warmboot import LLM
+
+        engine = LLM(**json.loads(argv[0])).engine
+    except Exception as e:  # noqa: BLE001 - reported to the launcher, which falls back
+        writer.send({"t": "fatal", "message": f"{type(e).__name__}: {e}"})
+        return 1
+    worker = Worker(engine, writer)
+    writer.send({"t": "booted", "boot_s": time.perf_counter() - t0})
+    threading.Thread(target=worker.reader, args=(stdin,), daemon=True).start()
+    try:
+        worker.run()
+    except Exception as e:  # noqa: BLE001
+        log.exception("worker failed")
+        writer.send({"t": "fatal", "message": f"{type(e).__name__}: {e}"})
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
