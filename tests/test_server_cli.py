@@ -10,8 +10,10 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from tests.server_harness import MODEL_NAME
+from warmboot.snapshot.sandbox import runsc_status
 
 
 def _free_port() -> int:
@@ -20,11 +22,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(model, store, key: str | None = None) -> tuple[subprocess.Popen, str]:
+def _serve(model, store, key: str | None = None, sandbox="none") -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [sys.executable, "-m", "warmboot.cli", "serve", "--model", str(model)]
     cmd += ["--port", str(port), "--served-model-name", MODEL_NAME, "--max-model-len", "128"]
-    cmd += ["--snapshot-store", str(store)]
+    cmd += ["--snapshot-store", str(store), "--sandbox", sandbox]
     env = {**os.environ, "WARMBOOT_API_KEY": key} if key else None
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     return proc, f"http://127.0.0.1:{port}"
@@ -51,11 +53,26 @@ def _complete(url: str, headers=None) -> str:
     return resp.json()["choices"][0]["text"]
 
 
-def test_serve_cold_then_restored_answers_the_same(path, tmp_path):
+RUNSC, NO_RUNSC = runsc_status()
+
+
+@pytest.mark.parametrize(
+    ("sandbox", "second"),
+    [
+        ("none", "restored_image"),
+        pytest.param(
+            "auto",
+            "restored_process",
+            marks=pytest.mark.skipif(RUNSC is None, reason=f"gVisor: {NO_RUNSC}"),
+        ),
+    ],
+)
+def test_serve_cold_then_restored_answers_the_same(path, tmp_path, sandbox, second):
+    """--sandbox none: tier A (engine image); auto with runsc: tier P (process image)."""
     store = tmp_path / "snapshots"
     answers, paths = [], []
     for _ in range(2):
-        proc, url = _serve(path, store)
+        proc, url = _serve(path, store, sandbox=sandbox)
         try:
             health = _wait_healthy(proc, url)
             paths.append(health["start_path"])
@@ -65,7 +82,7 @@ def test_serve_cold_then_restored_answers_the_same(path, tmp_path):
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-    assert paths == ["cold", "restored_image"]
+    assert paths == ["cold", second]
     assert answers[0] == answers[1] and answers[0]
 
 

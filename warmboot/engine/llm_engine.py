@@ -396,6 +396,28 @@ class LLMEngine:
         self.meter.mark(self.runner.stream.busy_seconds(), decode_only and bool(touched))
         return touched
 
+    def run_canary(self) -> list[tuple[int, float]]:
+        """Greedy tokens with logprobs of the fixed warm-up prompt (idle engine only): a
+        restored process must reproduce what was recorded before its checkpoint."""
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+        self.add_request("canary", {"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7]}, params)
+        out = None
+        while self.has_unfinished_requests():
+            out = next(iter(self.step(finished_only=True)), out)
+        self.block_manager.reset_prefix_cache()
+        c = out.outputs[0]
+        return [(t, lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
+
+    def resize_kv_cache(self, num_blocks: int) -> None:
+        """Reallocate the KV pool with ``num_blocks`` blocks (idle engine only): shrunk before a
+        process checkpoint so the image stays small, grown back after the restore."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("resize_kv_cache needs an idle engine")
+        self.runner.kv_caches = []  # NOTE: drop the old pool before allocating the new one
+        self.runner.allocate_kv_cache(num_blocks)
+        self.facts = replace(self.facts, num_kv_blocks=num_blocks)
+        self._new_scheduler()
+
     def stats(self) -> dict:
         kv = self.block_manager
         return {
