@@ -1,0 +1,166 @@
+"""The worker protocol without a sandbox: frames, a real worker subprocess driven over its
+stdio by ``RemoteLLM``, and the HTTP server in front of it."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import subprocess
+import sys
+
+import httpx
+import openai
+import pytest
+
+from tests.helpers import hf_greedy
+from tests.server_harness import MODEL_NAME, running_server
+from warmboot.engine.errors import InvalidRequestError
+from warmboot.launcher.frames import (
+    FrameError,
+    FrameWriter,
+    OutputAccumulator,
+    output_to_wire,
+    params_from_wire,
+    params_to_wire,
+    read_frame,
+)
+from warmboot.launcher.remote import Channel, LaunchInfo, RemoteLLM
+from warmboot.outputs import CompletionOutput, Logprob, RequestOutput
+from warmboot.sampling_params import SamplingParams, StructuredOutputs
+from warmboot.server.engine_holder import EngineHolder
+from warmboot.tokenizer import Tokenizer
+
+
+def test_frames_round_trip_and_reject_garbage():
+    buf = io.BytesIO()
+    writer = FrameWriter(buf)
+    writer.send({"t": "a", "x": [1, 2], "m": {3: "z"}})
+    writer.send({"t": "b"})
+    buf.seek(0)
+    assert read_frame(buf) == {"t": "a", "x": [1, 2], "m": {3: "z"}}
+    assert read_frame(buf) == {"t": "b"}
+    assert read_frame(buf) is None
+    with pytest.raises(FrameError, match="ended inside a frame"):
+        read_frame(io.BytesIO(b"\x00\x00\x00\x09abc"))
+    with pytest.raises(FrameError, match="exceeds the limit"):
+        read_frame(io.BytesIO(b"\xff\xff\xff\xff"))
+
+
+def test_params_and_outputs_cross_the_wire_unchanged():
+    params = SamplingParams(
+        n=2,
+        temperature=0.5,
+        stop=("x", "yy"),
+        logprobs=2,
+        seed=9,
+        structured_outputs=StructuredOutputs(json={"type": "object"}),
+    )
+    assert params_from_wire(params_to_wire(params)) == params
+    acc = OutputAccumulator("r", "p", [1, 2])
+    steps = [([5], "he", None), ([6, 7], "llo", "stop")]
+    for ids, text, reason in steps:
+        lps = [{t: Logprob(-0.5, "tok"), t + 100: Logprob(-1.5, "alt")} for t in ids]
+        sent = RequestOutput(
+            "r",
+            "p",
+            [1, 2],
+            [
+                CompletionOutput(
+                    0,
+                    "ignored",
+                    [5, 6, 7][: 1 + 2 * (reason is not None)],
+                    reason,
+                    None,
+                    logprobs=lps if reason is None else [lps[0]] * 1 + lps,
+                    delta_text=text,
+                    delta_token_ids=ids,
+                )
+            ],
+            finished=reason is not None,
+        )
+        got = acc.add(output_to_wire(sent))
+    c = got.outputs[0]
+    assert got.finished and c.text == "hello" and c.token_ids == [5, 6, 7]
+    assert c.finish_reason == "stop" and len(c.logprobs) == 3
+    assert c.logprobs[2][107].logprob == -1.5 and c.logprobs[2][7].decoded_token == "tok"
+
+
+@pytest.fixture(scope="module")
+def worker(path):
+    """A worker subprocess (no sandbox) after its ``started`` handshake."""
+    engine = {"model": str(path), "max_model_len": 128, "num_kv_blocks": 64, "block_size": 4}
+    cmd = [sys.executable, "-m", "warmboot.launcher.worker", json.dumps(engine)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    channel = Channel(proc.stdin, proc.stdout)
+    channel.expect("booted", 120)
+    channel.send({"t": "prepare_checkpoint"})
+    canary = channel.expect("quiescent", 60)["canary"]
+    channel.send({"t": "start", "seed": 5})
+    started = channel.expect("started", 60)
+    info = LaunchInfo("cold", "test worker")
+    client = RemoteLLM(channel, Tokenizer.from_dir(path), started, info)
+    yield client, canary, started
+    client.shutdown()
+    assert proc.wait(timeout=30) == 0
+
+
+def test_canary_survives_the_kv_shrink_and_regrow(worker):
+    _, canary, started = worker
+    assert len(canary) == 8 and canary == started["canary"]
+    assert started["stats"]["kv_blocks_total"] == 64, "the KV pool is back to full size"
+
+
+async def _run(client, prompt, params):
+    stream = await client.add_request(prompt, params)
+    outs = [o async for o in stream]
+    return outs
+
+
+def test_remote_requests_match_transformers(worker, hf):
+    client, _, _ = worker
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+    prompt = [5, 17, 33, 2, 9]
+    outs = asyncio.run(_run(client, {"prompt_token_ids": prompt}, params))
+    final = outs[-1].outputs[0]
+    assert final.token_ids == hf_greedy(hf, prompt, 10)
+    assert [t for o in outs for t in o.outputs[0].delta_token_ids] == final.token_ids
+    assert len(final.logprobs) == 10 and len(outs) > 1
+
+
+def test_remote_rejects_bad_requests_and_aborts(worker):
+    client, _, _ = worker
+
+    async def main():
+        with pytest.raises(InvalidRequestError, match="max_model_len"):
+            await client.add_request("hi", SamplingParams(max_tokens=1000))
+        long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+        stream = await client.add_request("abort me", long)
+        await stream.__anext__()
+        stream.abort()
+        return await client.debug_state()
+
+    state = asyncio.run(main())
+    deadline_state = state
+    for _ in range(50):
+        if not deadline_state["unfinished"]:
+            break
+        deadline_state = asyncio.run(client.debug_state())
+    assert deadline_state["invariants_ok"] and not deadline_state["unfinished"]
+    assert deadline_state["kv_blocks_used"] == 0
+
+
+def test_http_server_in_front_of_a_worker(worker):
+    client, _, _ = worker
+    holder = EngineHolder(lambda: client)
+    holder.boot()
+    holder.shutdown = lambda: None  # the fixture owns the worker
+    with running_server(holder, enable_debug=True) as url:
+        api = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        args = dict(model=MODEL_NAME, prompt="hi", max_tokens=6, temperature=0)
+        whole = api.completions.create(**args, extra_body={"ignore_eos": True}).choices[0].text
+        parts = api.completions.create(**args, stream=True, extra_body={"ignore_eos": True})
+        assert "".join(c.choices[0].text for c in parts if c.choices) == whole
+        assert httpx.get(url + "/health").json()["start_path"] == "cold"
+        assert httpx.get(url + "/debug/engine").json()["invariants_ok"]
+        assert "warmboot_kv_blocks_total 64.0" in httpx.get(url + "/metrics").text
