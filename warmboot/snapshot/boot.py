@@ -48,8 +48,8 @@ class SnapshotBoot:
                 self.reason = self._no_match_reason()
                 return None
             manifest = Manifest.from_json(data, where=f"snapshot {self.key}")
-        except (SnapshotError, OSError) as e:
-            self.reason = f"snapshot store {self.store.url}: {e}"
+        except Exception as e:  # noqa: BLE001 - any failure means a cold boot, with its reason
+            self.reason = f"snapshot store {self.store.url}: {_describe(e)}"
             return None
         diff = diff_fields(self.fields, manifest.fields)
         if diff or manifest.key != self.key:
@@ -81,8 +81,8 @@ class SnapshotBoot:
             _check_dtypes(tensors, dtype)
             if self.device.type == "cuda":
                 restore_files(self.store, manifest, "triton_cache", triton_cache_dir())
-        except (SnapshotError, OSError, ValueError) as e:
-            self.reason = f"restore from {self.store.url} failed: {e}"
+        except Exception as e:  # noqa: BLE001 - any failure means a cold boot, with its reason
+            self.reason = f"restore from {self.store.url} failed: {_describe(e)}"
             return None
         gb = manifest.tensor_bytes / 1e9
         self.reason = f"snapshot {self.key} matches ({len(tensors)} tensors, {gb:.3f} GB verified)"
@@ -113,8 +113,8 @@ class SnapshotBoot:
             manifest, written = publish_image(
                 self.store, self.key, self.fields, tensors, files, facts, extra=extra
             )
-        except (SnapshotError, OSError) as e:
-            log.warning("snapshot publish to %s failed: %s", self.store.url, e)
+        except Exception as e:  # noqa: BLE001 - serving goes on without a snapshot
+            log.warning("snapshot publish to %s failed: %s", self.store.url, _describe(e))
             return None
         log.info(
             "published snapshot %s to %s: %.3f GB of tensors, %.3f GB new",
@@ -124,6 +124,10 @@ class SnapshotBoot:
             written / 1e9,
         )
         return manifest
+
+
+def _describe(e: Exception) -> str:
+    return str(e) if isinstance(e, SnapshotError) else f"{type(e).__name__}: {e}"
 
 
 def _check_dtypes(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:

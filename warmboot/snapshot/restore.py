@@ -60,16 +60,26 @@ def restore_tensors(
         return _restore_cuda(store, manifest, device, progress, workers)
     mappable = use_mmap and _can_mmap(store, manifest)
     fill = _mapped_tensor if mappable else _read_tensor
+    out = {}
     with ThreadPoolExecutor(workers, thread_name_prefix="snapshot-restore") as pool:
-        out = {}
         jobs = []
         for entry in manifest.tensors:
             tensor, tasks = fill(store, entry)
             out[entry.name] = tensor
             jobs += [pool.submit(_run, task, progress) for task in tasks]
+        _wait_all(jobs)
+    return out
+
+
+def _wait_all(jobs: list) -> None:
+    """Wait for every job; on the first failure cancel the rest and raise it."""
+    try:
         for job in jobs:
             job.result()
-    return out
+    except BaseException:
+        for job in jobs:
+            job.cancel()
+        raise
 
 
 def _run(task: Callable[[], int], progress: Progress | None) -> None:
@@ -239,9 +249,7 @@ def _restore_cuda(
             progress(size)
 
     with ThreadPoolExecutor(workers, thread_name_prefix="snapshot-h2d") as pool:
-        jobs = [pool.submit(task, e, *span) for e in manifest.tensors for span in _spans(e)]
-        for job in jobs:
-            job.result()
+        _wait_all([pool.submit(task, e, *span) for e in manifest.tensors for span in _spans(e)])
     stream.synchronize()
     return out
 
