@@ -4,6 +4,7 @@ paths, schema and integrity errors, dedup on bytes stored, concurrent and crashe
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -211,3 +212,14 @@ def test_key_fields_name_differences(tmp_path):
         f.seek(1000)
         f.write(b"\1")
     assert key_fields(tmp_path, settings, torch.device("cpu"))["model_files"] != a["model_files"]
+
+
+def test_publish_removes_stale_temporary_files(store):
+    tmp = store.root / "tmp"
+    tmp.mkdir(parents=True)
+    stale, fresh = tmp / "123-stale", tmp / "456-fresh"
+    stale.write_bytes(b"half a chunk")
+    fresh.write_bytes(b"another publisher's chunk in flight")
+    os.utime(stale, (0, 0))
+    publish(store)
+    assert not stale.exists() and fresh.exists()

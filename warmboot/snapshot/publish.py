@@ -26,7 +26,7 @@ from warmboot.snapshot.image import (
     split,
     tensor_bytes,
 )
-from warmboot.snapshot.store import Store
+from warmboot.snapshot.store import LocalStore, Store
 
 Progress = Callable[[int], None]
 RUNTIME_FILES = (
@@ -74,6 +74,8 @@ def publish_image(
 ) -> tuple[Manifest, int]:
     """Publish an image under ``key``; returns the manifest and the chunk bytes newly written."""
     chunk_bytes = chunk_bytes or CHUNK_BYTES
+    if isinstance(store, LocalStore):
+        store.remove_stale_tmp()  # left by publishers that crashed long ago
     writer = _ChunkWriter(store, progress)
     try:
         pending = [_put_tensor(writer, n, t, chunk_bytes) for n, t in tensors]
