@@ -1,0 +1,145 @@
+"""Tier P under gVisor: boot cold and publish, restore and answer the same, and every
+injected fault ends in a cold boot that still answers the same."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from warmboot.launcher import launch as launch_mod
+from warmboot.launcher import process_image
+from warmboot.launcher.launch import LaunchConfig, launch
+from warmboot.sampling_params import SamplingParams
+from warmboot.snapshot.sandbox import runsc_status
+from warmboot.snapshot.store import open_store
+
+RUNSC, NO_RUNSC = runsc_status()
+pytestmark = pytest.mark.skipif(RUNSC is None, reason=f"gVisor: {NO_RUNSC}")
+PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _answer(client) -> list[int]:
+    async def main():
+        stream = await client.add_request({"prompt_token_ids": [3, 1, 4, 1, 5]}, PARAMS)
+        return [o async for o in stream][-1].outputs[0].token_ids
+
+    return asyncio.run(main())
+
+
+def _launch(cfg: LaunchConfig):
+    client = launch(cfg)
+    try:
+        return client.start_info, _answer(client)
+    finally:
+        client.shutdown()
+
+
+@pytest.fixture(scope="module")
+def published(path, tmp_path_factory):
+    """A store with a process image (from the first, cold start) and that start's answer."""
+    root = tmp_path_factory.mktemp("launcher")
+    store = root / "store"
+    engine = {"model": str(path), "max_model_len": 128, "snapshot_store": str(store)}
+    cfg = LaunchConfig(engine=engine, store=str(store), work_dir=root / "work")
+    info, answer = _launch(cfg)
+    assert info.path == "cold" and "published" in info.reason, info
+    return cfg, answer
+
+
+@pytest.fixture
+def faulty(published):
+    """The published launch with publishing off; the store is put back afterwards (the key
+    covers the store's path, so a copy elsewhere would not match)."""
+    cfg = replace(published[0], publish=False)
+    root = Path(cfg.store)
+    backup = root.parent / "store-backup"
+    shutil.copytree(root, backup)
+    yield cfg
+    shutil.rmtree(root)
+    backup.rename(root)
+
+
+def _image_chunk(cfg: LaunchConfig):
+    store = open_store(cfg.store)
+    key = next(k for k in store.list_keys() if k.startswith(process_image.PREFIX))
+    manifest = json.loads(store.get_manifest(key))
+    return store, key, manifest
+
+
+def test_restore_answers_like_the_cold_boot(published):
+    cfg, answer = published
+    info, again = _launch(cfg)
+    assert info.path == "restored_process" and "canary ok" in info.reason
+    assert set(info.phase_times) >= {"runsc_restore", "start_and_canary"}
+    assert again == answer
+
+
+def test_flipped_byte_in_the_image_falls_back(published, faulty):
+    cfg = faulty
+    store, _, manifest = _image_chunk(cfg)
+    chunk = manifest["files"][0]["chunks"][0]["sha256"]
+    path = store.local_chunk_path(chunk)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    info, answer = _launch(cfg)
+    assert info.path == "cold" and "corrupt" in info.reason
+    assert answer == published[1]
+
+
+def test_a_broken_image_that_hashes_fine_falls_back(published, faulty):
+    """runsc itself rejects the image (what a bad restore looks like)."""
+    cfg = faulty
+    store, key, manifest = _image_chunk(cfg)
+    garbage = b"not a checkpoint" * 1000
+    h = process_image.hashlib.sha256(garbage).hexdigest()
+    store.put_chunk(h, garbage)
+    manifest["files"] = [
+        {"name": "checkpoint.img", "chunks": [{"sha256": h, "size": len(garbage)}]}
+    ]
+    store.put_manifest(key, json.dumps(manifest).encode())
+    info, answer = _launch(cfg)
+    assert info.path == "cold" and "unusable" in info.reason
+    assert answer == published[1]
+
+
+def test_canary_mismatch_discards_the_image(published, faulty):
+    cfg = faulty
+    store, key, manifest = _image_chunk(cfg)
+    manifest["canary"][0][0] += 1
+    store.put_manifest(key, json.dumps(manifest).encode())
+    info, answer = _launch(cfg)
+    assert info.path == "cold" and "canary mismatch" in info.reason
+    assert answer == published[1]
+    assert store.get_manifest(key) is None, "a failed image is discarded"
+
+
+def test_newer_schema_and_key_mismatch_boot_cold(published, faulty):
+    cfg = faulty
+    store, key, manifest = _image_chunk(cfg)
+    store.put_manifest(key, json.dumps({**manifest, "schema": 99}).encode())
+    info, answer = _launch(cfg)
+    assert info.path == "cold" and "schema 99" in info.reason and answer == published[1]
+    other = replace(cfg, engine={**cfg.engine, "max_model_len": 96})
+    info, _ = _launch(other)
+    assert info.path == "cold" and "no process snapshot" in info.reason
+
+
+def test_restore_timeout_and_missing_runsc_fall_back_in_process(published, faulty, monkeypatch):
+    cfg = replace(faulty, restore_timeout=0.001)
+    info, answer = _launch(cfg)
+    assert "sandboxed boot failed" in info.reason and answer == published[1]
+    monkeypatch.setattr(
+        "warmboot.snapshot.sandbox.runsc_status", lambda: (None, "runsc is not installed")
+    )
+    info, answer = _launch(replace(cfg, restore_timeout=60))
+    assert "runsc unavailable: runsc is not installed" in info.reason
+    assert info.path == "restored_image", "the in-process boot still uses tier A"
+    assert answer == published[1]
+    assert launch_mod.canary_matches([[1, -0.5]], [[1, -0.50001]])
+    assert not launch_mod.canary_matches([[1, -0.5]], [[2, -0.5]])
