@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean runsc
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -13,10 +13,17 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
 	touch $(STAMP)
 
-demo: $(STAMP)
+# gVisor for process snapshots: installed when missing and we are root with apt; otherwise the
+# tests that need it skip and say why.
+runsc:
+	@command -v runsc >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& { apt-get update -qq && apt-get install -y -qq runsc >/dev/null; } \
+		|| echo "runsc not installed: gVisor tests will skip"; }
+
+demo: $(STAMP) runsc
 	$(PY) -m warmboot.cli demo
 
-test: $(STAMP)
+test: $(STAMP) runsc
 	$(PY) -m ruff check warmboot tests bench
 	$(PY) -m pytest -q -ra
 

@@ -9,17 +9,6 @@ import os
 import sys
 import time
 
-DEMO_PROMPTS = [
-    "The quick brown fox",
-    "Serverless GPUs start cold, so",
-    "A recipe for bread needs flour, water and",
-    "In 1969 the first",
-    "Le café du coin sert",
-    "def fibonacci(n):",
-    "The capital of France is",
-    "Once upon a time, in a small village,",
-]
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="warmboot", description=__doc__)
@@ -43,17 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--max-num-seqs", type=int, default=64)
     srv.add_argument("--max-body-bytes", type=int, default=4 << 20)
     srv.add_argument("--debug-endpoints", action="store_true", help="enable GET /debug/engine")
-    srv.add_argument(
-        "--sandbox",
-        default="auto",
-        choices=["auto", "none"],
-        help="auto: with --snapshot-store and runsc, run the engine in a gVisor worker and "
-        "restore it from a process snapshot; none: the engine runs in this process",
-    )
+    _sandbox_arg(srv)
     _engine_args(srv)
     demo = sub.add_parser("demo", help="create the built-in model if needed and run it")
     demo.add_argument("--model", default=None, help="model directory (default: built-in)")
-    demo.add_argument("--max-tokens", type=int, default=64)
+    demo.add_argument("--max-tokens", type=int, default=32)
+    _sandbox_arg(demo)
     _engine_args(demo)
     from warmboot.snapshot.cli import add_snapshot_parser, run_snapshot
 
@@ -70,6 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _sandbox_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--sandbox",
+        default="auto",
+        choices=["auto", "none"],
+        help="auto: with a snapshot store and runsc, run the engine in a gVisor worker and "
+        "restore it from a process snapshot; none: the engine runs in this process",
+    )
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -186,42 +180,13 @@ def _serve(args) -> int:
 
 
 def _demo(args) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
-    from warmboot import SamplingParams
+    from warmboot.launcher.demo import run_demo
     from warmboot.models.demo import ensure_default_model
 
-    console = Console()
     t0 = time.perf_counter()
     model = args.model or str(ensure_default_model())
-    console.print(f"model: {model} (ready in {time.perf_counter() - t0:.1f}s)")
-    llm = _make_llm(args, model)
-    phases = Table(title="start-up phases")
-    phases.add_column("phase")
-    phases.add_column("seconds", justify="right")
-    for name, sec in llm.stats()["startup_times"].items():
-        phases.add_row(name, f"{sec:.3f}")
-    console.print(phases)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = llm.generate(DEMO_PROMPTS, params)
-    elapsed = time.perf_counter() - t0
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    for o in outs[:3]:
-        console.print(f"[bold]{o.prompt!r}[/bold] -> {o.outputs[0].text[:80]!r}")
-    console.print(
-        f"generated {tokens} tokens for {len(outs)} prompts in {elapsed:.2f}s: "
-        f"{tokens / elapsed:.1f} output tokens/s (batch {len(outs)}, random weights)"
-    )
-    stats = llm.stats()
-    bubble = stats["bubble_fraction"]
-    console.print(
-        f"decode loop: {stats['loop']}, bubble {bubble:.1%} of wall time"
-        if bubble is not None
-        else f"decode loop: {stats['loop']}"
-    )
-    return 0
+    print(f"model: {model} (ready in {time.perf_counter() - t0:.1f}s)", flush=True)
+    return run_demo(_engine_kwargs(args, model), args.sandbox, args.max_tokens)
 
 
 if __name__ == "__main__":

@@ -408,6 +408,17 @@ class LLMEngine:
         c = out.outputs[0]
         return [(t, lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
 
+    def remap_weights_from_snapshot(self) -> bool:
+        """Swap the weights for the tier-A snapshot's file-backed (mmapped) copy, when one
+        matches: a process image then holds no weights. False if there is none."""
+        if self.snapshot is None or self.has_unfinished_requests():
+            return False
+        old = self.runner.model
+        if not self._restore_weights() or self.runner.model is old:
+            return False
+        del old
+        return True
+
     def resize_kv_cache(self, num_blocks: int) -> None:
         """Reallocate the KV pool with ``num_blocks`` blocks (idle engine only): shrunk before a
         process checkpoint so the image stays small, grown back after the restore."""

@@ -195,7 +195,7 @@ def _reap(sandbox, proc) -> None:
 def worker_spec(cfg: LaunchConfig):
     from warmboot.snapshot.sandbox import SandboxSpec
 
-    keep = ("PATH", "HOME", "LANG", "WARMBOOT_CACHE", "PYTHONPATH", "OMP_NUM_THREADS")
+    keep = ("PATH", "LANG", "WARMBOOT_CACHE", "PYTHONPATH", "OMP_NUM_THREADS")
     env = {k: os.environ[k] for k in keep if k in os.environ}
     env["PYTHONUNBUFFERED"] = "1"
     binds = []
@@ -208,6 +208,8 @@ def worker_spec(cfg: LaunchConfig):
     # a tmpfs over /tmp would hide models and stores that live there.
     scratch = Path(cfg.work_dir).resolve() / "scratch"
     scratch.mkdir(parents=True, exist_ok=True)
+    env["HOME"] = str(scratch)  # NOTE: tools' caches land in the captured tmpfs, and the
+    # host's ~/.cache (models, stores) stays visible
     return SandboxSpec(
         argv=argv,
         cwd=os.getcwd(),

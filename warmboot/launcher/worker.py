@@ -98,6 +98,8 @@ class Worker:
         if self.engine.has_unfinished_requests():
             self.writer.send({"t": "error", "message": "cannot checkpoint a busy worker"})
             return
+        if self.engine.start_info.path == "cold" and self.engine.remap_weights_from_snapshot():
+            log.info("weights now mapped from the tier-A snapshot (kept out of the image)")
         canary = self._canary()
         self.engine.resize_kv_cache(CHECKPOINT_KV_BLOCKS)
         gc.collect()
