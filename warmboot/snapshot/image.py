@@ -12,9 +12,10 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # NOTE: torch is imported where it is used: the launcher reads stores
+    import torch  # without paying for it
 
 SCHEMA_VERSION = 1
 PAGE_SIZE = 4096
@@ -22,21 +23,18 @@ CHUNK_BYTES = 64 << 20
 HASH_NAME = "sha256"
 assert CHUNK_BYTES % PAGE_SIZE == 0
 
-_DTYPES = {
-    str(d).removeprefix("torch."): d
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-    )
-}
+_DTYPE_NAMES = (
+    "float64",
+    "float32",
+    "float16",
+    "bfloat16",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+)
 
 
 class SnapshotError(RuntimeError):
@@ -70,9 +68,11 @@ def verify_chunk(data: memoryview | bytes, expected: str, what: str) -> None:
 
 
 def dtype_from_name(name: str) -> torch.dtype:
-    if name not in _DTYPES:
+    import torch
+
+    if name not in _DTYPE_NAMES:
         raise SchemaError(f"unsupported tensor dtype {name!r} in the manifest")
-    return _DTYPES[name]
+    return getattr(torch, name)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -81,6 +81,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
+    import torch
+
     flat = t.detach().contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 

@@ -21,10 +21,12 @@ import platform
 from functools import cache
 from importlib import metadata
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 import warmboot
+
+if TYPE_CHECKING:  # NOTE: imported where used, so the launcher can digest models without it
+    import torch
 
 SMALL_FILE_BYTES = 16 << 20
 EDGE_BYTES = 1 << 20
@@ -91,6 +93,8 @@ def _file_fingerprint(path: Path) -> str:
 
 @cache
 def software_fields() -> dict[str, str]:
+    import torch
+
     return {
         "warmboot": warmboot.__version__,
         "python": platform.python_version(),
@@ -102,6 +106,8 @@ def software_fields() -> dict[str, str]:
 
 def device_fields(device: torch.device) -> dict[str, str]:
     if device.type == "cuda":
+        import torch
+
         props = torch.cuda.get_device_properties(device)
         return {
             "device.type": "cuda",

@@ -1,0 +1,272 @@
+"""Time from ``warmboot serve`` start to the first streamed token, four ways, same run:
+
+- native cold boot (``--sandbox none``, no snapshot store),
+- tier-A restore (``--sandbox none`` with a store holding the engine image),
+- gVisor cold boot (first start with a store: boots in the sandbox, checkpoints, restores
+  from the fresh image and publishes; the figure includes all of that),
+- tier-P restore (the next start: ``runsc restore`` of the process image).
+
+Each start runs with a cold page cache (``echo 3 > /proc/sys/vm/drop_caches``; skipped with a
+note where that is not allowed). The first request has a 5-token prompt and 4 output tokens,
+so the figure measures the start, not the prefill. Also the floor: image + weight bytes over
+the ``dd`` read bandwidth measured in the same run, plus ``runsc``'s fixed cost (an empty
+process restored). Writes ``docs/benchmarks/process_start.{json,md,png}``.
+
+    python -m bench.process_start [--models demo half_b] [--repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+PROMPT = "serverless replicas start cold"
+
+
+def drop_caches() -> bool:
+    try:
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def time_to_first_token(model: Path, store: Path | None, sandbox: str, work: Path) -> dict:
+    """Start ``warmboot serve``; seconds to healthy and to the first streamed token."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "warmboot.cli", "serve", "--model", str(model)]
+    cmd += ["--port", str(port), "--dtype", "bfloat16", "--sandbox", sandbox, "-v"]
+    cmd += ["--served-model-name", "m", "--max-model-len", "512"]
+    if store is not None:
+        cmd += ["--snapshot-store", str(store)]
+    url = f"http://127.0.0.1:{port}"
+    log = open(work / f"serve-{port}.log", "w")  # noqa: SIM115
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        healthy = _wait_healthy(proc, url, t0)
+        first = _first_token(url) - t0
+        info = httpx.get(url + "/health").json()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+    return {"healthy_s": healthy, "first_token_s": first, "path": info["start_path"]}
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, t0: float) -> float:
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"warmboot serve exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return time.monotonic() - t0
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() - t0 > 600:
+            raise RuntimeError("warmboot serve did not become healthy in 600 s")
+        time.sleep(0.05)
+
+
+def _first_token(url: str) -> float:
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                return time.monotonic()
+    raise RuntimeError("no token streamed")
+
+
+def dd_bandwidth(path: Path) -> float:
+    """Bytes/s of a cold-cache sequential read of ``path``."""
+    drop_caches()
+    t0 = time.perf_counter()
+    subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M"], check=True, capture_output=True)
+    return path.stat().st_size / (time.perf_counter() - t0)
+
+
+def store_bytes(store: Path, prefix: str) -> int:
+    total = 0
+    for manifest in (store / "manifests").glob(f"{prefix}*.json"):
+        doc = json.loads(manifest.read_text())
+        if "files" in doc and prefix:  # process image
+            total += sum(c["size"] for f in doc["files"] for c in f["chunks"])
+    return total
+
+
+def tier_a_bytes(store: Path) -> int:
+    return sum(p.stat().st_size for p in (store / "chunks").rglob("*") if p.is_file()) - (
+        store_bytes(store, "process-")
+    )
+
+
+def bench_model(name: str, model: Path, work: Path, repeats: int) -> dict:
+    runs: dict[str, list[dict]] = {}
+    store_a, store_p = work / f"{name}-store-a", work / f"{name}-store-p"
+    for r in range(repeats):
+        for label, store, sandbox in (
+            ("native cold boot", None, "none"),
+            ("tier-A restore", store_a, "none"),
+            ("gVisor cold boot (+checkpoint, publish)", store_p, "auto"),
+            ("tier-P restore", store_p, "auto"),
+        ):
+            if label == "tier-A restore" and r == 0:
+                time_to_first_token(model, store_a, "none", work)  # publish the engine image
+            if label.startswith("gVisor") and store_p.exists():
+                shutil.rmtree(store_p)
+            cold = drop_caches()
+            row = time_to_first_token(model, store, sandbox, work)
+            row["cold_cache"] = cold
+            runs.setdefault(label, []).append(row)
+            print(f"{name}: {label}: {row}", flush=True)
+    weights = sum(p.stat().st_size for p in model.glob("*.safetensors"))
+    return {
+        "model": name,
+        "weights_bytes": weights,
+        "dd_bytes_per_s": dd_bandwidth(next(model.glob("*.safetensors"))),
+        "image_bytes": store_bytes(store_p, "process-"),
+        "tier_a_bytes": tier_a_bytes(store_p),
+        "runs": runs,
+    }
+
+
+def models(names: list[str]) -> dict[str, Path]:
+    out = {}
+    for name in names:
+        if name == "demo":
+            from warmboot.models.demo import ensure_default_model
+
+            out[name] = Path(ensure_default_model())
+        elif name == "half_b":
+            from bench.coldstart import big_model
+
+            out[name] = Path(big_model())
+        else:
+            out[Path(name).name] = Path(name)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--models", nargs="+", default=["demo", "half_b"])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    from warmboot.snapshot.sandbox import measure_empty_process, runsc_status
+
+    version, why = runsc_status()
+    if version is None:
+        sys.exit(f"this benchmark needs runsc: {why}")
+    work = Path(tempfile.mkdtemp(prefix="warmboot-pstart-", dir=os.environ.get("TMPDIR")))
+    try:
+        empty = measure_empty_process(work / "empty")
+        results = [bench_model(n, p, work, args.repeats) for n, p in models(args.models).items()]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    write_report(args, results, empty, version)
+
+
+def write_report(args, results: list[dict], empty: dict, runsc: str) -> None:
+    from bench.decode import machine
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "runsc": runsc,
+        "empty_process": empty,
+    }
+    doc = {"meta": meta, "results": results}
+    (args.out / "process_start.json").write_text(json.dumps(doc, indent=2))
+    fixed = empty.get("restore_to_response_s", 0.0)
+    lines = [
+        "# From `warmboot serve` to the first streamed token",
+        "",
+        f"{meta['date']} · {meta['machine']} · runsc {runsc} (ptrace platform) · bf16 weights "
+        "· cold page cache before every start · first request: 5-token prompt, 4 tokens · "
+        "made by `python -m bench.process_start`.",
+        "",
+        "| model | start | path reported | healthy s | first token s | vs native cold |",
+        "| --- | --- | --- | ---: | ---: | ---: |",
+    ]
+    for res in results:
+        native = _median(res["runs"]["native cold boot"], "first_token_s")
+        for label, rows in res["runs"].items():
+            ft = _median(rows, "first_token_s")
+            lines.append(
+                f"| {res['model']} | {label} | {rows[0]['path']} | "
+                f"{_median(rows, 'healthy_s'):.2f} | {ft:.2f} | {ft / native:.0%} |"
+            )
+    lines += [
+        "",
+        "Floor for a tier-P restore: image + weights read at `dd` speed + runsc's fixed cost.",
+        "",
+    ]
+    lines += [
+        "| model | image MB | weights MB | dd MB/s | runsc fixed s | floor s | tier P s | × floor |"
+    ]
+    lines += ["| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for res in results:
+        floor = (res["image_bytes"] + res["weights_bytes"]) / res["dd_bytes_per_s"] + fixed
+        tp = _median(res["runs"]["tier-P restore"], "first_token_s")
+        lines.append(
+            f"| {res['model']} | {res['image_bytes'] / 1e6:.0f} | {res['weights_bytes'] / 1e6:.0f} "
+            f"| {res['dd_bytes_per_s'] / 1e6:.0f} | {fixed:.2f} | {floor:.2f} | {tp:.2f} | "
+            f"{tp / floor:.1f}× |"
+        )
+    lines += ["", "![process start](process_start.png)", ""]
+    (args.out / "process_start.md").write_text("\n".join(lines))
+    plot(args, results)
+
+
+def _median(rows: list[dict], key: str) -> float:
+    values = sorted(r[key] for r in rows)
+    return values[len(values) // 2]
+
+
+def plot(args, results: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4), squeeze=False)
+    for ax, res in zip(axes[0], results, strict=True):
+        labels = list(res["runs"])
+        values = [_median(res["runs"][k], "first_token_s") for k in labels]
+        ax.barh(labels, values, color=["tab:gray", "tab:blue", "tab:orange", "tab:green"])
+        ax.invert_yaxis()
+        ax.set_xlabel("seconds from process start to first token")
+        ax.set_title(res["model"])
+        for y, v in enumerate(values):
+            ax.text(v, y, f" {v:.1f}s", va="center")
+    fig.suptitle(f"warmboot serve start paths, {datetime.date.today().isoformat()}")
+    fig.tight_layout()
+    fig.savefig(args.out / "process_start.png", dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
