@@ -89,6 +89,7 @@ def test_flipped_byte_in_the_image_falls_back(published, faulty):
     path.write_bytes(bytes(data))
     info, answer = _launch(cfg)
     assert info.path == "cold" and "corrupt" in info.reason
+    assert info.fallbacks == ("restore_failed",)
     assert answer == published[1]
 
 
@@ -115,6 +116,7 @@ def test_canary_mismatch_discards_the_image(published, faulty):
     store.put_manifest(key, json.dumps(manifest).encode())
     info, answer = _launch(cfg)
     assert info.path == "cold" and "canary mismatch" in info.reason
+    assert info.fallbacks == ("canary_mismatch",), "counted for /metrics"
     assert answer == published[1]
     assert store.get_manifest(key) is None, "a failed image is discarded"
 
@@ -139,6 +141,7 @@ def test_restore_timeout_and_missing_runsc_fall_back_in_process(published, fault
     )
     info, answer = _launch(replace(cfg, restore_timeout=60))
     assert "runsc unavailable: runsc is not installed" in info.reason
+    assert info.fallbacks == ("runsc_unavailable",)
     assert info.path == "restored_image", "the in-process boot still uses tier A"
     assert answer == published[1]
     assert launch_mod.canary_matches([[1, -0.5]], [[1, -0.50001]])

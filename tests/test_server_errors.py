@@ -12,6 +12,7 @@ import pytest
 
 from tests.server_harness import MODEL_NAME, running_server, tiny_llm
 from warmboot.engine.async_llm import AsyncLLM
+from warmboot.launcher.remote import LaunchInfo
 from warmboot.server.engine_holder import EngineHolder
 
 GOOD = {"model": MODEL_NAME, "prompt": "hello", "max_tokens": 3, "temperature": 0}
@@ -161,6 +162,9 @@ def test_503_until_the_engine_is_ready(path):
             time.sleep(0.05)
         _still_serves(base)
         assert "warmboot_ready 1.0" in httpx.get(base + "/metrics").text
+        holder.llm.start_info_override = LaunchInfo("cold", "test", fallbacks=("canary_mismatch",))
+        metrics = httpx.get(base + "/metrics").text
+        assert 'warmboot_start_fallbacks_total{kind="canary_mismatch"} 1.0' in metrics
 
 
 def test_failed_boot_reports_the_reason(tmp_path):

@@ -25,7 +25,7 @@ import shutil
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
@@ -51,16 +51,6 @@ class LaunchConfig:
     publish: bool = True
 
 
-@dataclass
-class Counters:
-    """What happened at start-up, for the log and ``/metrics``."""
-
-    fallbacks: dict[str, int] = field(default_factory=dict)
-
-    def fell_back(self, why: str) -> None:
-        self.fallbacks[why] = self.fallbacks.get(why, 0) + 1
-
-
 def launch(cfg: LaunchConfig):
     """An ``EngineClient``: a restored or fresh sandboxed worker, or the in-process engine."""
     t0 = time.monotonic()
@@ -72,7 +62,7 @@ def launch(cfg: LaunchConfig):
 
     version, why = runsc_status()
     if version is None:
-        return _in_process(cfg, f"runsc unavailable: {why}", t0)
+        return _in_process(cfg, f"runsc unavailable: {why}", t0, ("runsc_unavailable",))
     from warmboot.snapshot.store import open_store
 
     store = open_store(cfg.store)
@@ -84,15 +74,20 @@ def launch(cfg: LaunchConfig):
         if client is not None:
             return client
         reason = f"no process snapshot for key {key[:12]}"
+        fallbacks: tuple[str, ...] = ()
     except (WorkerError, process_image.ProcessImageError, OSError, RuntimeError) as e:
         reason = f"process snapshot {key[:12]} unusable: {e}"
+        fallbacks = ("canary_mismatch" if "canary mismatch" in str(e) else "restore_failed",)
         log.warning("%s; discarding it and booting cold", reason)
         process_image.discard(store, key)
     try:
-        return _create(cfg, store, key, fields, spec, reason, t0)
+        client = _create(cfg, store, key, fields, spec, reason, t0)
     except (WorkerError, process_image.ProcessImageError, OSError, RuntimeError) as e:
         log.warning("sandboxed boot failed (%s); booting in-process", e)
-        return _in_process(cfg, f"{reason}; sandboxed boot failed: {e}", t0)
+        fallbacks += ("sandboxed_boot_failed",)
+        return _in_process(cfg, f"{reason}; sandboxed boot failed: {e}", t0, fallbacks)
+    client.start_info = replace(client.start_info, fallbacks=fallbacks)
+    return client
 
 
 # -- paths ---------------------------------------------------------------------------------------
@@ -170,7 +165,7 @@ def _finish(client: RemoteLLM, path: str, reason: str, phases: dict, t0: float, 
     return client
 
 
-def _in_process(cfg: LaunchConfig, reason: str, t0: float):
+def _in_process(cfg: LaunchConfig, reason: str, t0: float, fallbacks: tuple[str, ...] = ()):
     from warmboot import LLM
     from warmboot.engine.async_llm import AsyncLLM
 
@@ -178,7 +173,11 @@ def _in_process(cfg: LaunchConfig, reason: str, t0: float):
     info = engine.start_info
     front = AsyncLLM(engine)
     front.start_info_override = LaunchInfo(
-        info.path, f"{reason}; in-process: {info.reason}", time.monotonic() - t0, info.phase_times
+        info.path,
+        f"{reason}; in-process: {info.reason}",
+        time.monotonic() - t0,
+        info.phase_times,
+        fallbacks,
     )
     return front
 

@@ -81,6 +81,9 @@ class LaunchInfo:
     reason: str
     ready_s: float = 0.0
     phase_times: dict[str, float] = field(default_factory=dict)
+    fallbacks: tuple[str, ...] = ()
+    """What failed on the way (runsc_unavailable, restore_failed, canary_mismatch,
+    sandboxed_boot_failed), each counted in ``/metrics``."""
 
 
 class RemoteLLM:

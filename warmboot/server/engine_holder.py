@@ -78,6 +78,7 @@ class EngineHolder:
         path, reason = self.start_path()
         stats = self.llm.stats()
         stats.update(start_path=path, start_reason=reason, time_to_ready_s=self.time_to_ready)
+        stats["start_fallbacks"] = tuple(getattr(self.llm.start_info, "fallbacks", ()) or ())
         return stats
 
     def shutdown(self) -> None:

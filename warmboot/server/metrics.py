@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -98,6 +98,14 @@ class _EngineCollector:
         start = InfoMetricFamily("warmboot_start", "How this replica started and why")
         start.add_metric([], {"path": state["start_path"], "reason": state["start_reason"]})
         yield start
+        fallbacks = CounterMetricFamily(
+            "warmboot_start_fallbacks",
+            "Start-up fallbacks of this replica by kind (a failed restore, a canary mismatch...)",
+            labels=["kind"],
+        )
+        for kind in sorted(set(state["start_fallbacks"])):
+            fallbacks.add_metric([kind], float(state["start_fallbacks"].count(kind)))
+        yield fallbacks
         ready_s = GaugeMetricFamily(
             "warmboot_time_to_ready_seconds", "Seconds from process start to engine ready"
         )
