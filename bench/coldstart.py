@@ -314,7 +314,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--only", choices=("demo", "big"), default=None)
     p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--report-from", type=Path, default=None, help="re-render a JSON result")
     args = p.parse_args()
+    if args.report_from:
+        doc = json.loads(args.report_from.read_text())
+        write_report(args.out, doc["meta"], doc["results"])
+        return
     if args.worker:
         print(json.dumps(worker(args.worker, args.model, args.store)))
         return
@@ -457,7 +462,28 @@ def render(meta: dict, results: dict) -> str:
                     + ", ".join(f"{k} {v:.3f}s" for k, v in phases.items())
                 )
         lines.append("")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + NOTES) + "\n"
+
+
+NOTES = [
+    "## How it is measured",
+    "",
+    "- Every load runs in a fresh process and ends with one element of every 4 KiB page of every "
+    "tensor read. *cold*: `sync; echo 3 > /proc/sys/vm/drop_caches` before the run; *warm*: the "
+    "same run repeated right after one unmeasured run (this VM runs DAMON reclaim, `kdamond`, "
+    "which evicts idle page cache within minutes, so warm must be made warm).",
+    "- safetensors `load_file` returns tensors memory-mapped from the file: warm, it only maps "
+    "pages (the touch reads one element of each). warmboot's restore is zero-copy too "
+    "(chunk files mapped into place) but hashes every byte with SHA-256 before it returns; with "
+    "a warm cache that verification (about 1.6 GB/s per core, on 2 shared cores) is its limit.",
+    "- The bf16 snapshot image holds the same bytes as `model.safetensors` (q/k/v and gate/up "
+    "fused), so the loader rows compare like for like; the fp32 image (the CPU default dtype) "
+    "is twice that.",
+    "- First token: wall time from `Popen` to the first generated token of a 4-token prompt, "
+    "interpreter start and `import torch` included (about 1.5-2 s here, the same for both paths; "
+    "tier A does not remove it, part 2 does). The load phase column is the engine's "
+    "`load_weights` (cold boot) or `restore_weights` (restore) phase.",
+]
 
 
 def pct(v: float | None) -> str:
