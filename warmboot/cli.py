@@ -152,21 +152,12 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
-    from warmboot.server.app import ServerConfig
-    from warmboot.server.serve import default_model_name, serve
+    from warmboot.server.engine_holder import EngineHolder, process_age
 
     if args.model is None:
         from warmboot.models.demo import ensure_default_model
 
         args.model = str(ensure_default_model())
-    config = ServerConfig(
-        served_model_name=args.served_model_name or default_model_name(args.model),
-        api_key=args.api_key or os.environ.get("WARMBOOT_API_KEY") or None,
-        max_body_bytes=args.max_body_bytes,
-        enable_debug=args.debug_endpoints,
-    )
-    print(f"serving {config.served_model_name!r} on http://{args.host}:{args.port}/v1", flush=True)
-    level = "info" if args.verbose else "warning"
 
     def boot():
         from warmboot.launcher.launch import LaunchConfig, launch
@@ -175,7 +166,20 @@ def _serve(args) -> int:
         store = args.snapshot_store
         return launch(LaunchConfig(engine=engine, store=store, sandbox=args.sandbox))
 
-    serve(boot, config, args.host, args.port, level)
+    # NOTE: the engine starts (or a restore runs) while the HTTP stack below is imported.
+    holder = EngineHolder(boot, started_at=time.monotonic() - process_age())
+    holder.start()
+    from warmboot.server.app import ServerConfig
+    from warmboot.server.serve import default_model_name, serve
+
+    config = ServerConfig(
+        served_model_name=args.served_model_name or default_model_name(args.model),
+        api_key=args.api_key or os.environ.get("WARMBOOT_API_KEY") or None,
+        max_body_bytes=args.max_body_bytes,
+        enable_debug=args.debug_endpoints,
+    )
+    print(f"serving {config.served_model_name!r} on http://{args.host}:{args.port}/v1", flush=True)
+    serve(holder, config, args.host, args.port, "info" if args.verbose else "warning")
     return 0
 
 

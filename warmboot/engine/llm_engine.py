@@ -399,7 +399,7 @@ class LLMEngine:
     def run_canary(self) -> list[tuple[int, float]]:
         """Greedy tokens with logprobs of the fixed warm-up prompt (idle engine only): a
         restored process must reproduce what was recorded before its checkpoint."""
-        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
         self.add_request("canary", {"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7]}, params)
         out = None
         while self.has_unfinished_requests():

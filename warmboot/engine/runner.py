@@ -4,6 +4,7 @@ loops order: ``prepare_step`` + ``submit_forward``, ``launch_sample``, ``collect
 
 from __future__ import annotations
 
+import mmap
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
@@ -102,7 +103,15 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.model_cfg
         shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.device.type == "cpu":
+            # NOTE: a fresh anonymous mapping reads as zeros without touching its pages, so the
+            # pool costs nothing until blocks are written (and nothing in a process image).
+            nbytes = num_blocks * self.kv_bytes_per_block()
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            self._kv_buffer = mmap.mmap(-1, nbytes, flags=flags)
+            cache = torch.frombuffer(self._kv_buffer, dtype=self.dtype).view(shape)
+        else:
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
 
     # -- requests' device slots -------------------------------------------------------------

@@ -148,6 +148,7 @@ def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases:
         channel.send({"t": "start", "seed": cfg.seed})
         started = channel.expect("started", cfg.restore_timeout)
         phases["start_and_canary"] = time.monotonic() - t
+        phases["canary"] = started["canary_s"]
         if not canary_matches(canary, started["canary"]):
             raise WorkerError(f"canary mismatch: {canary[:4]}... != {started['canary'][:4]}...")
     except BaseException:
@@ -221,13 +222,14 @@ def worker_spec(cfg: LaunchConfig):
 def process_key_fields(cfg: LaunchConfig, runsc_version: str, spec) -> dict[str, str]:
     """Everything that can change the restored process: model files, engine settings,
     versions, CPU, runsc, and the sandbox spec itself."""
-    from warmboot.snapshot.key import model_files_digest
+    from warmboot.snapshot.key import model_files_digest, source_digest
 
     cpu = _cpu_flags()
     return {
         "model_files": model_files_digest(Path(cfg.engine["model"])),
         "engine": json.dumps(cfg.engine, sort_keys=True),
         "warmboot": metadata.version("warmboot"),
+        "warmboot_source": source_digest(),
         "python": platform.python_version(),
         "torch": _version("torch"),
         "triton": _version("triton"),

@@ -7,9 +7,11 @@ load balancer can route around a replica that is still starting.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from warmboot.engine.client import EngineClient
 
@@ -84,3 +86,14 @@ class EngineHolder:
     def shutdown(self) -> None:
         if self.llm is not None:
             self.llm.shutdown()
+
+
+def process_age() -> float:
+    """Seconds since this process started (0 where /proc is unavailable)."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        started_ticks = int(fields[19])  # field 22 of stat(5), counted after the comm field
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - started_ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0

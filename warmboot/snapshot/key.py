@@ -92,11 +92,23 @@ def _file_fingerprint(path: Path) -> str:
 
 
 @cache
+def source_digest() -> str:
+    """Digest of warmboot's own source files: a development build that changes the code
+    changes the key even though the version string stays the same."""
+    root = Path(warmboot.__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:DIGEST_CHARS]
+
+
+@cache
 def software_fields() -> dict[str, str]:
     import torch
 
     return {
         "warmboot": warmboot.__version__,
+        "warmboot_source": source_digest(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "triton": _version("triton"),

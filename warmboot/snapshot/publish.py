@@ -134,6 +134,7 @@ class _ChunkWriter:
         self.pool = ThreadPoolExecutor(store.parallelism, thread_name_prefix="snapshot-put")
         self.pending: deque[Future] = deque()
         self.written = 0
+        self.claimed: set[str] = set()
         self.lock = threading.Lock()
 
     def put(self, data: memoryview | bytes, keep: object = None) -> _LazyRef:
@@ -146,7 +147,10 @@ class _ChunkWriter:
 
     def _put(self, ref: _LazyRef, data: memoryview | bytes, keep: object) -> None:
         ref.hash = chunk_hash(data)
-        if self.store.put_chunk(ref.hash, data):
+        with self.lock:  # NOTE: equal chunks in one publish are put (and counted) once
+            first = ref.hash not in self.claimed
+            self.claimed.add(ref.hash)
+        if first and self.store.put_chunk(ref.hash, data):
             with self.lock:
                 self.written += len(data)
         if self.progress:
