@@ -307,6 +307,11 @@ def load_average() -> str:
 
 
 def main() -> None:
+    if "--process" in sys.argv:  # the whole-process comparison lives in its own script
+        from bench import process_start
+
+        sys.argv.remove("--process")
+        return process_start.main()
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--worker", choices=LOADERS)
     p.add_argument("--model", type=Path)

@@ -96,20 +96,33 @@ def _try_restore(cfg: LaunchConfig, store, key: str, spec, t0: float) -> RemoteL
     if manifest is None:
         return None
     work = _work_dir(cfg)
-    image = work / "image"
-    t_fetch = time.monotonic()
-    nbytes = process_image.fetch(store, manifest, image)
-    phases = {"fetch_image": time.monotonic() - t_fetch}
-    client = _restore_and_start(cfg, spec, work, image, manifest["canary"], phases)
+    try:
+        image = work / "image"
+        t_fetch = time.monotonic()
+        nbytes = process_image.fetch(store, manifest, image)
+        phases = {"fetch_image": time.monotonic() - t_fetch}
+        client = _restore_and_start(cfg, spec, work, image, manifest["canary"], phases)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     reason = f"process snapshot {key[:12]} restored ({nbytes / 1e6:.0f} MB image), canary ok"
-    return _finish(client, "restored_process", reason, phases, t0, work)
+    return _finish(client, "restored_process", reason, phases, t0)
 
 
 def _create(cfg: LaunchConfig, store, key: str, fields: dict, spec, reason: str, t0: float):
-    from warmboot.snapshot.sandbox import Sandbox
 
     work = _work_dir(cfg)
     phases: dict[str, float] = {}
+    try:
+        return _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, phases)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+
+
+def _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, phases):
+    from warmboot.snapshot.sandbox import Sandbox
+
     sandbox = Sandbox(spec, work / "boot")
     try:
         t = time.monotonic()
@@ -130,7 +143,7 @@ def _create(cfg: LaunchConfig, store, key: str, fields: dict, spec, reason: str,
         new = process_image.publish(store, key, image, meta)
         phases["publish_image"] = time.monotonic() - t
         log.info("published process snapshot %s (%.0f MB new)", key[:12], new / 1e6)
-    return _finish(client, "cold", f"{reason}; booted in gVisor and published", phases, t0, work)
+    return _finish(client, "cold", f"{reason}; booted in gVisor and published", phases, t0)
 
 
 def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases: dict):
@@ -156,11 +169,11 @@ def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases:
         raise
     tokenizer = Tokenizer.from_dir(cfg.engine["model"])
     client = RemoteLLM(channel, tokenizer, started, LaunchInfo("pending", ""))
-    client.on_exit(lambda: _reap(sandbox, proc))
+    client.on_exit(lambda: _reap(sandbox, proc, work))
     return client
 
 
-def _finish(client: RemoteLLM, path: str, reason: str, phases: dict, t0: float, work: Path):
+def _finish(client: RemoteLLM, path: str, reason: str, phases: dict, t0: float):
     client.start_info = LaunchInfo(path, reason, time.monotonic() - t0, dict(phases))
     log.info("worker ready via %s (%s): %s", path, reason, _fmt(phases))
     return client
@@ -183,12 +196,14 @@ def _in_process(cfg: LaunchConfig, reason: str, t0: float, fallbacks: tuple[str,
     return front
 
 
-def _reap(sandbox, proc) -> None:
+def _reap(sandbox, proc, work: Path) -> None:
+    """The worker is told to stop: wait for it, delete its container, drop the image copy."""
     try:
         proc.wait(timeout=10)
     except Exception:  # noqa: BLE001 - it is going away either way
         pass
     sandbox.delete()
+    shutil.rmtree(work, ignore_errors=True)
 
 
 # -- the worker and its key ------------------------------------------------------------------
@@ -282,7 +297,3 @@ def _work_dir(cfg: LaunchConfig) -> Path:
 
 def _fmt(phases: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.2f}s" for k, v in phases.items())
-
-
-def cleanup_work_dir(cfg: LaunchConfig) -> None:
-    shutil.rmtree(cfg.work_dir, ignore_errors=True)
