@@ -16,6 +16,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -64,7 +65,17 @@ class ApiError(Exception):
 def create_app(holder: EngineHolder, config: ServerConfig) -> _Guard:
     """The ASGI app: FastAPI routes behind the guard middleware."""
     metrics = ServerMetrics(holder.state)
-    app = FastAPI(title="warmboot", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        # NOTE: here, not after uvicorn.run returns: uvicorn re-raises SIGTERM once it has
+        # shut down, so code after it may never run; the worker and its sandbox must go.
+        await asyncio.to_thread(holder.shutdown)
+
+    app = FastAPI(
+        title="warmboot", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+    )
     app.state.holder, app.state.metrics = holder, metrics
     _install_errors(app)
     api = _Api(holder, config, metrics)
