@@ -164,3 +164,19 @@ def test_http_server_in_front_of_a_worker(worker):
         assert httpx.get(url + "/health").json()["start_path"] == "cold"
         assert httpx.get(url + "/debug/engine").json()["invariants_ok"]
         assert "warmboot_kv_blocks_total 64.0" in httpx.get(url + "/metrics").text
+
+
+def test_launch_keeps_tier_p_off_where_it_cannot_work(path):
+    """A remote store (no network in the sandbox) or a GPU host (this runsc has no GPU
+    support): the engine boots in-process and says why."""
+    from warmboot.launcher.launch import LaunchConfig, _wants_gpu, launch
+
+    engine = {"model": str(path), "max_model_len": 64, "num_kv_blocks": 32}
+    client = launch(LaunchConfig(engine=engine, store="s3://bucket/prefix"))
+    try:
+        assert client.start_info.path == "cold"
+        assert "need a local store" in client.start_info.reason
+    finally:
+        client.shutdown()
+    assert _wants_gpu(LaunchConfig(engine={**engine, "device": "cuda:0"}))
+    assert not _wants_gpu(LaunchConfig(engine={**engine, "device": "cpu"}))

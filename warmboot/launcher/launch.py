@@ -58,6 +58,12 @@ def launch(cfg: LaunchConfig):
         return _in_process(cfg, "sandbox disabled (--sandbox none)", t0)
     if cfg.store is None:
         return _in_process(cfg, "no snapshot store: nothing to restore from", t0)
+    if "://" in str(cfg.store) and not str(cfg.store).startswith("file://"):
+        why = "process snapshots need a local store (the sandbox has no network)"
+        return _in_process(cfg, f"{why}; tier A from {cfg.store}", t0)
+    if _wants_gpu(cfg):
+        why = "this host's runsc cannot run GPU workloads"
+        return _in_process(cfg, f"{why}; tier A on the GPU", t0, ("gpu_host",))
     from warmboot.snapshot.sandbox import runsc_status
 
     version, why = runsc_status()
@@ -255,6 +261,15 @@ def process_key_fields(cfg: LaunchConfig, runsc_version: str, spec) -> dict[str,
             sort_keys=True,
         ),
     }
+
+
+def _wants_gpu(cfg: LaunchConfig) -> bool:
+    """The engine would run on a GPU: asked for, or ``auto`` on a host with an NVIDIA driver.
+    (Checked without importing torch.)"""
+    device = str(cfg.engine.get("device", "auto"))
+    if device.startswith("cuda"):
+        return True
+    return device == "auto" and Path("/proc/driver/nvidia/version").exists()
 
 
 def canary_matches(recorded: list, fresh: list) -> bool:

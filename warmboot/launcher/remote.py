@@ -82,7 +82,7 @@ class LaunchInfo:
     ready_s: float = 0.0
     phase_times: dict[str, float] = field(default_factory=dict)
     fallbacks: tuple[str, ...] = ()
-    """What failed on the way (runsc_unavailable, restore_failed, canary_mismatch,
+    """Why tier P was not used (runsc_unavailable, gpu_host, restore_failed, canary_mismatch,
     sandboxed_boot_failed), each counted in ``/metrics``."""
 
 
