@@ -120,12 +120,16 @@ def snapshot(tmp_path_factory):
     root = tmp_path_factory.mktemp("sandbox")
     shared = root / "shared"
     shared.mkdir()
-    # NOTE: the host's /tmp is hidden by the sandbox's tmpfs, so the script goes on argv.
+    scratch = root / "scratch"
+    scratch.mkdir()
+    # NOTE: the tmpfs sits on its own path: one over /tmp would hide a checkout (and its venv)
+    # that lives under /tmp, as CI's may.
     spec = SandboxSpec(
         argv=[sys.executable, "-u", "-c", WORKER, str(shared)],
         cwd=str(shared),
         writable_binds=(str(shared),),
         env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.path.expanduser("~")},
+        tmpfs=(str(scratch),),
     )
     image = root / "image"
     with Sandbox(spec, root / "first") as sb:
@@ -133,7 +137,7 @@ def snapshot(tmp_path_factory):
         ch = Channel(sb.run())
         ready = ch.recv()
         run_s = time.perf_counter() - t0
-        assert ready == {"ready": True, "tmpdir": "/tmp"}, _log(sb)
+        assert ready == {"ready": True, "tmpdir": str(scratch)}, _log(sb)
         assert (shared / "from_worker.txt").read_text() == "written through the bind mount"
         ch.send({"op": "ping", "say": "before"})
         first = ch.recv()
@@ -219,8 +223,11 @@ def test_missing_image_raises(snapshot, tmp_path):
 
 def test_cwd_hidden_by_tmpfs_is_refused(tmp_path):
     spec = SandboxSpec(argv=["/bin/true"], cwd="/tmp/somewhere", env={})
-    with pytest.raises(ValueError, match="hidden inside the sandbox"):
+    with pytest.raises(ValueError, match="cwd '/tmp/somewhere' is hidden inside the sandbox"):
         Sandbox(spec, tmp_path)
+    venv_under_tmp = SandboxSpec(argv=["/tmp/checkout/.venv/bin/python"], cwd="/", env={})
+    with pytest.raises(ValueError, match="program '/tmp/checkout/.venv/bin/python' is hidden"):
+        Sandbox(venv_under_tmp, tmp_path)
 
 
 def test_checkpoint_without_run_raises(snapshot, tmp_path):

@@ -330,16 +330,18 @@ class Sandbox:
 
 
 def _check_visible(spec: SandboxSpec) -> None:
-    """The cwd must not be hidden by one of the sandbox's tmpfs mounts (the host's /tmp is)."""
-    cwd = os.path.realpath(spec.cwd)
-    if any(_under(cwd, b) for b in spec.writable_binds):
-        return
-    for mount in spec.tmpfs:
-        if _under(cwd, mount):
-            raise ValueError(
-                f"cwd {spec.cwd!r} is hidden inside the sandbox by its tmpfs {mount!r}; "
-                "use a writable bind or a directory outside it"
-            )
+    """The cwd and the program must not be hidden by one of the sandbox's tmpfs mounts (a
+    tmpfs over /tmp hides a checkout or a venv that lives there)."""
+    for what, path in (("cwd", spec.cwd), ("program", spec.argv[0])):
+        for real in {os.path.abspath(path), os.path.realpath(path)}:
+            if any(_under(real, b) for b in spec.writable_binds):
+                continue
+            for mount in spec.tmpfs:
+                if _under(real, mount):
+                    raise ValueError(
+                        f"{what} {path!r} is hidden inside the sandbox by its tmpfs {mount!r}; "
+                        "use a writable bind or a tmpfs somewhere else"
+                    )
 
 
 def _under(path: str, top: str) -> bool:
