@@ -8,6 +8,7 @@ import io
 import json
 import subprocess
 import sys
+import time
 
 import httpx
 import openai
@@ -86,10 +87,10 @@ def test_params_and_outputs_cross_the_wire_unchanged():
     assert c.logprobs[2][107].logprob == -1.5 and c.logprobs[2][7].decoded_token == "tok"
 
 
-@pytest.fixture(scope="module")
-def worker(path):
-    """A worker subprocess (no sandbox) after its ``started`` handshake."""
-    engine = {"model": str(path), "max_model_len": 128, "num_kv_blocks": 64, "block_size": 4}
+def _spawn(path, kv_blocks: int = 64):
+    """A worker subprocess (no sandbox) after its ``started`` handshake, and its canary."""
+    engine = {"model": str(path), "max_model_len": 128, "num_kv_blocks": kv_blocks}
+    engine["block_size"] = 4
     cmd = [sys.executable, "-m", "warmboot.launcher.worker", json.dumps(engine)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     channel = Channel(proc.stdin, proc.stdout)
@@ -99,7 +100,12 @@ def worker(path):
     channel.send({"t": "start", "seed": 5})
     started = channel.expect("started", 60)
     info = LaunchInfo("cold", "test worker")
-    client = RemoteLLM(channel, Tokenizer.from_dir(path), started, info)
+    return RemoteLLM(channel, Tokenizer.from_dir(path), started, info), proc, canary, started
+
+
+@pytest.fixture(scope="module")
+def worker(path):
+    client, proc, canary, started = _spawn(path)
     yield client, canary, started
     client.shutdown()
     assert proc.wait(timeout=30) == 0
@@ -180,3 +186,34 @@ def test_launch_keeps_tier_p_off_where_it_cannot_work(path):
         client.shutdown()
     assert _wants_gpu(LaunchConfig(engine={**engine, "device": "cuda:0"}))
     assert not _wants_gpu(LaunchConfig(engine={**engine, "device": "cpu"}))
+
+
+def test_a_dead_worker_is_replaced(path):
+    """The worker dies (killed): requests get a 503 that says so while a new one boots,
+    then the replica answers again, and /metrics counts the restart."""
+    procs = []
+
+    def boot():
+        client, proc, _, _ = _spawn(path, kv_blocks=32)
+        procs.append(proc)
+        return client
+
+    holder = EngineHolder(boot)
+    holder.boot()
+    body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 3, "temperature": 0}
+    with running_server(holder) as url:
+        first = httpx.post(url + "/v1/completions", json=body).json()["choices"][0]["text"]
+        procs[0].kill()
+        procs[0].wait()
+        statuses = []
+        for _ in range(600):
+            resp = httpx.post(url + "/v1/completions", json=body, timeout=30)
+            statuses.append(resp.status_code)
+            if resp.status_code == 200:
+                break
+            assert resp.status_code == 503, resp.text
+            time.sleep(0.05)
+        assert statuses[-1] == 200 and 503 in statuses, statuses
+        assert resp.json()["choices"][0]["text"] == first
+        assert len(procs) == 2 and holder.restarts == 1
+        assert "warmboot_engine_restarts_total 1.0" in httpx.get(url + "/metrics").text

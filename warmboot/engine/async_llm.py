@@ -78,6 +78,11 @@ class AsyncLLM:
             return self.engine.validate(prompt, params)
 
     @property
+    def dead(self) -> str | None:
+        """Why the engine loop stopped, or None while it runs."""
+        return None if self._error is None else f"engine loop failed: {self._error!r}"
+
+    @property
     def tokenizer(self):
         return self.engine.tokenizer
 

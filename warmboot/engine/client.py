@@ -66,6 +66,8 @@ class EngineClient(Protocol):
     max_model_len: int
     start_info: Any
     """Has ``path`` ("cold", "restored_image", "restored_process") and ``reason``."""
+    dead: str | None
+    """Why the engine stopped serving for good (the holder then boots a new one), or None."""
 
     async def add_request(
         self, prompt: Any, params: SamplingParams, request_id: str | None = None

@@ -134,6 +134,11 @@ class RemoteLLM:
     def stats(self) -> dict:
         return dict(self._stats)
 
+    @property
+    def dead(self) -> str | None:
+        """Why the worker is gone, or None while it serves."""
+        return self._dead
+
     def abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
         self._acc.pop(request_id, None)

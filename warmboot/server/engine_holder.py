@@ -32,7 +32,9 @@ class EngineHolder:
         self.llm: EngineClient | None = None
         self.error: str | None = None
         self.time_to_ready: float | None = None
+        self.restarts = 0
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
 
     @classmethod
     def ready(cls, engine) -> EngineHolder:
@@ -60,11 +62,28 @@ class EngineHolder:
         log.info("engine ready after %.2fs (%s)", self.time_to_ready, self.start_path()[0])
 
     def require(self) -> EngineClient:
-        if self.llm is not None:
-            return self.llm
+        llm = self.llm
+        if llm is not None:
+            why = getattr(llm, "dead", None)
+            if not why:
+                return llm
+            self._restart(llm, why)
+            raise EngineNotReady(f"the engine stopped ({why}); it is restarting, retry shortly")
         if self.error is not None:
             raise EngineNotReady(f"the engine failed to start: {self.error}")
         raise EngineNotReady("the engine is still starting; retry shortly")
+
+    def _restart(self, dead: EngineClient, why: str) -> None:
+        """Boot a new engine in the background (once per dead one): the replica heals itself
+        (restoring from its snapshot when it has one) instead of answering 503 for good."""
+        with self._lock:
+            if self.llm is not dead:
+                return
+            log.error("engine died (%s); restarting", why)
+            self.llm, self.error = None, None
+            self.restarts += 1
+        threading.Thread(target=_quietly_shut, args=(dead,), daemon=True).start()
+        self.start()
 
     def start_path(self) -> tuple[str, str]:
         """(path, reason): how the engine started. Cold unless the engine says otherwise."""
@@ -81,11 +100,19 @@ class EngineHolder:
         stats = self.llm.stats()
         stats.update(start_path=path, start_reason=reason, time_to_ready_s=self.time_to_ready)
         stats["start_fallbacks"] = tuple(getattr(self.llm.start_info, "fallbacks", ()) or ())
+        stats["engine_restarts"] = self.restarts
         return stats
 
     def shutdown(self) -> None:
         if self.llm is not None:
             self.llm.shutdown()
+
+
+def _quietly_shut(client: EngineClient) -> None:
+    try:
+        client.shutdown()
+    except Exception:  # noqa: BLE001 - it is dead already
+        log.debug("shutting down a dead engine failed", exc_info=True)
 
 
 def process_age() -> float:

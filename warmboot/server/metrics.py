@@ -106,6 +106,11 @@ class _EngineCollector:
         for kind in sorted(set(state["start_fallbacks"])):
             fallbacks.add_metric([kind], float(state["start_fallbacks"].count(kind)))
         yield fallbacks
+        restarts = CounterMetricFamily(
+            "warmboot_engine_restarts", "Engines rebooted after the previous one died"
+        )
+        restarts.add_metric([], float(state["engine_restarts"]))
+        yield restarts
         ready_s = GaugeMetricFamily(
             "warmboot_time_to_ready_seconds", "Seconds from process start to engine ready"
         )
