@@ -3,7 +3,9 @@ official client) specify: streaming with n > 1 and several prompts, stop strings
 boundaries, logprobs while streaming, echo, structured outputs while streaming, multi-byte
 text, malformed requests, and a client that hangs up next to an identical request.
 
-Tests marked ``xfail(strict=True, reason="BUG: ...")`` document a bug found in this review.
+The review found five bugs (repeated finish chunks with n > 1, 500s for out-of-range extension
+values, streamed text offsets, echo with logprobs, chat logprob bytes); they are fixed and
+these tests hold them fixed.
 """
 
 from __future__ import annotations
@@ -141,14 +143,6 @@ def test_chat_stream_n2_concatenation_matches_non_streamed(url):
     assert {i: f[-1] for i, f in finishes.items()} == {0: "length", 1: "length"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: with n>1, a choice that finished is re-sent (empty text, same finish_reason) "
-    "in a new chunk on every later engine step until its siblings finish; even plain n=2 does "
-    "it, as choice 1 trails choice 0 by a step (app._completion_chunks/_chat_chunks: "
-    "_worth_a_chunk is true for any finished choice, and the engine's group output carries "
-    "finished choices along)",
-)
 @pytest.mark.parametrize(
     "case", ["completions", "chat", "completions-stop", "chat-stop", "two-prompts"]
 )
@@ -240,13 +234,6 @@ def test_completion_logprobs_streamed_equal_non_streamed(url):
     assert "".join(tokens) == whole["choices"][0]["text"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: streamed completions logprobs.text_offset is computed from the visible text "
-    "(responses.completion_chunk: len(c.text) - len(c.delta_text)), not from the chunk's first "
-    "token, so with a stop string holding text back the offsets differ from the non-streamed "
-    "ones (and repeat across chunks)",
-)
 def test_completion_logprobs_text_offset_streamed_with_stop(url):
     body = {"model": MODEL_NAME, "prompt": "dog", "max_tokens": 24, "temperature": 0, **NO_EOS}
     full = _post(url, "/v1/completions", body).json()["choices"][0]["text"]
@@ -298,13 +285,9 @@ def test_echo_streamed_and_not(url):
     assert texts == {0: body["prompt"] + plain, 1: body["prompt"] + plain}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: echo=true with logprobs returns logprobs of the completion only; OpenAI "
-    "includes the prompt tokens (first token_logprob null), so tokens no longer line up with "
-    "text (responses.completion_body passes start=0 of the output tokens only)",
-)
-def test_echo_with_logprobs_covers_the_prompt(url):
+def test_echo_with_logprobs_is_refused_not_half_answered(url):
+    """Prompt log-probabilities are not computed, so echo + logprobs is a clear 400 rather
+    than logprobs that skip the echoed prompt (found by this review)."""
     body = {
         "model": MODEL_NAME,
         "prompt": "hello world",
@@ -314,10 +297,12 @@ def test_echo_with_logprobs_covers_the_prompt(url):
         "logprobs": 1,
         **NO_EOS,
     }
-    choice = _post(url, "/v1/completions", body).json()["choices"][0]
-    lp = choice["logprobs"]
-    assert "".join(lp["tokens"]) == choice["text"]
-    assert lp["token_logprobs"][0] is None
+    resp = _post(url, "/v1/completions", body)
+    assert resp.status_code == 400
+    error = resp.json()["error"]
+    assert error["param"] == "echo" and "not supported" in error["message"]
+    plain = _post(url, "/v1/completions", {**body, "logprobs": None}).json()["choices"][0]
+    assert plain["text"].startswith("hello world")
 
 
 def test_chat_without_max_tokens_runs_to_the_context_limit(url):
@@ -405,12 +390,6 @@ def test_multibyte_output_streams_without_replacement_chars(url, server):
     assert not any("\ufffd" in p for p in pieces)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: chat logprobs 'bytes' is the UTF-8 of the decoded token text, so a token "
-    "holding part of a multi-byte character reports U+FFFD's bytes (EF BF BD) instead of its "
-    "own bytes; OpenAI's bytes must concatenate to the text (responses.chat_logprobs)",
-)
 def test_chat_logprobs_bytes_rebuild_multibyte_text(url):
     body = {
         "model": MODEL_NAME,
@@ -500,12 +479,6 @@ def test_wrong_content_type_is_4xx(url, ctype):
     _error(resp)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: sampling values that pydantic lets through but SamplingParams rejects "
-    "(ValueError from SamplingParams._validate, raised in protocol._SamplingRequest._params) "
-    "have no exception handler and come back as a bare 500 'Internal Server Error'",
-)
 @pytest.mark.parametrize(
     "patch",
     [

@@ -189,6 +189,20 @@ def test_detokenizer_multibyte_text(which, request):
     assert saw_pending
 
 
+@pytest.mark.parametrize("which", ["tok_dir", "big_tok_dir"])
+def test_token_bytes_rebuild_the_text(which, request):
+    """Each token's own bytes (what chat logprobs report) concatenate to the UTF-8 text, even
+    where single tokens hold part of a character and decode to U+FFFD on their own."""
+    tok = Tokenizer.from_dir(request.getfixturevalue(which))
+    split_char = False
+    for text in TEXTS + ["🦜", "a🦜b東京c", "🍜🍜🍜 naïve 東京 🌍🦜"]:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert b"".join(tok.token_bytes(i) for i in ids) == text.encode("utf-8")
+        split_char |= any("\ufffd" in tok.decode([i]) for i in ids)
+    assert split_char, "the texts must include characters split across tokens"
+    assert tok.token_bytes(tok.vocab_size + 5) == b""
+
+
 @pytest.mark.parametrize("size", [259, 300, 384, 512, 1000, 4000, 49152])
 def test_exact_vocab_size(size, tmp_path, request):
     if size == 49152:

@@ -252,13 +252,14 @@ class _Api:
                 "model_not_found",
             )
 
-    def _meta(self, prefix: str, params: SamplingParams) -> R.ResponseMeta:
+    def _meta(self, prefix: str, params: SamplingParams, llm=None) -> R.ResponseMeta:
         return R.ResponseMeta(
             id=f"{prefix}-{uuid.uuid4().hex}",
             model=self.config.served_model_name,
             created=int(time.time()),
             n=params.n,
             top_logprobs=params.logprobs,
+            token_bytes=llm.tokenizer.token_bytes if llm is not None else None,
         )
 
     # -- /v1/completions -----------------------------------------------------------------------
@@ -278,15 +279,16 @@ class _Api:
 
     async def _completion_chunks(self, meta, streams, echo, include_usage) -> AsyncIterator[dict]:
         finals: dict[int, RequestOutput] = {}
-        started: set[tuple[int, int]] = set()
+        sent = _SentChoices()
         async for p, out in self._merge(streams):
             for c in out.outputs:
-                if not _worth_a_chunk(meta, c):
+                if not sent.pending(meta, p, c):
                     continue
-                first = (p, c.index) not in started
-                started.add((p, c.index))
-                prefix = echo[p] if echo and first else ""
-                yield R.completion_chunk(meta, p, c, prefix)
+                prefix = echo[p] if echo and sent.first(p, c) else ""
+                offset = sent.offset(p, c) + len(prefix)
+                chunk = R.completion_chunk(meta, p, c, prefix, offset)
+                sent.record(p, c, chunk["choices"][0]["logprobs"], offset)
+                yield chunk
             if out.finished:
                 finals[p] = out
         if include_usage:
@@ -299,7 +301,7 @@ class _Api:
         params = body.sampling_params()
         prompt = _chat_prompt(llm, body)
         (stream,) = await _add_all(llm, [prompt], params)
-        meta = self._meta("chatcmpl", params)
+        meta = self._meta("chatcmpl", params, llm)
         if body.stream:
             return _sse(self._chat_chunks(meta, stream, params.n, body.include_usage))
         (out,) = await _until_disconnect(request, self._finals([stream]))
@@ -308,12 +310,14 @@ class _Api:
     async def _chat_chunks(self, meta, stream, n: int, include_usage) -> AsyncIterator[dict]:
         for i in range(n):
             yield R.chat_chunk(meta, i, {"role": "assistant", "content": ""}, None)
-        final = None
+        final, sent = None, _SentChoices()
         async for _, out in self._merge([stream]):
             for c in out.outputs:
-                if _worth_a_chunk(meta, c):
+                if sent.pending(meta, 0, c):
                     delta = {"content": c.delta_text} if c.delta_text or not c.finished else {}
-                    yield R.chat_chunk(meta, c.index, delta, c)
+                    chunk = R.chat_chunk(meta, c.index, delta, c)
+                    sent.record(p=0, c=c, logprobs=None, offset=0)
+                    yield chunk
             if out.finished:
                 final = out
         if include_usage and final is not None:
@@ -372,9 +376,34 @@ class _Api:
         self.metrics.aborted.inc(sum(s.aborted for s in streams))
 
 
-def _worth_a_chunk(meta: R.ResponseMeta, c) -> bool:
-    """New text, the end, or (with logprobs) new tokens whose text is still held back."""
-    return bool(c.delta_text or c.finished or (meta.top_logprobs is not None and c.delta_token_ids))
+class _SentChoices:
+    """What a stream has sent per choice (prompt index, choice index): whether it started,
+    whether its finish went out (an engine output repeats finished siblings' last state), and
+    the text offset of its next logprob token."""
+
+    def __init__(self):
+        self._ended: set[tuple[int, int]] = set()
+        self._offsets: dict[tuple[int, int], int] = {}
+
+    def pending(self, meta: R.ResponseMeta, p: int, c) -> bool:
+        """New text, the end, or (with logprobs) new tokens whose text is still held back."""
+        if (p, c.index) in self._ended:
+            return False
+        return bool(
+            c.delta_text or c.finished or (meta.top_logprobs is not None and c.delta_token_ids)
+        )
+
+    def first(self, p: int, c) -> bool:
+        return (p, c.index) not in self._offsets
+
+    def offset(self, p: int, c) -> int:
+        return self._offsets.get((p, c.index), 0)
+
+    def record(self, p: int, c, logprobs: dict | None, offset: int) -> None:
+        tokens = logprobs["tokens"] if logprobs else ()
+        self._offsets[(p, c.index)] = offset + sum(len(t) for t in tokens)
+        if c.finished:
+            self._ended.add((p, c.index))
 
 
 async def _add_all(llm, prompts: list, params: SamplingParams) -> list[RequestStream]:

@@ -7,6 +7,7 @@ with a 400 naming them, so a client never silently gets something other than it 
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -94,6 +95,13 @@ class _SamplingRequest(_Model):
             }.items()
             if v is not None
         }
+        try:
+            return self._build(max_tokens, logprobs, structured, extras)
+        except ValueError as e:  # SamplingParams names the field: "... parameter NAME=..."
+            found = re.search(r"parameter (\w+)=", str(e))
+            raise UnsupportedParameter(found.group(1) if found else None, str(e)) from None
+
+    def _build(self, max_tokens, logprobs, structured, extras: dict) -> SamplingParams:
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -140,6 +148,10 @@ class CompletionRequest(_SamplingRequest):
             raise UnsupportedParameter("best_of", "best_of other than n is not supported")
         if self.suffix:
             raise UnsupportedParameter("suffix", "suffix (insertion) is not supported")
+        if self.echo and self.logprobs is not None:
+            raise UnsupportedParameter(
+                "echo", "echo with logprobs (log-probabilities of the prompt) is not supported"
+            )
         return self._params(self.max_tokens, self.logprobs, _structured(self.response_format))
 
 

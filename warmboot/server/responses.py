@@ -8,6 +8,7 @@ in one completions call are several of them, and choice ``i`` of prompt ``p`` ha
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from warmboot.outputs import CompletionOutput, Logprob, RequestOutput
@@ -57,24 +58,26 @@ def usage(outs: list[RequestOutput]) -> dict:
 
 # -- logprobs ----------------------------------------------------------------------------------
 def _entries(c: CompletionOutput, start: int, top_n: int):
-    """(token text, sampled logprob, top-n [(text, logprob)]) per output token from ``start``."""
+    """(token id, text, sampled logprob, top-n [(id, text, logprob)]) per output token from
+    ``start``."""
     for token_id, lps in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):
         chosen = lps.get(token_id) or Logprob(float("nan"))
-        top = sorted(lps.values(), key=lambda lp: lp.logprob, reverse=True)[:top_n]
+        top = sorted(lps.items(), key=lambda kv: kv[1].logprob, reverse=True)[:top_n]
         yield (
+            token_id,
             chosen.decoded_token or "",
             chosen.logprob,
-            [(lp.decoded_token or "", lp.logprob) for lp in top],
+            [(t, lp.decoded_token or "", lp.logprob) for t, lp in top],
         )
 
 
 def completion_logprobs(c: CompletionOutput, start: int, top_n: int, offset: int) -> dict:
     """The completions API's column format; ``offset`` is the text offset of token ``start``."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    for text, lp, top in _entries(c, start, top_n):
+    for _, text, lp, top in _entries(c, start, top_n):
         tokens.append(text)
         token_lps.append(lp)
-        tops.append(dict(top))
+        tops.append({t: v for _, t, v in top})
         offsets.append(offset)
         offset += len(text)
     return {
@@ -85,13 +88,17 @@ def completion_logprobs(c: CompletionOutput, start: int, top_n: int, offset: int
     }
 
 
-def chat_logprobs(c: CompletionOutput, start: int, top_n: int) -> dict:
-    def item(text: str, lp: float) -> dict:
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+def chat_logprobs(c: CompletionOutput, start: int, top_n: int, token_bytes=None) -> dict:
+    """The chat format. ``bytes`` are the token's own bytes (``token_bytes(id)``) when known:
+    a token holding part of a multi-byte character decodes to U+FFFD on its own."""
+
+    def item(token_id: int, text: str, lp: float) -> dict:
+        raw = token_bytes(token_id) if token_bytes else text.encode("utf-8")
+        return {"token": text, "logprob": lp, "bytes": list(raw)}
 
     content = [
-        {**item(text, lp), "top_logprobs": [item(t, v) for t, v in top]}
-        for text, lp, top in _entries(c, start, top_n)
+        {**item(tid, text, lp), "top_logprobs": [item(*entry) for entry in top]}
+        for tid, text, lp, top in _entries(c, start, top_n)
     ]
     return {"content": content}
 
@@ -105,6 +112,8 @@ class ResponseMeta:
     n: int
     top_logprobs: int | None
     """None: no logprobs asked for."""
+    token_bytes: Callable[[int], bytes] | None = None
+    """A token id's raw bytes (the tokenizer's), for chat logprobs."""
 
 
 def completion_body(meta: ResponseMeta, outs: list[RequestOutput], echo: list[str]) -> dict:
@@ -130,7 +139,10 @@ def completion_body(meta: ResponseMeta, outs: list[RequestOutput], echo: list[st
     }
 
 
-def completion_chunk(meta: ResponseMeta, p: int, c: CompletionOutput, prefix: str = "") -> dict:
+def completion_chunk(
+    meta: ResponseMeta, p: int, c: CompletionOutput, prefix: str, offset: int
+) -> dict:
+    """One choice's new text; ``offset`` is the text offset of its first logprob token."""
     start = len(c.token_ids) - len(c.delta_token_ids)
     return {
         "id": meta.id,
@@ -141,7 +153,7 @@ def completion_chunk(meta: ResponseMeta, p: int, c: CompletionOutput, prefix: st
             {
                 "index": p * meta.n + c.index,
                 "text": prefix + c.delta_text,
-                "logprobs": _completion_lp(meta, c, start, len(c.text) - len(c.delta_text)),
+                "logprobs": _completion_lp(meta, c, start, offset),
                 "finish_reason": c.finish_reason,
             }
         ],
@@ -197,7 +209,7 @@ def chat_chunk(meta: ResponseMeta, index: int, delta: dict, c: CompletionOutput 
 def _chat_lp(meta: ResponseMeta, c: CompletionOutput, start: int):
     if meta.top_logprobs is None:
         return None
-    return chat_logprobs(c, start, meta.top_logprobs)
+    return chat_logprobs(c, start, meta.top_logprobs, meta.token_bytes)
 
 
 def usage_chunk(meta: ResponseMeta, obj: str, outs: list[RequestOutput]) -> dict:

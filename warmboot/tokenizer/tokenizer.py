@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -69,6 +71,25 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (any iterable of ints); invalid UTF-8 becomes U+FFFD."""
         return self._tok.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes a token stands for (a token may hold part of a UTF-8 character)."""
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            return b""
+        if self._byte_level:
+            table = _byte_decoder()
+            if all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece)
+            return piece.encode("utf-8")  # an added token outside the byte alphabet
+        byte = _BYTE_FALLBACK.fullmatch(piece)
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")  # SentencePiece's word marker
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return "ByteLevel" in json.dumps(json.loads(self._tok.to_str()).get("decoder"))
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string, or ``None`` if it is not in the vocabulary."""
@@ -178,3 +199,17 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent=None, separators=None
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Inverse of the byte-level BPE alphabet: printable bytes stand for themselves, the other
+    bytes for the characters 256, 257, ... in order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    extra = [b for b in range(256) if b not in keep]
+    table = {chr(b): b for b in keep}
+    table.update({chr(256 + i): b for i, b in enumerate(extra)})
+    return table
