@@ -170,7 +170,11 @@ class LocalStore(Store):
         """Delete temporary files left by crashed publishers; returns how many."""
         tmp_dir, now, n = self.root / "tmp", time.time(), 0
         for p in tmp_dir.glob("*") if tmp_dir.is_dir() else ():
-            if now - p.stat().st_mtime > older_than:
+            try:
+                stale = now - p.stat().st_mtime > older_than
+            except FileNotFoundError:  # NOTE: another publisher just renamed it into place
+                continue
+            if stale:
                 p.unlink(missing_ok=True)
                 n += 1
         return n
