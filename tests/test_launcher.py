@@ -127,6 +127,11 @@ def test_newer_schema_and_key_mismatch_boot_cold(published, faulty):
     store.put_manifest(key, json.dumps({**manifest, "schema": 99}).encode())
     info, answer = _launch(cfg)
     assert info.path == "cold" and "schema 99" in info.reason and answer == published[1]
+    store.put_manifest(
+        key, json.dumps({k: v for k, v in manifest.items() if k != "files"}).encode()
+    )
+    info, answer = _launch(cfg)
+    assert info.path == "cold" and "unusable" in info.reason and answer == published[1]
     other = replace(cfg, engine={**cfg.engine, "max_model_len": 96})
     info, _ = _launch(other)
     assert info.path == "cold" and "no process snapshot" in info.reason

@@ -81,14 +81,14 @@ def launch(cfg: LaunchConfig):
             return client
         reason = f"no process snapshot for key {key[:12]}"
         fallbacks: tuple[str, ...] = ()
-    except (WorkerError, process_image.ProcessImageError, OSError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - any failure of a restore means a cold boot
         reason = f"process snapshot {key[:12]} unusable: {e}"
         fallbacks = ("canary_mismatch" if "canary mismatch" in str(e) else "restore_failed",)
         log.warning("%s; discarding it and booting cold", reason)
         process_image.discard(store, key)
     try:
         client = _create(cfg, store, key, fields, spec, reason, t0)
-    except (WorkerError, process_image.ProcessImageError, OSError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - the in-process boot is the last resort
         log.warning("sandboxed boot failed (%s); booting in-process", e)
         fallbacks += ("sandboxed_boot_failed",)
         return _in_process(cfg, f"{reason}; sandboxed boot failed: {e}", t0, fallbacks)
@@ -116,7 +116,6 @@ def _try_restore(cfg: LaunchConfig, store, key: str, spec, t0: float) -> RemoteL
 
 
 def _create(cfg: LaunchConfig, store, key: str, fields: dict, spec, reason: str, t0: float):
-
     work = _work_dir(cfg)
     phases: dict[str, float] = {}
     try:
