@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from warmboot.kernels import tuning
-from warmboot.kernels.attention import LOG2E, _attn_block
+from warmboot.kernels.attention import LOG2E, _attn_blocks
 
 
 @triton.jit
@@ -59,82 +59,45 @@ def _decode_kernel(
     acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
     Kh = K + kvh * stride_kh
     Vh = V + kvh * stride_vh
-    if INTERPRET:  # see attention._attn_blocks
-        n = start
-        while n < end:
-            acc, m_i, l_i = _attn_block(
-                acc,
-                m_i,
-                l_i,
-                q,
-                Kh,
-                Vh,
-                n,
-                b,
-                0,
-                end,
-                offs_g,
-                BLOCK_TABLE,
-                stride_bt,
-                stride_kb,
-                stride_kt,
-                stride_vb,
-                stride_vt,
-                qk_scale,
-                cap_log2,
-                0,
-                0,
-                tau,
-                HEAD_DIM,
-                BLOCK_D,
-                BLOCK_N,
-                True,
-                False,
-                False,
-                SOFTCAP,
-                0,
-                True,
-                PAGE_SIZE,
-                DOT_FP32,
-            )
-            n += BLOCK_N
-    else:
-        for n in tl.range(start, end, BLOCK_N, num_stages=NUM_STAGES):
-            acc, m_i, l_i = _attn_block(
-                acc,
-                m_i,
-                l_i,
-                q,
-                Kh,
-                Vh,
-                n,
-                b,
-                0,
-                end,
-                offs_g,
-                BLOCK_TABLE,
-                stride_bt,
-                stride_kb,
-                stride_kt,
-                stride_vb,
-                stride_vt,
-                qk_scale,
-                cap_log2,
-                0,
-                0,
-                tau,
-                HEAD_DIM,
-                BLOCK_D,
-                BLOCK_N,
-                True,
-                False,
-                False,
-                SOFTCAP,
-                0,
-                True,
-                PAGE_SIZE,
-                DOT_FP32,
-            )
+    acc, m_i, l_i = _attn_blocks(
+        acc,
+        m_i,
+        l_i,
+        q,
+        Kh,
+        Vh,
+        b,
+        0,
+        end,
+        offs_g,
+        start,
+        end,
+        BLOCK_TABLE,
+        stride_bt,
+        stride_kb,
+        stride_kt,
+        stride_vb,
+        stride_vt,
+        qk_scale,
+        cap_log2,
+        0,
+        0,
+        tau,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        True,
+        False,
+        False,
+        SOFTCAP,
+        0,
+        True,
+        PAGE_SIZE,
+        DOT_FP32,
+        NUM_STAGES,
+        False,
+        INTERPRET,
+    )
     empty = l_i == 0.0
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
