@@ -22,7 +22,6 @@ import datetime
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from bench.serve import free_port
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 PROMPT = "serverless replicas start cold"
@@ -42,12 +43,6 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def time_to_first_token(model: Path, store: Path | None, sandbox: str, work: Path) -> dict:

@@ -38,6 +38,15 @@ def hf_model():
     return load
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Torch on one thread for a module (the snapshot tests' engines share two cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=KINDS)
 def kind(request) -> str:
     return request.param

@@ -3,18 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from warmboot.cli import main
 from warmboot.snapshot.store import LocalStore
 
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -22,12 +22,7 @@ PROMPTS = random_prompts([5, 17, 9], VOCAB_SIZE, seed=7)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=5)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_llm(path, store=None, **kw) -> LLM:
