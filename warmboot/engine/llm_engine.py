@@ -228,17 +228,23 @@ class LLMEngine:
     def _warmup(self) -> list[tuple[int, float]]:
         """Run one short real request through every part, then forget it; returns its greedy
         tokens with their logprobs (a snapshot's canary)."""
-        params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=1)
         # NOTE: not token 0, often a padding token whose zero embedding would make the canary blind
-        self.add_request("warmup", {"prompt_token_ids": [1, 2, 3]}, params)
-        canary: list[tuple[int, float]] = []
-        while self.has_unfinished_requests():
-            for out in self.step(finished_only=True):
-                c = out.outputs[0]
-                canary = [(t, lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
-        self.block_manager.reset_prefix_cache()
+        canary = self._greedy_probe([1, 2, 3], max_tokens=2, logprobs=1)
         self.block_manager.check_invariants()
         return canary
+
+    def _greedy_probe(self, prompt: list[int], max_tokens: int, logprobs: int):
+        """Run one greedy request alone (idle engine) and forget it: [(token, logprob)]."""
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs
+        )
+        self.add_request("probe", {"prompt_token_ids": prompt}, params)
+        out = None
+        while self.has_unfinished_requests():
+            out = next(iter(self.step(finished_only=True)), out)
+        self.block_manager.reset_prefix_cache()
+        c = out.outputs[0]
+        return [(t, lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(
@@ -397,16 +403,9 @@ class LLMEngine:
         return touched
 
     def run_canary(self) -> list[tuple[int, float]]:
-        """Greedy tokens with logprobs of the fixed warm-up prompt (idle engine only): a
-        restored process must reproduce what was recorded before its checkpoint."""
-        params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=0)
-        self.add_request("canary", {"prompt_token_ids": [1, 2, 3, 4, 5, 6, 7]}, params)
-        out = None
-        while self.has_unfinished_requests():
-            out = next(iter(self.step(finished_only=True)), out)
-        self.block_manager.reset_prefix_cache()
-        c = out.outputs[0]
-        return [(t, lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
+        """Greedy tokens with logprobs of a fixed prompt (idle engine only): a restored
+        process must reproduce what was recorded before its checkpoint."""
+        return self._greedy_probe([1, 2, 3, 4, 5, 6, 7], max_tokens=4, logprobs=0)
 
     def remap_weights_from_snapshot(self) -> bool:
         """Swap the weights for the tier-A snapshot's file-backed (mmapped) copy, when one
@@ -414,10 +413,7 @@ class LLMEngine:
         if self.snapshot is None or self.has_unfinished_requests():
             return False
         old = self.runner.model
-        if not self._restore_weights() or self.runner.model is old:
-            return False
-        del old
-        return True
+        return self._restore_weights() and self.runner.model is not old
 
     def resize_kv_cache(self, num_blocks: int) -> None:
         """Reallocate the KV pool with ``num_blocks`` blocks (idle engine only): shrunk before a
