@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from pathlib import Path
 
@@ -88,11 +87,3 @@ def discard(store, key: str) -> None:
 
 def image_bytes(image_dir: Path) -> int:
     return sum(p.stat().st_size for p in image_dir.rglob("*") if p.is_file())
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

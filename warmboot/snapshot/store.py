@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import base64
 import os
-import shutil
 import tempfile
 import time
 from abc import ABC, abstractmethod
@@ -178,9 +177,6 @@ class LocalStore(Store):
                 p.unlink(missing_ok=True)
                 n += 1
         return n
-
-    def destroy(self) -> None:
-        shutil.rmtree(self.root, ignore_errors=True)
 
 
 class S3Store(Store):
