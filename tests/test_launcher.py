@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from warmboot.launcher import launch as launch_mod
-from warmboot.launcher import process_image
 from warmboot.launcher.launch import LaunchConfig, launch
 from warmboot.sampling_params import SamplingParams
+from warmboot.snapshot import process_image
 from warmboot.snapshot.sandbox import runsc_status
 from warmboot.snapshot.store import open_store
 

@@ -223,3 +223,24 @@ def test_publish_removes_stale_temporary_files(store):
     os.utime(stale, (0, 0))
     publish(store)
     assert not stale.exists() and fresh.exists()
+
+
+def test_process_images_share_the_store_operations(store, tmp_path):
+    """A process image (tier P) next to an engine image: ls-level operations understand it,
+    verify and copy it, and garbage collection neither blocks on it nor frees its chunks."""
+    from warmboot.snapshot import process_image
+
+    publish(store, "k1")
+    engine_bytes = store.stored_bytes()
+    image = tmp_path / "image"
+    image.mkdir()
+    (image / "checkpoint.img").write_bytes(os.urandom(3000))
+    process_image.publish(store, "p1", image, {"canary": [[1, -0.5]]})
+    key = process_image.manifest_key("p1")
+    assert verify_snapshot(store, key) is None
+    dst = LocalStore(tmp_path / "dst")
+    assert copy_snapshot(store, dst, key) == 3000
+    assert process_image.lookup(dst, "p1")["canary"] == [[1, -0.5]]
+    assert remove_snapshot(store, "k1") == engine_bytes, "a process manifest must not block GC"
+    assert store.stored_bytes() == 3000, "the process image keeps its chunks"
+    assert remove_snapshot(store, key) == 3000

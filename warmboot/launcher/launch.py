@@ -29,8 +29,8 @@ from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
-from warmboot.launcher import process_image
 from warmboot.launcher.remote import Channel, LaunchInfo, RemoteLLM, WorkerError
+from warmboot.snapshot import process_image
 
 log = logging.getLogger("warmboot")
 

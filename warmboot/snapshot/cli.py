@@ -116,6 +116,7 @@ def _ls(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from warmboot.snapshot import process_image
     from warmboot.snapshot.image import SnapshotError
     from warmboot.snapshot.ops import load_manifest
 
@@ -124,6 +125,9 @@ def _ls(args) -> int:
     for col in ("key", "created", "model", "dtype", "device", "tensors", "GB"):
         table.add_column(col)
     for key in store.list_keys():
+        if process_image.is_process_key(key):
+            table.add_row(*_process_row(store, key))
+            continue
         try:
             m = load_manifest(store, key)
         except SnapshotError as e:
@@ -143,11 +147,28 @@ def _ls(args) -> int:
     return 0
 
 
+def _process_row(store, key: str) -> list[str]:
+    """An ``ls`` row for a process image (tier P) in the same store."""
+    from warmboot.snapshot import process_image
+
+    try:
+        m = process_image.parse(store.get_manifest(key) or b"")
+    except process_image.ProcessImageError as e:
+        return [key, "?", f"unreadable: {e}", "", "", "", ""]
+    size = sum(process_image.chunk_refs(m).values())
+    created = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(m["created"]))
+    return [key, created, "process image (gVisor)", "", "", "", f"{size / 1e9:.3f}"]
+
+
 def _inspect(args) -> int:
+    from warmboot.snapshot import process_image
     from warmboot.snapshot.ops import load_manifest, resolve_keys
 
     store = _open(args.store)
     (key,) = resolve_keys(store, args.key)
+    if process_image.is_process_key(key):
+        print(json.dumps(process_image.parse(store.get_manifest(key) or b""), indent=1))
+        return 0
     m = load_manifest(store, key)
     if args.json:
         print(m.to_json().decode())
@@ -172,11 +193,11 @@ def _inspect(args) -> int:
 
 
 def _verify(args) -> int:
-    from warmboot.snapshot.ops import load_manifest, resolve_keys, verify_snapshot
+    from warmboot.snapshot.ops import manifest_refs, resolve_keys, verify_snapshot
 
     store = _open(args.store)
     for key in resolve_keys(store, args.key):
-        total = sum(load_manifest(store, key).chunk_refs().values())
+        total = sum(manifest_refs(store, key)[0].values())
         t0 = time.perf_counter()
         with _progress(total, f"verify {key[:12]}") as bar:
             verify_snapshot(store, key, bar)
@@ -196,10 +217,10 @@ def _rm(args) -> int:
 
 
 def _copy(src, dst, prefix: str | None, verb: str) -> int:
-    from warmboot.snapshot.ops import copy_snapshot, load_manifest, resolve_keys
+    from warmboot.snapshot.ops import copy_snapshot, manifest_refs, resolve_keys
 
     for key in resolve_keys(src, prefix):
-        total = sum(load_manifest(src, key).chunk_refs().values())
+        total = sum(manifest_refs(src, key)[0].values())
         with _progress(total, f"{verb} {key[:12]}") as bar:
             moved = copy_snapshot(src, dst, key, bar)
             bar(total - moved)

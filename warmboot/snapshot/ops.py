@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from warmboot.snapshot import process_image
 from warmboot.snapshot.image import IntegrityError, Manifest, SnapshotError, verify_chunk
 from warmboot.snapshot.store import Store
 
@@ -24,6 +25,16 @@ def resolve_keys(store: Store, prefix: str | None) -> list[str]:
     return hits
 
 
+def manifest_refs(store: Store, key: str) -> tuple[dict[str, int], bytes]:
+    """(hash -> size of every chunk, the manifest's bytes) of an engine or a process image."""
+    data = store.get_manifest(key)
+    if data is None:
+        raise SnapshotError(f"no snapshot {key} in {store.url}")
+    if process_image.is_process_key(key):
+        return process_image.chunk_refs(process_image.parse(data)), data
+    return Manifest.from_json(data, where=f"snapshot {key} in {store.url}").chunk_refs(), data
+
+
 def load_manifest(store: Store, key: str) -> Manifest:
     data = store.get_manifest(key)
     if data is None:
@@ -34,8 +45,8 @@ def load_manifest(store: Store, key: str) -> Manifest:
 def copy_snapshot(src: Store, dst: Store, key: str, progress: Progress | None = None) -> int:
     """Copy one snapshot, moving only the chunks ``dst`` lacks (each verified on the way);
     the manifest is written last. Returns the chunk bytes moved."""
-    manifest = load_manifest(src, key)
-    missing = {h: n for h, n in manifest.chunk_refs().items() if not dst.has_chunk(h)}
+    refs, manifest = manifest_refs(src, key)
+    missing = {h: n for h, n in refs.items() if not dst.has_chunk(h)}
 
     def move(h: str, size: int) -> int:
         data = src.get_chunk(h, size)
@@ -47,13 +58,14 @@ def copy_snapshot(src: Store, dst: Store, key: str, progress: Progress | None = 
 
     with ThreadPoolExecutor(max(src.parallelism, dst.parallelism)) as pool:
         moved = sum(pool.map(lambda item: move(*item), missing.items()))
-    dst.put_manifest(key, manifest.to_json())
+    dst.put_manifest(key, manifest)
     return moved
 
 
-def verify_snapshot(store: Store, key: str, progress: Progress | None = None) -> Manifest:
-    """Read and hash every chunk of a snapshot; raise ``IntegrityError`` naming bad chunks."""
-    manifest = load_manifest(store, key)
+def verify_snapshot(store: Store, key: str, progress: Progress | None = None) -> Manifest | None:
+    """Read and hash every chunk of a snapshot; raise ``IntegrityError`` naming bad chunks.
+    Returns an engine image's manifest (None for a process image)."""
+    refs, _ = manifest_refs(store, key)
 
     def check(h: str, size: int) -> str | None:
         try:
@@ -66,10 +78,10 @@ def verify_snapshot(store: Store, key: str, progress: Progress | None = None) ->
         return None
 
     with ThreadPoolExecutor(store.parallelism) as pool:
-        errors = [e for e in pool.map(lambda i: check(*i), manifest.chunk_refs().items()) if e]
+        errors = [e for e in pool.map(lambda i: check(*i), refs.items()) if e]
     if errors:
         raise IntegrityError(f"{len(errors)} bad chunks: " + "; ".join(errors[:5]))
-    return manifest
+    return None if process_image.is_process_key(key) else load_manifest(store, key)
 
 
 def remove_snapshot(store: Store, key: str) -> int:
@@ -82,7 +94,7 @@ def remove_snapshot(store: Store, key: str) -> int:
     live: set[str] = set()
     for other in store.list_keys():
         try:
-            live |= set(load_manifest(store, other).chunk_refs())
+            live |= set(manifest_refs(store, other)[0])
         except SnapshotError:
             return 0  # NOTE: an unreadable manifest (a newer schema) may use any chunk: keep all
     freed = 0

@@ -12,13 +12,15 @@ import json
 import time
 from pathlib import Path
 
+from warmboot.snapshot.image import SnapshotError
+
 SCHEMA = 1
 KIND = "warmboot-process-snapshot"
 CHUNK_BYTES = 64 << 20
 PREFIX = "process-"
 
 
-class ProcessImageError(RuntimeError):
+class ProcessImageError(SnapshotError):
     """No usable process image: missing, corrupt, or from another schema."""
 
 
@@ -46,8 +48,11 @@ def publish(store, key: str, image_dir: Path, meta: dict) -> int:
 
 def lookup(store, key: str) -> dict | None:
     data = store.get_manifest(manifest_key(key))
-    if data is None:
-        return None
+    return None if data is None else parse(data)
+
+
+def parse(data: bytes) -> dict:
+    """A process manifest from its JSON; ``ProcessImageError`` if it is not one we can use."""
     try:
         manifest = json.loads(data)
     except ValueError as e:
@@ -58,6 +63,16 @@ def lookup(store, key: str) -> dict | None:
             f"{manifest.get('kind')!r} is not {SCHEMA} / {KIND}"
         )
     return manifest
+
+
+def is_process_key(store_key: str) -> bool:
+    """Whether a store's manifest key names a process image (not an engine image)."""
+    return store_key.startswith(PREFIX)
+
+
+def chunk_refs(manifest: dict) -> dict[str, int]:
+    """hash -> size of every chunk the image uses."""
+    return {c["sha256"]: c["size"] for f in manifest["files"] for c in f["chunks"]}
 
 
 def fetch(store, manifest: dict, image_dir: Path) -> int:
