@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import queue
 import sys
 import threading
@@ -179,4 +180,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stderr.flush()  # frames are flushed as they are sent
+    # NOTE: skip interpreter teardown: with the engine's threads still parked in native code it
+    # can abort the process (SIGABRT seen at exit), which the launcher would read as a crash.
+    os._exit(code)
