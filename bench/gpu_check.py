@@ -1,12 +1,13 @@
 """One call on a GPU machine: correctness, then the figures, written under $OUT (or --out).
 
 1. correctness: greedy tokens of every tiny architecture against transformers on the GPU
-   (fp32), sync and pipelined loops identical;
-2. the bubble: sync vs pipelined on a small model (tokens/s, bubble fraction from CUDA events);
-3. decode throughput of the built-in 135M model in bf16 at batch 1 / 8 / 32 / 64.
+   (fp32): sync eager, pipelined eager and pipelined with CUDA graphs, all identical;
+2. the bubble: sync vs pipelined, each eager and with CUDA graphs, on a small model
+   (tokens/s, bubble fraction from CUDA events), with and without a JSON schema;
+3. decode throughput of the built-in 135M model in bf16 at batch 1 / 8 / 32 / 64, eager and
+   with CUDA graphs, and the graphs' capture time.
 
 Usage: ``python -m bench.gpu_check --out $OUT``. Prints one JSON summary line at the end.
-Not done yet: CUDA-graph capture of the decode step (so there is no "with graphs" row).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def correctness(out: dict) -> None:
         hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         ref = [hf_greedy(hf, p, 16) for p in prompts]
         loops = {}
-        for pipelined in (False, True):
+        for pipelined, graphs in ((False, False), (True, False), (True, True)):
             llm = LLM(
                 str(path),
                 device="cuda",
@@ -47,14 +48,16 @@ def correctness(out: dict) -> None:
                 block_size=16,
                 num_kv_blocks=64,
                 pipelined=pipelined,
+                cuda_graphs=graphs,
             )
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-            loops[pipelined] = [o.outputs[0].token_ids for o in outs]
+            loops[pipelined, graphs] = [o.outputs[0].token_ids for o in outs]
         results[kind] = {
-            "matches_transformers": sum(a == b for a, b in zip(loops[True], ref, strict=True)),
-            "of": len(prompts),
-            "sync_equals_pipelined": loops[True] == loops[False],
-        }
+            f"{'pipelined' if p else 'sync'}_{'graphs' if g else 'eager'}_matches_hf": sum(
+                a == b for a, b in zip(toks, ref, strict=True)
+            )
+            for (p, g), toks in loops.items()
+        } | {"of": len(prompts)}
         print(kind, results[kind], flush=True)
     out["correctness"] = results
 
@@ -69,6 +72,11 @@ def bubble(out: dict, args) -> None:
     write_random_llama(model_dir, **SHAPE, seed=0, dtype="bfloat16")
     train_tokenizer(model_dir, SHAPE["vocab_size"])
     rows = []
+    configs = {
+        f"{loop}_{mode}": dict(pipelined=loop == "pipelined", cuda_graphs=mode == "graphs")
+        for loop in ("sync", "pipelined")
+        for mode in ("eager", "graphs")
+    }
     llms = {
         name: LLM(
             str(model_dir),
@@ -76,16 +84,21 @@ def bubble(out: dict, args) -> None:
             max_model_len=128,
             max_num_seqs=64,
             max_num_batched_tokens=64 * 32,
-            pipelined=name == "pipelined",
+            num_kv_blocks=1024,  # NOTE: explicit, or the first engine takes 90% of the card
+            **kw,
         )
-        for name in ("sync", "pipelined")
+        for name, kw in configs.items()
     }
     for schema in (False, True):
         for batch in (1, 8, 32, 64):
             row = {"batch": batch, "schema": schema}
+            tokens = {}
             for name, llm in llms.items():
                 r = run(llm, batch, 32, 64, schema)
                 row[f"{name}_tok_s"], row[f"{name}_bubble"] = r["tok_s"], r["bubble"]
+                tokens[name] = r["tokens_out"]
+            row["sync_equals_pipelined"] = tokens["sync_eager"] == tokens["pipelined_eager"]
+            row["graphs_equal_eager"] = tokens["pipelined_graphs"] == tokens["pipelined_eager"]
             print(row, flush=True)
             rows.append(row)
     out["bubble"] = rows
@@ -95,13 +108,19 @@ def decode(out: dict) -> None:
     from warmboot import LLM, SamplingParams
     from warmboot.models.demo import ensure_default_model
 
-    llm = LLM(
-        str(ensure_default_model()),
-        device="cuda",
-        max_model_len=512,
-        max_num_seqs=64,
-        max_num_batched_tokens=64 * 128,
-    )
+    llms = {
+        mode: LLM(
+            str(ensure_default_model()),
+            device="cuda",
+            max_model_len=512,
+            max_num_seqs=64,
+            max_num_batched_tokens=64 * 128,
+            num_kv_blocks=64 * 512 // 16,
+            cuda_graphs=mode == "graphs",
+        )
+        for mode in ("eager", "graphs")
+    }
+    out["graph_capture_s"] = llms["graphs"].engine.startup_times.get("cuda_graphs")
     rows = []
     for batch in (1, 8, 32, 64):
         g = torch.Generator().manual_seed(batch)
@@ -110,15 +129,17 @@ def decode(out: dict) -> None:
             for _ in range(batch)
         ]
         params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
-        llm.generate(prompts, params)  # warm
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        llm.generate(prompts, params)
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        rows.append(
-            {"batch": batch, "tok_s": batch * 128 / wall, "bubble": llm.stats()["bubble_fraction"]}
-        )
+        row = {"batch": batch}
+        for mode, llm in llms.items():
+            llm.generate(prompts, params)  # warm
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            llm.generate(prompts, params)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+            row[f"{mode}_tok_s"] = batch * 128 / wall
+            row[f"{mode}_bubble"] = llm.stats()["bubble_fraction"]
+        rows.append(row)
         print(rows[-1], flush=True)
     out["decode_bf16"] = rows
 

@@ -85,6 +85,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="use the pipelined decode loop (default on CUDA and >= 4 cores)",
     )
     p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="never replay decode steps as CUDA graphs (they are captured by default on CUDA)",
+    )
+    p.add_argument(
         "--snapshot-store",
         default=None,
         help="tier-A snapshot store (a directory or s3://bucket/prefix): restore if a matching "
@@ -107,6 +112,7 @@ def _engine_kwargs(args, model: str) -> dict:
         device=args.device,
         max_model_len=args.max_model_len,
         pipelined=args.pipelined,
+        cuda_graphs=False if args.enforce_eager else None,
         snapshot_store=args.snapshot_store,
         snapshot_publish=args.snapshot_publish,
     )

@@ -187,6 +187,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     pipelined: bool | None = None
     """Pipelined decode loop; None picks it where it pays (CUDA, CPUs with >= 4 cores)."""
+    cuda_graphs: bool | None = None
+    """Replay decode-only steps as CUDA graphs; None: on for CUDA devices."""
     cpu_threads: int | None = None
     """torch intra-op threads on the CPU; None = all cores (sync) or all but one (pipelined)."""
     cache: CacheConfig = field(default_factory=CacheConfig)

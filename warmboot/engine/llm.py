@@ -30,6 +30,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         attention_backend: str = "auto",
         pipelined: bool | None = None,
+        cuda_graphs: bool | None = None,
         cpu_threads: int | None = None,
         seed: int = 0,
         snapshot_store: str | None = None,
@@ -42,6 +43,7 @@ class LLM:
             seed=seed,
             attention_backend=attention_backend,
             pipelined=pipelined,
+            cuda_graphs=cuda_graphs,
             cpu_threads=cpu_threads,
             cache=CacheConfig(
                 block_size=block_size,

@@ -16,6 +16,7 @@ import torch
 
 from warmboot.config import EngineConfig, ModelConfig, ModelFilesError, SchedulerConfig
 from warmboot.engine.errors import InvalidRequestError
+from warmboot.engine.graphs import default_batch_sizes
 from warmboot.engine.kv_cache import BlockManager
 from warmboot.engine.loop import BubbleMeter, PipelinedLoop, SyncLoop
 from warmboot.engine.output_processor import CompletionState, OutputProcessor, RequestGroup
@@ -82,6 +83,7 @@ class LLMEngine:
             eos = _eos_ids(model_dir, self.model_config, self.tokenizer)
         torch.manual_seed(config.seed)
         attention = _attention_backend(config.attention_backend, device)
+        use_graphs = _resolve_cuda_graphs(config.cuda_graphs, device)
         self.pipelined = _resolve_pipelined(config.pipelined, device)
         threads = _cpu_threads(config, device, self.pipelined)
         self.runner = ModelRunner(
@@ -120,6 +122,9 @@ class LLMEngine:
                 self.runner.load_model(model_dir)
             with self._phase("warmup"):
                 canary = self._warmup()
+        if use_graphs:
+            with self._phase("cuda_graphs"):
+                self.enable_decode_graphs()
         reason = self.snapshot.reason if self.snapshot else "no snapshot store configured"
         if self.snapshot and not restored and config.snapshot_publish:
             with self._phase("snapshot_publish"):
@@ -214,6 +219,25 @@ class LLMEngine:
                 "or lower max_model_len"
             )
         return blocks
+
+    def enable_decode_graphs(
+        self, batch_sizes: tuple[int, ...] | None = None, emulate: bool = False
+    ) -> None:
+        """Capture decode steps as CUDA graphs for ``batch_sizes`` (default: 1, 2, 4, 8,
+        multiples of 16 up to ``max_num_seqs``). ``emulate``: run the graph path eagerly (CPU
+        tests: static buffers and padding without a capture). Idle engine only."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("enable_decode_graphs needs an idle engine")
+        sched = self.sched_config
+        sizes = batch_sizes or default_batch_sizes(sched.max_num_seqs)
+        width = -(-sched.max_model_len // self.config.cache.block_size)
+        self.runner.setup_decode_graphs(sizes, width, emulate)
+
+    def _recapture_graphs(self) -> None:
+        """Captured graphs hold the old weights' and KV pool's addresses: capture anew."""
+        graphs = self.runner.graphs
+        if graphs is not None:
+            self.enable_decode_graphs(graphs.batch_sizes, graphs.emulate)
 
     def _new_scheduler(self) -> None:
         cache = self.config.cache
@@ -413,7 +437,10 @@ class LLMEngine:
         if self.snapshot is None or self.has_unfinished_requests():
             return False
         old = self.runner.model
-        return self._restore_weights() and self.runner.model is not old
+        swapped = self._restore_weights() and self.runner.model is not old
+        if swapped:
+            self._recapture_graphs()
+        return swapped
 
     def resize_kv_cache(self, num_blocks: int) -> None:
         """Reallocate the KV pool with ``num_blocks`` blocks (idle engine only): shrunk before a
@@ -424,9 +451,10 @@ class LLMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         self.facts = replace(self.facts, num_kv_blocks=num_blocks)
         self._new_scheduler()
+        self._recapture_graphs()
 
     def stats(self) -> dict:
-        kv = self.block_manager
+        kv, graphs = self.block_manager, self.runner.graphs
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -437,6 +465,7 @@ class LLMEngine:
             "prefix_cache_hits": kv.prefix_hits,
             "preemptions": self.scheduler.num_preemptions,
             "loop": self.loop.name,
+            "graph_steps": None if graphs is None else sum(graphs.replays.values()),
             "bubble_fraction": self.meter.bubble_fraction,
             "decode_steps_measured": self.meter.steps,
             "launched_rows": self.meter.launched_rows,
@@ -450,6 +479,12 @@ def _resolve_pipelined(pipelined: bool | None, device: torch.device) -> bool:
     if pipelined is not None:
         return pipelined
     return device.type == "cuda" or (os.cpu_count() or 1) >= 4
+
+
+def _resolve_cuda_graphs(cuda_graphs: bool | None, device: torch.device) -> bool:
+    if cuda_graphs and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs a CUDA device, not {device}")
+    return device.type == "cuda" if cuda_graphs is None else cuda_graphs
 
 
 def _cpu_threads(config: EngineConfig, device: torch.device, pipelined: bool) -> int | None:

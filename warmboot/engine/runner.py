@@ -14,6 +14,7 @@ import torch
 
 from warmboot.config import ModelConfig
 from warmboot.engine.device import Event, make_stream
+from warmboot.engine.graphs import DecodeGraphs
 from warmboot.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
 from warmboot.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, PrefillSeq
@@ -34,6 +35,8 @@ class StepInputs:
     """(num_sampling_rows,) index of each sampling row's last token in the batch."""
     last_index: list[int]
     """Per row: index of its last token in the batch."""
+    graph_batch: int | None = None
+    """Decode-only step run as a CUDA graph: rows padded to this captured batch size."""
 
 
 @dataclass
@@ -84,6 +87,9 @@ class ModelRunner:
         self._slot_users: Counter[str] = Counter()
         self._parked: set[str] = set()
         self._finished: set[str] = set()
+        self.scratch_block = 0
+        """KV block past the managed pool, written only by graph padding rows."""
+        self.graphs: DecodeGraphs | None = None
 
     # -- start-up phases -----------------------------------------------------------------------
     def load_model(self, model_dir: str | Path) -> None:
@@ -101,7 +107,10 @@ class ModelRunner:
         return 2 * cfg.num_layers * self.block_size * cfg.kv_size * elem
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """``num_blocks`` for the block manager plus the scratch block."""
         cfg = self.model_cfg
+        self.scratch_block = num_blocks
+        num_blocks += 1
         shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         if self.device.type == "cpu":
             # NOTE: a fresh anonymous mapping reads as zeros without touching its pages, so the
@@ -113,6 +122,24 @@ class ModelRunner:
         else:
             cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
+
+    def setup_decode_graphs(
+        self, batch_sizes: tuple[int, ...], width: int, emulate: bool = False
+    ) -> None:
+        """Capture decode steps as CUDA graphs (``emulate``: static buffers and padding only,
+        run eagerly; for CPU tests). Call again after the weights or the KV pool change."""
+        self.graphs = None  # NOTE: frees the old graphs' pool before capturing anew
+        model, attention = self.model, self.attention
+
+        def forward(ids, positions, meta):
+            hidden = model(ids, positions, self.kv_caches, meta, attention)
+            return model.compute_logits(hidden)
+
+        graphs = DecodeGraphs(
+            forward, self.device, batch_sizes, width, self.block_size, self.scratch_block, emulate
+        )
+        graphs.capture(getattr(self.stream, "stream", None))
+        self.graphs = graphs
 
     # -- requests' device slots -------------------------------------------------------------
     def _slot_of(self, req_id: str) -> int:
@@ -175,11 +202,21 @@ class ModelRunner:
         fed_index = self._host([i for i, _ in fed])
         fed_slots = self._host([slot for _, slot in fed])
 
+        def patch(input_ids: torch.Tensor) -> None:
+            if fed:
+                up = self._upload
+                input_ids[up(fed_index)] = self.token_buffer[up(fed_slots)]
+
         def forward() -> None:
             up = self._upload
+            if step.graph_batch:
+                logits = self.graphs.run(
+                    step.graph_batch, step.input_ids, step.positions, step.meta, patch
+                )
+                handle.logits = logits[up(step.sample_index)]  # a copy: outlives the replay
+                return
             input_ids = up(step.input_ids)
-            if fed:
-                input_ids[up(fed_index)] = self.token_buffer[up(fed_slots)]
+            patch(input_ids)
             meta = step.meta.to(up)
             hidden = self.model(input_ids, up(step.positions), self.kv_caches, meta, self.attention)
             if step.sample_rows:
@@ -249,10 +286,16 @@ class ModelRunner:
             ids.extend(s.token_ids)
             last_index.append(len(ids) - 1)
         num_decodes = sum(1 for s in rows if s.num_tokens == 1)
+        graph_batch = self._graph_batch(rows, num_decodes)
+        pad = graph_batch - num_decodes if graph_batch else 0
+        if pad:  # padding rows of a graph step: token 0 at the scratch slot, one key
+            ids += [0] * pad
+            positions += [0] * pad
+            slots += [self.scratch_block * bs] * pad
         host = self._host
         meta = AttentionMetadata(
             slot_mapping=host(slots),
-            num_decode_tokens=num_decodes,
+            num_decode_tokens=num_decodes + pad,
             decode_block_tables=None,
             decode_seq_lens=None,
             prefills=[],
@@ -262,8 +305,9 @@ class ModelRunner:
             decodes = rows[:num_decodes]
             width = max(len(s.block_table) for s in decodes)
             tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
+            tables += [[self.scratch_block] * width] * pad
             meta.decode_block_tables = host(tables)
-            meta.decode_seq_lens = host([s.start_pos + 1 for s in decodes])
+            meta.decode_seq_lens = host([s.start_pos + 1 for s in decodes] + [1] * pad)
         start = num_decodes
         for s in rows[num_decodes:]:
             ctx = s.start_pos + s.num_tokens
@@ -279,7 +323,16 @@ class ModelRunner:
             sample_rows=[rows[i] for i in sampling],
             sample_index=host([last_index[i] for i in sampling]),
             last_index=last_index,
+            graph_batch=graph_batch,
         )
+
+    def _graph_batch(self, rows: list[ScheduledRequest], num_decodes: int) -> int | None:
+        """The graph bucket of a decode-only step, or None (eager)."""
+        if self.graphs is None or not rows or num_decodes != len(rows):
+            return None
+        if max(len(s.block_table) for s in rows) > self.graphs.width:
+            return None
+        return self.graphs.bucket(num_decodes)
 
     def _sampling_row(self, s: ScheduledRequest) -> SamplingRow:
         gen = None
