@@ -18,7 +18,7 @@ from warmboot.engine.llm_engine import _attention_backend  # noqa: E402
 MAX_NEW = 6
 
 
-def _greedy(path, backend: str, prompts) -> list[list[int]]:
+def _greedy(path, backend: str, prompts, graphs: bool = False) -> list[list[int]]:
     llm = LLM(
         str(path),
         max_model_len=96,
@@ -29,9 +29,13 @@ def _greedy(path, backend: str, prompts) -> list[list[int]]:
         attention_backend=backend,
     )
     assert llm.engine.facts.attention_backend == backend
+    if graphs:  # the graph path's full-width block tables, stale columns and padding rows
+        llm.engine.enable_decode_graphs((2, 4), emulate=True)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert_engine_clean(llm)
+    if graphs:
+        assert llm.stats()["graph_steps"] >= MAX_NEW - 1
     return [o.outputs[0].token_ids for o in outs]
 
 
@@ -41,6 +45,13 @@ def test_greedy_matches_torch_backend(kind, tiny_model_dir):
     prompts = random_prompts([30, 3, 17], VOCAB_SIZE, seed=11)
     prompts.append(prompts[0][:16] + [5, 6])  # a prefix-cache hit: prefill over cached blocks
     assert _greedy(path, "triton", prompts) == _greedy(path, "torch", prompts)
+
+
+def test_decode_graph_path_matches_torch_backend(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    prompts = random_prompts([13, 3, 6], VOCAB_SIZE, seed=12)  # 3 rows padded to 4
+    expect = _greedy(path, "torch", prompts)
+    assert _greedy(path, "triton", prompts, graphs=True) == expect
 
 
 def test_backend_selection():
