@@ -418,6 +418,76 @@ def test_hold_and_unhold_errors():
     bm.check_invariants()
 
 
+def test_seq_hold_keeps_a_freed_table_until_the_last_release():
+    bm = BlockManager(6, 2)
+    tokens = [1, 2, 3, 4, 5]
+    table = run_tokens(bm, "a", tokens)  # 3 blocks, 2 cached
+    bm.hold_seqs(["a"])
+    bm.hold_seqs(["a"])  # two steps in flight
+    assert [bm.blocks[b].ref_count for b in table] == [1, 1, 1]  # O(1): no per-block refs
+    bm.free("a")  # finished while held: a zombie table
+    bm.check_invariants()
+    assert bm.num_used_blocks == 3 and bm.num_held_only_blocks == 3
+    assert not bm.allocate("b", 7)  # 3 free blocks hold 6 tokens
+    bm.unhold_seqs(["a"])
+    assert bm.num_used_blocks == 3
+    bm.unhold_seqs(["a"])
+    bm.check_invariants()
+    assert bm.num_used_blocks == 0
+    assert list(bm._evictable)[-2:] == [table[1], table[0]]  # tail first, as free() does
+    assert bm.find_cached_prefix(tokens) == table[:2]
+
+
+def test_seq_hold_over_a_preemption_and_readmission():
+    """Freed (preempted) while held, admitted again with a new table, freed again: both
+    tables stay until the sequence's last hold is released."""
+    bm = BlockManager(8, 2, enable_prefix_caching=False)
+    first = run_tokens(bm, "a", [1, 2, 3])
+    bm.hold_seqs(["a"])
+    bm.free("a")
+    second = run_tokens(bm, "a", [1, 2, 3])
+    assert not set(first) & set(second)
+    bm.hold_seqs(["a"])
+    bm.unhold_seqs(["a"])  # the first step retires; the second still holds "a"
+    bm.free("a")
+    bm.check_invariants()
+    assert bm.num_used_blocks == 4
+    bm.unhold_seqs(["a"])
+    bm.check_invariants()
+    assert bm.num_used_blocks == 0
+
+
+def test_seq_hold_errors():
+    bm = BlockManager(4, 2)
+    with pytest.raises(ValueError, match="no blocks"):
+        bm.hold_seqs(["x"])
+    assert bm.allocate("a", 2)
+    with pytest.raises(ValueError, match="not held"):
+        bm.unhold_seqs(["a"])
+    bm.check_invariants()
+
+
+def test_cache_full_blocks_starts_at_the_first_unhashed_block():
+    bm = BlockManager(8, 2)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    assert bm.allocate("a", 7)
+    bm.cache_full_blocks("a", tokens, 4)
+    assert bm._hashed_upto["a"] == 2
+    bm.cache_full_blocks("a", tokens, 7)
+    assert bm._hashed_upto["a"] == 3
+    # a second sequence computing the same content keeps its blocks unhashed (the first copy
+    # stays canonical) and retries them on every call
+    assert bm.allocate("b", 7)
+    bm.cache_full_blocks("b", tokens, 7)
+    assert bm._hashed_upto["b"] == 0
+    bm.free("a")
+    bm.reset_prefix_cache()  # the canonical copies are gone: b's blocks take over
+    bm.cache_full_blocks("b", tokens, 7)
+    assert bm._hashed_upto["b"] == 3
+    assert bm.find_cached_prefix(tokens + [0]) == bm.block_table("b")[:3]
+    bm.check_invariants()
+
+
 # -- the checker itself -----------------------------------------------------------------------
 def _populated() -> tuple[BlockManager, dict[str, int]]:
     """A manager with a block in each state: in use (shared), held, evictable, free."""
@@ -560,6 +630,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.seqs: dict[str, dict] = {}  # seq -> {"tokens": [...], "computed": int}
         self.kv: dict[tuple[int, int], tuple[int, int]] = {}
         self.holds: list[list[int]] = []
+        self.seq_holds: list[str] = []
         self.next_id = 0
 
     @precondition(lambda self: self.bm is None)
@@ -716,6 +787,19 @@ class BlockManagerMachine(RuleBasedStateMachine):
         blocks = self.holds.pop(data.draw(st.integers(0, len(self.holds) - 1)))
         self.bm.unhold(blocks)
 
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data())
+    def hold_seq(self, data):
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        self.bm.hold_seqs([seq_id])
+        self.seq_holds.append(seq_id)
+
+    @precondition(lambda self: self.seq_holds)
+    @rule(data=st.data())
+    def unhold_seq(self, data):
+        seq_id = self.seq_holds.pop(data.draw(st.integers(0, len(self.seq_holds) - 1)))
+        self.bm.unhold_seqs([seq_id])
+
     @precondition(lambda self: self.bm is not None)
     @rule()
     def reset_prefix_cache(self):
@@ -741,6 +825,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         for blocks in self.holds:
             self.bm.unhold(blocks)
+        self.bm.unhold_seqs(self.seq_holds)
         for seq_id in list(self.seqs):
             self.bm.free(seq_id)
         self.bm.check_invariants()

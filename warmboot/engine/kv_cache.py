@@ -6,6 +6,10 @@ Every block is in exactly one state:
   evicted least-recently-used;
 - in use: ref >= 1 (one per block table that lists it plus one per external hold, e.g. an
   in-flight device step).
+
+In-flight steps hold whole sequences (``hold_seqs``: O(rows) per step, not O(blocks)): a table
+freed while its sequence is held turns into external holds on its blocks, released when the
+last step holding the sequence retires.
 """
 
 from __future__ import annotations
@@ -65,6 +69,9 @@ class BlockManager:
         self._cached: dict[bytes, int] = {}  # block hash -> block id
         self._tables: dict[str, list[int]] = {}
         self._held: Counter[int] = Counter()  # external holds (in-flight steps)
+        self._seq_holds: Counter[str] = Counter()
+        self._zombies: dict[str, list[list[int]]] = {}  # tables freed while their seq was held
+        self._hashed_upto: dict[str, int] = {}  # per table: its leading run of hashed blocks
         self.prefix_hits = 0
         self.prefix_queries = 0
 
@@ -118,21 +125,26 @@ class BlockManager:
         return hits
 
     def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        """Register the full, computed blocks of a sequence in the prefix cache."""
+        """Register the full, computed blocks of a sequence in the prefix cache.
+
+        NOTE: a hashed block keeps its hash while a table lists it, so each call starts at the
+        table's first unhashed block: O(new blocks) per step, unless a block stays unhashed
+        (its content is cached in another block), which is retried on every call."""
         if not self.enable_prefix_caching:
             return
         table = self._tables[seq_id]
-        parent: bytes | None = None
-        prev: Block | None = None
         bs = self.block_size
-        for i in range(min(num_computed // bs, len(table))):
+        first = self._hashed_upto.get(seq_id, 0)
+        prev = self.blocks[table[first - 1]] if first else None
+        parent = prev.block_hash if prev else None
+        for i in range(first, min(num_computed // bs, len(table))):
             block = self.blocks[table[i]]
             parent_ref = self._parent_ref(prev, parent)
             if block.block_hash is None:
                 chunk = tuple(token_ids[i * bs : (i + 1) * bs])
                 block_hash = chain_hash(parent, chunk)
                 if parent is not None and parent_ref is None:
-                    return  # the parent's entry was evicted: no lookup can reach this block
+                    break  # the parent's entry was evicted: no lookup can reach this block
                 if block_hash not in self._cached:  # else computed twice at once: keep first
                     block.block_hash, block.parent_hash = block_hash, parent
                     block.parent_ref, block.token_ids = parent_ref, chunk
@@ -142,7 +154,10 @@ class BlockManager:
                 if prev is not None and prev.block_hash is not None:
                     block.parent_ref = prev.ref  # NOTE: this table is ground truth for its chain
                 parent = block.block_hash
+            if first == i and block.block_hash is not None:
+                first += 1
             prev = block
+        self._hashed_upto[seq_id] = first
 
     def _parent_ref(self, prev: Block | None, parent: bytes | None) -> tuple[int, int] | None:
         """The block a lookup reaches for ``parent``: this table's own block when it is cached,
@@ -187,12 +202,37 @@ class BlockManager:
         return True
 
     def free(self, seq_id: str) -> None:
-        """Drop a sequence's table. Tail blocks are released first so they are evicted first."""
+        """Drop a sequence's table. Tail blocks are released first so they are evicted first.
+        While the sequence is held its blocks stay in use, as external holds."""
         table = self._tables.pop(seq_id, None)
+        self._hashed_upto.pop(seq_id, None)
         if table is None:
+            return
+        if self._seq_holds[seq_id]:
+            self._held.update(table)  # the table's references become holds: counts unchanged
+            self._zombies.setdefault(seq_id, []).append(table)
             return
         for block_id in reversed(table):
             self._release(block_id)
+
+    def hold_seqs(self, seq_ids: Sequence[str]) -> None:
+        """An in-flight step references these sequences' blocks: keep them until it retires."""
+        for seq_id in seq_ids:
+            if seq_id not in self._tables:
+                raise ValueError(f"cannot hold sequence {seq_id}: it has no blocks")
+        self._seq_holds.update(seq_ids)
+
+    def unhold_seqs(self, seq_ids: Sequence[str]) -> None:
+        for seq_id in seq_ids:
+            held = self._seq_holds[seq_id]
+            if not held:
+                raise ValueError(f"sequence {seq_id} is not held")
+            if held > 1:
+                self._seq_holds[seq_id] = held - 1
+                continue
+            del self._seq_holds[seq_id]
+            for table in self._zombies.pop(seq_id, ()):
+                self.unhold(table[::-1])  # tail first, as ``free``
 
     def hold(self, block_ids: Sequence[int]) -> None:
         """Add an external reference (e.g. an in-flight step) to each block."""
@@ -257,6 +297,10 @@ class BlockManager:
     def check_invariants(self) -> None:
         """Raise AssertionError on a leaked, double-freed or unrefcounted shared block."""
         refs: Counter[int] = Counter(self._held)
+        for seq_id, tables in self._zombies.items():
+            assert self._seq_holds[seq_id] > 0, f"zombie tables of {seq_id}, which is not held"
+            zombie_refs = Counter(b for t in tables for b in t)
+            assert not zombie_refs - self._held, f"a zombie block of {seq_id} is not held"
         for seq_id, table in self._tables.items():
             assert len(set(table)) == len(table), f"table of {seq_id} lists a block twice"
             refs.update(table)

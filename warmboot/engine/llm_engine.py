@@ -401,10 +401,10 @@ class LLMEngine:
         return outputs
 
     def launch(self, sched: SchedulerOutput) -> StepHandle:
-        """Host half of a launch; the step holds its blocks until it retires (zombies)."""
+        """Host half of a launch; the step holds its sequences' blocks until it retires (zombies)."""
         handle = self.runner.prepare_step(sched)
-        handle.held_blocks = [b for s in sched.scheduled for b in s.block_table]
-        self.block_manager.hold(handle.held_blocks)
+        handle.held_seqs = [s.req_id for s in sched.scheduled]
+        self.block_manager.hold_seqs(handle.held_seqs)
         self.meter.launched_rows += len(sched.scheduled)
         return handle
 
@@ -421,7 +421,7 @@ class LLMEngine:
             ended = self.grammars.accept(events) if self.grammars else []
             touched, stopped = self.outputs.process(events)
             self.scheduler.finish_requests(stopped + ended, FinishReason.STOP)
-        self.block_manager.unhold(handle.held_blocks)
+        self.block_manager.unhold_seqs(handle.held_seqs)
         decode_only = all(s.num_tokens == 1 for s in handle.sched.scheduled)
         self.meter.mark(self.runner.stream.busy_seconds(), decode_only and bool(touched))
         return touched
