@@ -1,0 +1,153 @@
+"""Host work per decode step: what a fast GPU waits for when the host falls behind.
+
+The sync loop on a model so small that its forward costs little; host ms per step =
+(wall - device busy) / steps over steady decode, batch 64, growing context. Compares the
+current tree with an older revision (``--compare-rev``, checked out in a git worktree) in
+the same run, alternating, median of ``--repeats``. Writes
+``docs/benchmarks/host_overhead.{json,md,png}``.
+
+Run from the repository root: ``python bench/host_overhead.py --compare-rev REV``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "benchmarks"
+BATCH = 64
+NEW_TOKENS = 48
+
+
+def measure(context: int) -> float:
+    """Host ms per decode step (runs in a child: ``warmboot`` comes from its PYTHONPATH)."""
+    import torch
+
+    from warmboot import LLM, SamplingParams
+    from warmboot.engine.loop import BubbleMeter
+    from warmboot.models.demo import write_random_llama
+    from warmboot.tokenizer.train import train_tokenizer
+
+    model = Path(tempfile.mkdtemp(prefix="wb-host-")) / "model"
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1)
+    shape |= dict(num_attention_heads=2, num_key_value_heads=1, vocab_size=4096)
+    write_random_llama(
+        model, **shape, tie_word_embeddings=True, seed=0, dtype="float32",
+        max_position_embeddings=context + NEW_TOKENS,
+    )  # fmt: skip
+    train_tokenizer(model, 4096)
+    llm = LLM(
+        str(model),
+        max_model_len=context + NEW_TOKENS,
+        max_num_seqs=BATCH,
+        max_num_batched_tokens=BATCH * context,
+        num_kv_blocks=BATCH * (context + NEW_TOKENS) // 16 + BATCH,
+        pipelined=False,
+        cpu_threads=1,
+    )
+    g = torch.Generator().manual_seed(context)
+    prompts = [
+        {"prompt_token_ids": torch.randint(1, 4096, (context,), generator=g).tolist()}
+        for _ in range(BATCH)
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    llm.generate(prompts[:2], params)  # warm
+    llm.engine.block_manager.reset_prefix_cache()
+    llm.engine.meter = meter = BubbleMeter()
+    llm.generate(prompts, params)
+    return (meter.wall - meter.busy) / meter.steps * 1e3
+
+
+def run_child(tree: Path, context: int) -> float:
+    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(context)]
+    out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--compare-rev", default=None, help="older revision to compare against")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    if args.child is not None:
+        print(measure(args.child))
+        return
+    trees = {"current": ROOT}
+    worktree = None
+    if args.compare_rev:
+        worktree = Path(tempfile.mkdtemp(prefix="wb-rev-")) / "tree"
+        git = ["git", "-C", str(ROOT)]
+        subprocess.run([*git, "worktree", "add", "--detach", str(worktree), args.compare_rev],
+                       check=True, capture_output=True)  # fmt: skip
+        trees = {args.compare_rev: worktree, "current": ROOT}
+    try:
+        rows = []
+        for context in args.contexts:
+            samples: dict[str, list[float]] = {name: [] for name in trees}
+            for _ in range(args.repeats):
+                for name, tree in trees.items():
+                    samples[name].append(run_child(tree, context))
+            row = {"context": context} | {n: statistics.median(v) for n, v in samples.items()}
+            print(row, flush=True)
+            rows.append(row)
+    finally:
+        if worktree is not None:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                            str(worktree)], check=False)  # fmt: skip
+    write_report(args, list(trees), rows)
+
+
+def write_report(args, names: list[str], rows: list[dict]) -> None:
+    import platform
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    cpu = platform.processor() or platform.machine()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "machine": f"{cpu}, {os.cpu_count()} cores",
+        "batch": BATCH,
+        "new_tokens": NEW_TOKENS,
+        "repeats": args.repeats,
+    }
+    (args.out / "host_overhead.json").write_text(json.dumps(meta | {"rows": rows}, indent=2))
+    head = "| context | " + " | ".join(f"{n} ms/step" for n in names) + " |"
+    lines = [head, "|" + " ---: |" * (len(names) + 1)]
+    for r in rows:
+        lines.append(f"| {r['context']} | " + " | ".join(f"{r[n]:.2f}" for n in names) + " |")
+    (args.out / "host_overhead_table.md").write_text("\n".join(lines) + "\n")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for n in names:
+        ax.plot([r["context"] for r in rows], [r[n] for r in rows], marker="o", label=n)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context tokens per sequence (batch 64)")
+    ax.set_ylabel("host ms per decode step")
+    ax.set_title(f"host work per step, {meta['date']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "host_overhead.png", dpi=120)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
