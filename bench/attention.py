@@ -101,18 +101,23 @@ def _decode_correctness(device, dtype, tiny, g, kernel, ref) -> list[dict]:
         used += n
     kc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype).to(device)
     vc = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype).to(device)
-    q = torch.randn(len(lens), hq, d, generator=g).to(dtype).to(device)
     table, seqlens = table.to(device), torch.tensor(lens, dtype=torch.int32, device=device)
     rows = []
-    for name, window, cap, splits in [
-        ("plain", (-1, -1), 0.0, 1),
-        ("split 4", (-1, -1), 0.0, 4),
-        ("window 31", (31, 0), 0.0, 3),
-        ("softcap 20", (-1, -1), 20.0, 2),
+    for name, window, cap, splits, qlen in [
+        ("plain", (-1, -1), 0.0, 1, 1),
+        ("split 4", (-1, -1), 0.0, 4, 1),
+        ("window 31", (31, 0), 0.0, 3, 1),
+        ("softcap 20", (-1, -1), 20.0, 2, 1),
+        ("4 tokens split 4", (-1, -1), 0.0, 4, 4),
+        ("4 tokens window 31", (31, 0), 0.0, 3, 4),
     ]:
+        q = torch.randn(len(lens) * qlen, hq, d, generator=g).to(dtype).to(device)
         out = torch.full_like(q, float("nan"))
-        kernel(q, kc, vc, table, seqlens, None, window, cap, splits, out=out)
-        ro, _ = ref(q, kc, vc, table, seqlens, None, window, cap)
+        kernel(q, kc, vc, table, seqlens, None, window, cap, splits, out=out, query_len=qlen)
+        if qlen == 1:
+            ro, _ = ref(q, kc, vc, table, seqlens, None, window, cap)
+        else:
+            ro = _multi_token_ref(q, kc, vc, table, seqlens, qlen, window, cap)
         rows.append(
             dict(
                 kernel="decode", case=name, dtype=str(dtype)[6:], d=d,
@@ -121,6 +126,22 @@ def _decode_correctness(device, dtype, tiny, g, kernel, ref) -> list[dict]:
             )
         )  # fmt: skip
     return rows
+
+
+def _multi_token_ref(q, kc, vc, table, seqlens, qlen, window, cap):
+    """float64 output of ``qlen`` causal tokens per sequence: the varlen reference over
+    each sequence's keys gathered from its blocks."""
+    import torch
+
+    from warmboot.kernels.reference import varlen_attention_ref
+
+    lens, bs = seqlens.tolist(), kc.shape[1]
+    k, v = (
+        torch.cat([c[table[b, : -(-n // bs)].long()].flatten(0, 1)[:n] for b, n in enumerate(lens)])
+        for c in (kc, vc)
+    )
+    cu_q = torch.arange(0, (len(lens) + 1) * qlen, qlen, dtype=torch.int32, device=q.device)
+    return varlen_attention_ref(q, k, v, cu_q, _cu(lens, q.device), None, True, window, cap)[0]
 
 
 def _bench(fn, *args, **kwargs) -> float:
@@ -184,21 +205,22 @@ def decode_perf() -> list[dict]:
 
     rows = []
     hq, hkv, d, bs = 32, 8, 128, 16
-    for batch, ctx in ((1, 16384), (32, 4096), (128, 2048), (64, 8192)):
+    for batch, ctx, qlen in ((1, 16384, 1), (32, 4096, 1), (128, 2048, 1), (64, 8192, 1),
+                             (32, 4096, 4), (64, 8192, 4)):  # fmt: skip
         nblk = ctx // bs
         num_blocks = batch * nblk
         kc = torch.randn(num_blocks, bs, hkv, d, device="cuda", dtype=torch.float16)
         vc = torch.randn_like(kc)
         table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, nblk)
         seqlens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch, hq, d, device="cuda", dtype=torch.float16)
-        ms = _bench(paged_decode_attention, q, kc, vc, table, seqlens)
+        q = torch.randn(batch * qlen, hq, d, device="cuda", dtype=torch.float16)
+        ms = _bench(paged_decode_attention, q, kc, vc, table, seqlens, query_len=qlen)
         kv_bytes = 2 * kc.numel() * kc.element_size()
         src = torch.empty(kv_bytes // 2, dtype=torch.float16, device="cuda")
         dst = torch.empty_like(src)
         copy_ms = _bench(dst.copy_, src)
         row = dict(
-            batch=batch, ctx=ctx, kernel_GBps=kv_bytes / ms / 1e6,
+            batch=batch, ctx=ctx, query_len=qlen, kernel_GBps=kv_bytes / ms / 1e6,
             copy_GBps=2 * kv_bytes / copy_ms / 1e6,  # read + write
         )  # fmt: skip
         row["fraction_of_copy"] = row["kernel_GBps"] / row["copy_GBps"]

@@ -2,6 +2,8 @@
 
 Shuffled, non-contiguous block tables with spare blocks holding garbage; outputs poisoned
 with NaN. Error bounds: relative <= 2e-3 (fp16, fp32), 1e-2 (bf16); LSE absolute <= 1e-3.
+Several query tokens per sequence (``query_len``) are checked against the varlen reference
+over each sequence's gathered keys, sequences shorter than ``query_len`` included.
 """
 
 from __future__ import annotations
@@ -16,14 +18,16 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from warmboot.kernels.decode import paged_decode_attention  # noqa: E402
-from warmboot.kernels.reference import paged_decode_ref  # noqa: E402
+from warmboot.kernels.reference import paged_decode_ref, varlen_attention_ref  # noqa: E402
 
 BOUND = {torch.float16: 2e-3, torch.float32: 2e-3, torch.bfloat16: 1e-2}
 LENS = [1, 37, 0, 70]  # length 1, odd, empty, several blocks
+LENS_MULTI = [3, 34, 0, 70, 1, 5]  # shorter than query_len 4, a split inside the last 3, empty
 
 
-def _case(lens, hq, hkv, d, bs, dtype, table_dtype=torch.int32, *params):
-    g = torch.Generator().manual_seed(zlib.crc32(repr((lens, hq, hkv, d, bs, params)).encode()))
+def _case(lens, hq, hkv, d, bs, dtype, table_dtype=torch.int32, *params, query_len=1):
+    key = repr((lens, hq, hkv, d, bs, query_len, params))
+    g = torch.Generator().manual_seed(zlib.crc32(key.encode()))
     nblk = [-(-n // bs) for n in lens]
     num_blocks = sum(nblk) + 5
     perm = torch.randperm(num_blocks, generator=g)
@@ -35,27 +39,51 @@ def _case(lens, hq, hkv, d, bs, dtype, table_dtype=torch.int32, *params):
         used += n
     k_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
-    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    q = torch.randn(len(lens) * query_len, hq, d, generator=g).to(dtype)
     return q, k_cache, v_cache, table.to(table_dtype), torch.tensor(lens, dtype=table_dtype)
 
 
+def _multi_ref(q, kc, vc, table, seqlens, query_len, window, softcap):
+    """float64 (out, lse) of query_len causal tokens per sequence: the varlen reference over
+    each sequence's keys gathered from its blocks."""
+    lens = seqlens.tolist()
+    bs = kc.shape[1]
+
+    def gather(cache):
+        return torch.cat([cache[table[b, : -(-n // bs)].long()].flatten(0, 1)[:n]
+                          for b, n in enumerate(lens)])  # fmt: skip
+
+    cu_q = torch.arange(0, (len(lens) + 1) * query_len, query_len)
+    cu_k = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    return varlen_attention_ref(q, gather(kc), gather(vc), cu_q, cu_k, None, True, window,
+                                softcap)  # fmt: skip
+
+
 def _run(lens, hq, hkv, d=64, bs=16, dtype=torch.float16, window=(-1, -1), softcap=0.0,
-         num_splits=2, table_dtype=torch.int32):  # fmt: skip
-    q, kc, vc, table, seqlens = _case(lens, hq, hkv, d, bs, dtype, table_dtype, window, softcap)
+         num_splits=2, table_dtype=torch.int32, query_len=1, strided=False):  # fmt: skip
+    q, kc, vc, table, seqlens = _case(lens, hq, hkv, d, bs, dtype, table_dtype, window, softcap,
+                                      strided, query_len=query_len)  # fmt: skip
     out = torch.full_like(q, float("nan"))
+    if strided:  # rows and heads further apart than D, NaN between them
+        q = torch.cat([q, torch.full_like(q, float("nan"))], -1)[..., :d]
+        out = torch.cat([out, out], -1)[..., :d]
     o, lse = paged_decode_attention(
         q, kc, vc, table, seqlens, window_size=window, softcap=softcap,
-        num_splits=num_splits, return_lse=True, out=out,
+        num_splits=num_splits, return_lse=True, query_len=query_len, out=out,
     )  # fmt: skip
-    ro, rl = paged_decode_ref(q, kc, vc, table, seqlens, None, window, softcap)
-    assert not o.isnan().any()
+    if query_len == 1:
+        ro, rl = paged_decode_ref(q, kc, vc, table, seqlens, None, window, softcap)
+    else:
+        ro, rl = _multi_ref(q, kc, vc, table, seqlens, query_len, window, softcap)
+    assert o.data_ptr() == out.data_ptr() and not o.isnan().any()
     err = ((o.double() - ro).norm() / ro.norm()).item()
     assert err <= BOUND[dtype], f"relative error {err:.2e}"
+    assert lse.shape == (hq, len(lens) * query_len)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(rl))
     finite = torch.isfinite(rl)
     assert (lse.double() - rl)[finite].abs().max() <= 1e-3
-    empty = seqlens == 0
-    assert torch.equal(o[empty], torch.zeros_like(o[empty]))
+    dead = torch.isneginf(rl).T  # (token, head) without a visible key: exactly 0
+    assert torch.equal(o[dead], torch.zeros_like(o[dead]))
     return err
 
 
@@ -91,9 +119,59 @@ def test_head_dim_96():
     _run([5, 30], 2, 1, d=96)
 
 
+@pytest.mark.parametrize("query_len", [2, 4])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (8, 2)])
+def test_multi_token_gqa_ratios(hq, hkv, query_len):
+    _run(LENS_MULTI, hq, hkv, query_len=query_len)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_multi_token_splits(num_splits):
+    _run(LENS_MULTI, 4, 2, query_len=4, num_splits=num_splits)
+
+
+@pytest.mark.parametrize(
+    "window,num_splits",
+    [((9, 0), 3), ((2, 0), 2), ((0, -1), 1)],  # wider than query_len, narrower, own key only
+)
+def test_multi_token_sliding_window(window, num_splits):
+    _run(LENS_MULTI, 4, 2, query_len=4, window=window, num_splits=num_splits)
+
+
+def test_multi_token_softcap():
+    _run(LENS_MULTI, 4, 1, query_len=2, softcap=2.5)
+
+
+def test_multi_token_odd_group_strided_block_64():
+    _run(LENS_MULTI, 6, 2, bs=64, query_len=3, strided=True)  # 9 rows: group 3 x 3 tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multi_token_dtypes(dtype):
+    _run(LENS_MULTI, 4, 2, d=16, dtype=dtype, table_dtype=torch.int64, query_len=2)
+
+
+def test_multi_token_reference_agrees_at_query_len_1():
+    q, kc, vc, table, lens = _case(LENS, 4, 2, 16, 16, torch.float32)
+    ro, rl = paged_decode_ref(q, kc, vc, table, lens, None, (5, 0), 0.0)
+    mo, ml = _multi_ref(q, kc, vc, table, lens, 1, (5, 0), 0.0)
+    torch.testing.assert_close(mo, ro)
+    torch.testing.assert_close(ml, rl)
+
+
 def test_errors():
     q, kc, vc, table, lens = _case([3], 4, 2, 64, 16, torch.float16)
     with pytest.raises(ValueError, match="power of two"):
         paged_decode_attention(q, kc[:, :12], vc[:, :12], table, lens)
     with pytest.raises(ValueError, match="block_table"):
         paged_decode_attention(q, kc, vc, table.float(), lens)
+    with pytest.raises(ValueError, match="batch \\* query_len = 1 \\* 2"):
+        paged_decode_attention(q, kc, vc, table, lens, query_len=2)
+    with pytest.raises(ValueError, match="query_len must be an int >= 1"):
+        paged_decode_attention(q[:0], kc, vc, table, lens, query_len=0)
+    with pytest.raises(ValueError, match="seqused_k"):
+        paged_decode_attention(q, kc, vc, table, lens[:0])
+    with pytest.raises(ValueError, match="causal"):
+        paged_decode_attention(q, kc, vc, table, lens, window_size=(4, 2))
+    with pytest.raises(ValueError, match="out must match"):
+        paged_decode_attention(q, kc, vc, table, lens, out=q[:, :2])
