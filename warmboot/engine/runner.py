@@ -66,6 +66,7 @@ class ModelRunner:
         attention: AttentionBackend,
         block_size: int,
         num_request_slots: int,
+        max_model_len: int,
         cpu_threads: int | None = None,
     ):
         self.model_cfg = model_cfg
@@ -88,6 +89,12 @@ class ModelRunner:
         self._slot_users: Counter[str] = Counter()
         self._parked: set[str] = set()
         self._finished: set[str] = set()
+        width = -(-max_model_len // block_size)
+        self._tables = np.zeros((num_request_slots + 1, width), dtype=np.int64)
+        """Host block tables per request slot, appended as tables grow (decode rows copy
+        theirs in C, not per block in Python); the last row is the graph padding row."""
+        self._table_len: dict[str, int] = {}
+        """Per request: entries of its table already in ``_tables``."""
         self.scratch_block = 0
         """KV block past the managed pool, written only by graph padding rows."""
         self.graphs: DecodeGraphs | None = None
@@ -111,6 +118,7 @@ class ModelRunner:
         """``num_blocks`` for the block manager plus the scratch block."""
         cfg = self.model_cfg
         self.scratch_block = num_blocks
+        self._tables[-1] = num_blocks
         num_blocks += 1
         shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
         if self.device.type == "cpu":
@@ -156,6 +164,7 @@ class ModelRunner:
         if finished:
             self._finished.add(req_id)
         self._parked.add(req_id)
+        self._table_len.pop(req_id, None)  # NOTE: a preempted request comes back with a new table
         self._release_if_idle(req_id)
 
     def _release_if_idle(self, req_id: str) -> None:
@@ -184,12 +193,11 @@ class ModelRunner:
         self._buffers[buf] = handle
         if sched.is_empty:
             return handle
-        step = self.prepare(sched.scheduled)
-        handle.inputs = step
-        for s in step.rows:
+        for s in sched.scheduled:
             self._parked.discard(s.req_id)
             self._slot_of(s.req_id)
             self._slot_users[s.req_id] += 1
+        handle.inputs = self.prepare(sched.scheduled)
         return handle
 
     def submit_forward(self, handle: StepHandle) -> None:
@@ -305,10 +313,7 @@ class ModelRunner:
         )
         if num_decodes:
             decodes = rows[:num_decodes]
-            width = max(len(s.block_table) for s in decodes)
-            tables = [s.block_table + [0] * (width - len(s.block_table)) for s in decodes]
-            tables += [[self.scratch_block] * width] * pad
-            meta.decode_block_tables = host(tables)
+            meta.decode_block_tables = self._decode_tables(decodes, pad)
             meta.decode_seq_lens = host([s.start_pos + 1 for s in decodes] + [1] * pad)
         start = num_decodes
         for s in rows[num_decodes:]:
@@ -327,6 +332,22 @@ class ModelRunner:
             last_index=last_index,
             graph_batch=graph_batch,
         )
+
+    def _decode_tables(self, decodes: list[ScheduledRequest], pad: int) -> torch.Tensor:
+        """(rows + pad, widest table) host tensor from the per-slot tables, after appending
+        each row's new blocks; padding rows point at the scratch block."""
+        tables = self._tables
+        slots = []
+        for s in decodes:
+            slot = self._slots[s.req_id]
+            known = self._table_len.get(s.req_id, 0)
+            if len(s.block_table) > known:
+                tables[slot, known : len(s.block_table)] = s.block_table[known:]
+                self._table_len[s.req_id] = len(s.block_table)
+            slots.append(slot)
+        width = max(len(s.block_table) for s in decodes)
+        out = torch.from_numpy(tables[slots + [len(tables) - 1] * pad, :width])
+        return out.pin_memory() if self.device.type == "cuda" else out
 
     def _graph_batch(self, rows: list[ScheduledRequest], num_decodes: int) -> int | None:
         """The graph bucket of a decode-only step, or None (eager)."""
