@@ -339,7 +339,7 @@ class ModelRunner:
         tables = self._tables
         slots = []
         for s in decodes:
-            slot = self._slots[s.req_id]
+            slot = self._slot_of(s.req_id)
             known = self._table_len.get(s.req_id, 0)
             if len(s.block_table) > known:
                 tables[slot, known : len(s.block_table)] = s.block_table[known:]
