@@ -7,12 +7,11 @@ is checked here; bench/gpu_check.py checks the captured graphs on a GPU.
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 
 from tests.helpers import hf_greedy, random_prompts
 from tests.test_pipelined import (
@@ -22,7 +21,9 @@ from tests.test_pipelined import (
     compare_runs,
     drive,
     greedy,
+    greedy_reference,
     make_llm,
+    workload_settings,
     workloads,
 )
 from tests.tiny_models import VOCAB_SIZE
@@ -94,23 +95,10 @@ def test_graphs_equal_eager_on_random_workloads(path):
     """The random workloads of the pipelined tests (preemption, aborts, stop strings, n > 1,
     seeded sampling, penalties, logprobs): the eager sync loop against the pipelined loop
     with graphs, identical outputs and a clean pool afterwards."""
-    ref = make_llm(path, pipelined=False, max_model_len=MAX_MODEL_LEN)
-
-    @functools.cache
-    def greedy_ref(prompt):
-        out = ref.generate({"prompt_token_ids": list(prompt)}, greedy(20, ignore_eos=True))
-        return out[0].outputs[0].text, out[0].outputs[0].token_ids
-
-    tok = ref.get_tokenizer()
+    tok, greedy_ref = greedy_reference(path)
     seen: Counter = Counter()
 
-    @settings(
-        max_examples=6,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    @workload_settings(6)
     @given(workloads())
     @example(HEAVY)
     def check(workload):
