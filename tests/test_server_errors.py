@@ -175,3 +175,22 @@ def test_failed_boot_reports_the_reason(tmp_path):
         assert health.status_code == 503 and health.json()["status"] == "failed"
         err = _error(httpx.post(base + "/v1/completions", json=GOOD), 503)
         assert "does not exist" in err["message"]
+
+
+def test_a_server_holder_freezes_the_booted_engine_for_the_collector(path):
+    """With ``freeze_gc`` (what ``warmboot serve`` uses) the booted engine's objects leave the
+    collector's scans; a replacement boot unfreezes first, so the old engine is freed."""
+    import gc
+    import weakref
+
+    assert gc.get_freeze_count() == 0
+    try:
+        holder = EngineHolder(lambda: tiny_llm(path).engine, freeze_gc=True)
+        holder.boot()
+        assert gc.get_freeze_count() > 10_000
+        first = weakref.ref(holder.llm)
+        holder.boot()  # as a restart does
+        gc.collect()
+        assert first() is None, "the replaced engine stayed frozen"
+    finally:
+        gc.unfreeze()

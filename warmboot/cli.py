@@ -173,7 +173,7 @@ def _serve(args) -> int:
         return launch(LaunchConfig(engine=engine, store=store, sandbox=args.sandbox))
 
     # NOTE: the engine starts (or a restore runs) while the HTTP stack below is imported.
-    holder = EngineHolder(boot, started_at=time.monotonic() - process_age())
+    holder = EngineHolder(boot, started_at=time.monotonic() - process_age(), freeze_gc=True)
     holder.start()
     from warmboot.server.app import ServerConfig
     from warmboot.server.serve import default_model_name, serve

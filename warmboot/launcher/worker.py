@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - reported to the launcher, which falls back
         writer.send({"t": "fatal", "message": f"{type(e).__name__}: {e}"})
         return 1
+    gc.collect()
+    gc.freeze()  # NOTE: no full-collection stalls over the booted engine (see EngineHolder)
     worker = Worker(engine, writer)
     writer.send({"t": "booted", "boot_s": time.perf_counter() - t0})
     threading.Thread(target=worker.reader, args=(stdin,), daemon=True).start()

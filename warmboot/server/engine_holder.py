@@ -6,6 +6,7 @@ load balancer can route around a replica that is still starting.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -23,11 +24,17 @@ class EngineNotReady(RuntimeError):
 
 
 class EngineHolder:
-    def __init__(self, factory: Callable[[], EngineClient], started_at: float | None = None):
+    def __init__(
+        self,
+        factory: Callable[[], EngineClient],
+        started_at: float | None = None,
+        freeze_gc: bool = False,
+    ):
         """``factory`` boots the engine and returns its client (``AsyncLLM`` in-process, or a
         worker's ``RemoteLLM``); ``started_at`` is a ``time.monotonic()`` stamp of process
-        start (default: now)."""
+        start (default: now). ``freeze_gc`` (a server process): see ``boot``."""
         self._factory = factory
+        self._freeze_gc = freeze_gc
         self.started_at = time.monotonic() if started_at is None else started_at
         self.llm: EngineClient | None = None
         self.error: str | None = None
@@ -51,6 +58,11 @@ class EngineHolder:
         self._thread.start()
 
     def boot(self) -> None:
+        """Boot the engine. With ``freeze_gc`` everything alive once it is ready moves to
+        the collector's permanent generation: a full collection over the booted engine's
+        ~170k objects stalled every thread for ~70 ms (measured on the demo model)."""
+        if self._freeze_gc:
+            gc.unfreeze()  # NOTE: a replaced engine's objects must stay collectable
         try:
             client = self._factory()
         except Exception as e:  # noqa: BLE001 - reported through /health and every API call
@@ -59,6 +71,9 @@ class EngineHolder:
             return
         self.time_to_ready = time.monotonic() - self.started_at
         self.llm = client
+        if self._freeze_gc:  # NOTE: after the old client is dropped: it must not be frozen
+            gc.collect()
+            gc.freeze()
         log.info("engine ready after %.2fs (%s)", self.time_to_ready, self.start_path()[0])
 
     def require(self) -> EngineClient:
