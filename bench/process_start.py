@@ -45,12 +45,10 @@ def drop_caches() -> bool:
         return False
 
 
-def time_to_first_token(
-    model: Path, store: Path | None, sandbox: str, work: Path, extra: tuple[str, ...] = ()
-) -> dict:
+def time_to_first_token(model: Path, store: Path | None, sandbox: str, work: Path) -> dict:
     """Start ``warmboot serve``; seconds to healthy and to the first streamed token."""
     port = free_port()
-    cmd = [sys.executable, "-m", "warmboot.cli", "serve", "--model", str(model), *extra]
+    cmd = [sys.executable, "-m", "warmboot.cli", "serve", "--model", str(model)]
     cmd += ["--port", str(port), "--dtype", "bfloat16", "--sandbox", sandbox, "-v"]
     cmd += ["--served-model-name", "m", "--max-model-len", "512"]
     if store is not None:
@@ -123,19 +121,18 @@ def bench_model(name: str, model: Path, work: Path, repeats: int) -> dict:
     runs: dict[str, list[dict]] = {}
     store_a, store_p = work / f"{name}-store-a", work / f"{name}-store-p"
     for r in range(repeats):
-        for label, store, sandbox, extra in (
-            ("native cold boot", None, "none", ()),
-            ("tier-A restore", store_a, "none", ()),
-            ("gVisor cold boot (+checkpoint, publish)", store_p, "auto", ()),
-            ("tier-P restore", store_p, "auto", ()),
-            ("tier-P restore, no weight read-ahead", store_p, "auto", ("--no-weight-prefetch",)),
+        for label, store, sandbox in (
+            ("native cold boot", None, "none"),
+            ("tier-A restore", store_a, "none"),
+            ("gVisor cold boot (+checkpoint, publish)", store_p, "auto"),
+            ("tier-P restore", store_p, "auto"),
         ):
             if label == "tier-A restore" and r == 0:
                 time_to_first_token(model, store_a, "none", work)  # publish the engine image
             if label.startswith("gVisor") and store_p.exists():
                 shutil.rmtree(store_p)
             cold = drop_caches()
-            row = time_to_first_token(model, store, sandbox, work, extra)
+            row = time_to_first_token(model, store, sandbox, work)
             row["cold_cache"] = cold
             runs.setdefault(label, []).append(row)
             print(f"{name}: {label}: {row}", flush=True)
@@ -254,9 +251,7 @@ def plot(args, results: list[dict]) -> None:
     for ax, res in zip(axes[0], results, strict=True):
         labels = list(res["runs"])
         values = [_median(res["runs"][k], "first_token_s") for k in labels]
-        ax.barh(
-            labels, values, color=["tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:olive"]
-        )
+        ax.barh(labels, values, color=["tab:gray", "tab:blue", "tab:orange", "tab:green"])
         ax.invert_yaxis()
         ax.set_xlabel("seconds from process start to first token")
         ax.set_title(res["model"])

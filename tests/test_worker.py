@@ -217,18 +217,3 @@ def test_a_dead_worker_is_replaced(path):
         assert resp.json()["choices"][0]["text"] == first
         assert len(procs) == 2 and holder.restarts == 1
         assert "warmboot_engine_restarts_total 1.0" in httpx.get(url + "/metrics").text
-
-
-def test_mapped_files_lists_mapped_data_files_not_code(tmp_path):
-    import mmap
-
-    from warmboot.launcher.worker import mapped_files
-
-    data = tmp_path / "weights.bin"
-    data.write_bytes(b"\0" * 8192)
-    with open(data, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
-        assert m[0] == 0
-        listed = mapped_files()
-    assert str(data) in listed
-    assert not any(".so" in p.rsplit("/", 1)[-1] for p in listed)
-    assert str(data) not in mapped_files()  # unmapped again

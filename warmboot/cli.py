@@ -58,13 +58,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _sandbox_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--no-weight-prefetch",
-        dest="weight_prefetch",
-        action="store_false",
-        help="on a process-snapshot restore, do not read the weight files into the page cache "
-        "while runsc restores the worker",
-    )
-    p.add_argument(
         "--sandbox",
         default="auto",
         choices=["auto", "none"],
@@ -177,11 +170,7 @@ def _serve(args) -> int:
 
         engine = _engine_kwargs(args, args.model)
         store = args.snapshot_store
-        return launch(
-            LaunchConfig(
-                engine=engine, store=store, sandbox=args.sandbox, prefetch=args.weight_prefetch
-            )
-        )
+        return launch(LaunchConfig(engine=engine, store=store, sandbox=args.sandbox))
 
     # NOTE: the engine starts (or a restore runs) while the HTTP stack below is imported.
     holder = EngineHolder(boot, started_at=time.monotonic() - process_age(), freeze_gc=True)

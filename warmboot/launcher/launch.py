@@ -23,7 +23,6 @@ import os
 import platform
 import shutil
 import sys
-import threading
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -50,9 +49,6 @@ class LaunchConfig:
     restore_timeout: float = 120.0
     """A restore (to a started, canary-checked worker) that takes longer falls back."""
     publish: bool = True
-    prefetch: bool = True
-    """On a tier-P restore, read the worker's mapped weight files into the page cache while
-    ``runsc restore`` runs (else the first forward faults them in through gVisor)."""
 
 
 def launch(cfg: LaunchConfig):
@@ -106,8 +102,6 @@ def _try_restore(cfg: LaunchConfig, store, key: str, spec, t0: float) -> RemoteL
     if manifest is None:
         return None
     work = _work_dir(cfg)
-    if cfg.prefetch:
-        prefetch(_allowed(cfg, manifest.get("prefetch", [])))
     try:
         image = work / "image"
         t_fetch = time.monotonic()
@@ -142,8 +136,7 @@ def _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, ph
         channel.expect("booted", cfg.boot_timeout)
         phases["sandboxed_boot"] = time.monotonic() - t
         channel.send({"t": "prepare_checkpoint"})
-        quiescent = channel.expect("quiescent", 120)
-        canary, mapped = quiescent["canary"], quiescent.get("mapped", [])
+        canary = channel.expect("quiescent", 120)["canary"]
         image = work / "image"
         phases["checkpoint"] = sandbox.checkpoint(image)
     finally:
@@ -152,7 +145,6 @@ def _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, ph
     if cfg.publish:
         t = time.monotonic()
         meta = {"fields": fields, "canary": canary, "image_bytes": process_image.image_bytes(image)}
-        meta["prefetch"] = _allowed(cfg, mapped)
         new = process_image.publish(store, key, image, meta)
         phases["publish_image"] = time.monotonic() - t
         log.info("published process snapshot %s (%.0f MB new)", key[:12], new / 1e6)
@@ -184,43 +176,6 @@ def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases:
     client = RemoteLLM(channel, tokenizer, started, LaunchInfo("pending", ""))
     client.on_exit(lambda: _reap(sandbox, proc, work))
     return client
-
-
-def _allowed(cfg: LaunchConfig, paths: list) -> list[str]:
-    """Of ``paths`` (from a worker or a manifest), the files inside the model directory or
-    the tier-A store: nothing else is read ahead."""
-    roots = [Path(cfg.engine["model"]).resolve()]
-    if cfg.engine.get("snapshot_store") and "://" not in str(cfg.engine["snapshot_store"]):
-        roots.append(Path(cfg.engine["snapshot_store"]).resolve())
-    out = []
-    for p in paths:
-        path = Path(str(p)).resolve()
-        if any(path.is_relative_to(r) for r in roots) and path.is_file():
-            out.append(str(path))
-    return out
-
-
-def prefetch(paths: list[str]) -> threading.Thread:
-    """Read ``paths`` into the page cache in the background (the kernel's readahead, asked
-    for in a thread: ``WILLNEED`` can block while it queues a large file's reads)."""
-    thread = threading.Thread(target=_read_ahead, args=(paths,), name="warmboot-prefetch")
-    thread.daemon = True
-    thread.start()
-    return thread
-
-
-def _read_ahead(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
 
 
 def _finish(client: RemoteLLM, path: str, reason: str, phases: dict, t0: float):

@@ -19,7 +19,6 @@ import queue
 import sys
 import threading
 import time
-from pathlib import Path
 
 from warmboot.engine.errors import InvalidRequestError
 from warmboot.launcher.frames import (
@@ -106,7 +105,7 @@ class Worker:
         self.engine.resize_kv_cache(CHECKPOINT_KV_BLOCKS)
         gc.collect()
         _trim_heap()
-        self.writer.send({"t": "quiescent", "canary": canary, "mapped": mapped_files()})
+        self.writer.send({"t": "quiescent", "canary": canary})
 
     def _on_start(self, f: dict) -> None:
         """Settings that must be fresh (after a restore too), then the canary."""
@@ -152,22 +151,6 @@ def _trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
-
-
-def mapped_files() -> list[str]:
-    """Regular files mapped into this process that are not code (weights mapped from a
-    tier-A snapshot or the model): the launcher reads them ahead on a restore."""
-    found: dict[str, None] = {}
-    try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        fields = line.split(None, 5)
-        path = fields[5] if len(fields) == 6 else ""
-        if path.startswith("/") and ".so" not in Path(path).name and Path(path).is_file():
-            found[path] = None
-    return list(found)
 
 
 def main(argv: list[str] | None = None) -> int:
