@@ -121,6 +121,7 @@ def decode(out: dict) -> None:
         for mode in ("eager", "graphs")
     }
     out["graph_capture_s"] = llms["graphs"].engine.startup_times.get("cuda_graphs")
+    out["graphs_state"] = llms["graphs"].stats()["cuda_graphs"]
     rows = []
     for batch in (1, 8, 32, 64):
         g = torch.Generator().manual_seed(batch)
@@ -139,6 +140,7 @@ def decode(out: dict) -> None:
             wall = time.perf_counter() - t0
             row[f"{mode}_tok_s"] = batch * 128 / wall
             row[f"{mode}_bubble"] = llm.stats()["bubble_fraction"]
+            row[f"{mode}_graph_steps"] = llm.stats()["graph_steps"]
         rows.append(row)
         print(rows[-1], flush=True)
     out["decode_bf16"] = rows

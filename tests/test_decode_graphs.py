@@ -154,3 +154,24 @@ def test_padding_rows_write_only_the_scratch_block(path):
             assert written[runner.scratch_block]  # the padding rows wrote here
             # 3 requests of at most 18 tokens in 4-token blocks: at most 5 blocks apiece
             assert 0 < int(written[: runner.scratch_block].sum()) <= 15
+
+
+def test_a_failed_capture_falls_back_to_eager_unless_required(path, monkeypatch):
+    llm = make_llm(path, pipelined=False)
+    engine = llm.engine
+    assert llm.stats()["cuda_graphs"] == "off"
+
+    def broken(*args, **kw):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(engine.runner, "setup_decode_graphs", broken)
+    engine._capture_graphs(required=False)
+    assert engine.runner.graphs is None
+    assert llm.stats()["cuda_graphs"].startswith("off: capture failed: RuntimeError")
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy(3, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3  # still serves, eagerly
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        engine._capture_graphs(required=True)
+    monkeypatch.undo()
+    engine.enable_decode_graphs((1, 2), emulate=True)
+    assert llm.stats()["cuda_graphs"] == "emulated"

@@ -124,9 +124,11 @@ class LLMEngine:
                 self.runner.load_model(model_dir)
             with self._phase("warmup"):
                 canary = self._warmup()
+        self.graphs_note = "off"
+        """CUDA graphs: on, off, emulated (CPU tests), or off with the capture's error."""
         if use_graphs:
             with self._phase("cuda_graphs"):
-                self.enable_decode_graphs()
+                self._capture_graphs(required=bool(config.cuda_graphs))
         reason = self.snapshot.reason if self.snapshot else "no snapshot store configured"
         if self.snapshot and not restored and config.snapshot_publish:
             with self._phase("snapshot_publish"):
@@ -234,6 +236,19 @@ class LLMEngine:
         sizes = batch_sizes or default_batch_sizes(sched.max_num_seqs)
         width = -(-sched.max_model_len // self.config.cache.block_size)
         self.runner.setup_decode_graphs(sizes, width, emulate)
+        self.graphs_note = "emulated" if emulate else "on"
+
+    def _capture_graphs(self, required: bool) -> None:
+        """Capture at start-up. A capture that fails runs decode eagerly (with the reason in
+        the log and ``stats()``) unless graphs were asked for explicitly."""
+        try:
+            self.enable_decode_graphs()
+        except Exception as e:
+            if required:
+                raise
+            self.runner.graphs = None
+            self.graphs_note = f"off: capture failed: {type(e).__name__}: {e}"
+            log.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
 
     def _recapture_graphs(self) -> None:
         """Captured graphs hold the old weights' and KV pool's addresses: capture anew."""
@@ -478,6 +493,7 @@ class LLMEngine:
             "prefix_cache_hits": kv.prefix_hits,
             "preemptions": self.scheduler.num_preemptions,
             "loop": self.loop.name,
+            "cuda_graphs": self.graphs_note,
             "graph_steps": None if graphs is None else sum(graphs.replays.values()),
             "bubble_fraction": self.meter.bubble_fraction,
             "decode_steps_measured": self.meter.steps,
