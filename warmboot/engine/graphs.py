@@ -96,6 +96,7 @@ class DecodeGraphs:
         which must not happen inside a capture. The static buffers hold padding rows only."""
         if self.emulate:
             return
+        torch.cuda.synchronize()  # NOTE: the buffers' fills ran on the default stream
         pool = None
         with torch.no_grad():
             for batch in reversed(self.batch_sizes):

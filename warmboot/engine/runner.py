@@ -102,12 +102,14 @@ class ModelRunner:
     # -- start-up phases -----------------------------------------------------------------------
     def load_model(self, model_dir: str | Path) -> None:
         self.model = load_model(model_dir, self.model_cfg, self.dtype, self.device)
+        self._settle()
 
     def install_weights(self, tensors: dict[str, torch.Tensor], source: str) -> None:
         """Use weights that are already transformed (a snapshot's ``named_parameters``)."""
         self.model = assemble_model(
             self.model_cfg, tensors.items(), self.dtype, self.device, source
         )
+        self._settle()
 
     def kv_bytes_per_block(self) -> int:
         cfg = self.model_cfg
@@ -131,6 +133,13 @@ class ModelRunner:
         else:
             cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wait for start-up work queued on the default stream (weight copies, zero fills):
+        the loops run on their own stream, which does not wait for it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def setup_decode_graphs(
         self, batch_sizes: tuple[int, ...], width: int, emulate: bool = False
@@ -243,15 +252,15 @@ class ModelRunner:
         rows = [self._sampling_row(s) for s in step.sample_rows]
         slots = self._host([self._slots[s.req_id] for s in step.sample_rows])
         masked = [i for i, s in enumerate(step.sample_rows) if s.params.structured_outputs]
-        if bitmask is not None:
-            bitmask = bitmask.to(self.device, non_blocking=True)
+        if bitmask is not None and self.device.type == "cuda":
+            bitmask = bitmask.pin_memory()  # NOTE: so the upload below does not block the host
 
         def sample() -> None:
             logits = handle.logits
-            if bitmask is not None:
+            if bitmask is not None:  # uploaded in the stream: ordered before its use
                 from warmboot.engine.grammar import apply_bitmask
 
-                apply_bitmask(logits, bitmask, masked)
+                apply_bitmask(logits, self._upload(bitmask), masked)
             out = self.sampler(logits, rows)
             self.token_buffer[self._upload(slots)] = out.token_ids
             handle.result = _to_host(out)
