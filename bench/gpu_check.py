@@ -2,6 +2,7 @@
 
 1. correctness: greedy tokens of every tiny architecture against transformers on the GPU
    (fp32): sync eager, pipelined eager and pipelined with CUDA graphs, all identical;
+   then the sync sites of steady pipelined decode under torch's sync debug mode;
 2. the bubble: sync vs pipelined, each eager and with CUDA graphs, on a small model
    (tokens/s, bubble fraction from CUDA events), with and without a JSON schema;
 3. decode throughput of the built-in 135M model in bf16 at batch 1 / 8 / 32 / 64, eager and
@@ -60,6 +61,57 @@ def correctness(out: dict) -> None:
         } | {"of": len(prompts)}
         print(kind, results[kind], flush=True)
     out["correctness"] = results
+
+
+def hidden_syncs(out: dict) -> None:
+    """The launch path must not synchronise: steady pipelined decode of a batch mixing greedy,
+    seeded top-k/top-p, penalties, logprobs and a JSON schema, under torch's sync debug mode.
+    Every warning names the Python line that synchronised (``collect``'s event wait is the
+    one expected)."""
+    import warnings
+
+    from bench.bubble import SCHEMA, SHAPE
+    from warmboot import LLM, SamplingParams
+    from warmboot.models.demo import write_random_llama
+    from warmboot.sampling_params import StructuredOutputs
+    from warmboot.tokenizer.train import train_tokenizer
+
+    model_dir = Path(tempfile.mkdtemp(prefix="wb-sync-")) / "model"
+    write_random_llama(model_dir, **SHAPE, seed=0, dtype="bfloat16")
+    train_tokenizer(model_dir, SHAPE["vocab_size"])
+    llm = LLM(str(model_dir), device="cuda", max_model_len=256, num_kv_blocks=512, pipelined=True)
+    kinds = [
+        SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=48),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.3,
+                       max_tokens=48, logprobs=3),
+        SamplingParams(temperature=0.0, max_tokens=48,
+                       structured_outputs=StructuredOutputs(json=SCHEMA)),
+    ]  # fmt: skip
+    prompts = [{"prompt_token_ids": list(range(3 + i, 40 + i))} for i in range(16)]
+    params = [kinds[i % len(kinds)] for i in range(16)]
+    llm.generate(prompts, params)  # warm: compile, capture, grammar caches
+    eng = llm.engine
+    for i, (pr, sp) in enumerate(zip(prompts, params, strict=True)):
+        eng.add_request(f"s{i}", pr, sp)
+    eng.step()
+    eng.step()  # prefill done: from here on, steady decode
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            steps = 0
+            while eng.has_unfinished_requests():
+                eng.step()
+                steps += 1
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    where: dict[str, int] = {}
+    for w in caught:
+        key = f"{Path(w.filename).name}:{w.lineno}"
+        where[key] = where.get(key, 0) + 1
+    out["hidden_syncs"] = {"steps": steps, "sync_sites": where}
+    print("hidden syncs", out["hidden_syncs"], flush=True)
 
 
 def bubble(out: dict, args) -> None:
@@ -158,7 +210,7 @@ def main() -> None:
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
-    for part in (correctness, lambda o: bubble(o, args), decode):
+    for part in (correctness, hidden_syncs, lambda o: bubble(o, args), decode):
         try:
             part(out)
         except Exception as e:  # noqa: BLE001 - record and go on: device time is scarce

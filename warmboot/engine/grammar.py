@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from warmboot.engine.device import upload
 from warmboot.sampling_params import StructuredOutputs
 
 _xgr: Any = None
@@ -297,11 +298,7 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
 def _apply_bitmask_torch(
     logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab: int
 ) -> None:
-    # NOTE: torch.tensor(rows, device=cuda) would be a blocking copy, i.e. a hidden sync
-    idx = torch.tensor(rows, dtype=torch.int64)
-    if logits.device.type == "cuda":
-        idx = idx.pin_memory()
-    idx = idx.to(logits.device, non_blocking=True)
+    idx = upload(torch.tensor(rows, dtype=torch.int64), logits.device)  # NOTE: no hidden sync
     shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
     allowed = ((bitmask[idx].unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
     logits[idx, :vocab] = logits[idx, :vocab].masked_fill(~allowed, float("-inf"))

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from warmboot.engine.device import upload
 from warmboot.sampling_params import SamplingParams
 
 _SEED_MASK = (1 << 64) - 1
@@ -122,7 +123,7 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     ascending, order = logits.sort(dim=-1)
     if use_k:
         # NOTE: ties with the k-th largest value are kept, so the kept set may exceed k.
-        kth = ascending.gather(1, vocab - torch.tensor(ks, device=dev)[:, None])
+        kth = ascending.gather(1, vocab - upload(torch.tensor(ks), dev)[:, None])
         ascending = ascending.masked_fill(ascending < kth, float("-inf"))
     if use_p:
         cum = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
@@ -148,7 +149,8 @@ def _exponentials(rows: Sequence[SamplingRow], vocab: int, dev: torch.device) ->
     else:
         q = torch.empty(len(rows), vocab, device=dev)
         if unseeded:
-            q[unseeded] = torch.empty(len(unseeded), vocab, device=dev).exponential_()
+            draws = torch.empty(len(unseeded), vocab, device=dev).exponential_()
+            q[upload(torch.tensor(unseeded), dev)] = draws
         for j, r in enumerate(rows):
             if r.generator is not None:
                 # NOTE: exactly one draw of V per seeded row and step, so a seeded row's tokens
@@ -165,7 +167,7 @@ def _suppress(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
         return
     index = torch.tensor(pairs, dtype=torch.int64)
     _check_ids(index[:, 1], logits.shape[1], "suppress_token_ids")
-    index = index.to(logits.device)
+    index = upload(index, logits.device)
     logits[index[:, 0], index[:, 1]] = float("-inf")
 
 
@@ -177,7 +179,7 @@ def _token_counts(
     _check_ids(ids, vocab, "token history")
     lengths = torch.tensor([len(h) for h in histories])
     flat = torch.repeat_interleave(torch.arange(len(histories)), lengths) * vocab + ids
-    counts = torch.bincount(flat.to(dev), minlength=len(histories) * vocab)
+    counts = torch.bincount(upload(flat, dev), minlength=len(histories) * vocab)
     return counts.view(len(histories), vocab).float()
 
 
@@ -189,7 +191,7 @@ def _check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
 
 
 def _column(values: Sequence[float], dev: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=dev)[:, None]
+    return upload(torch.tensor(values, dtype=torch.float32), dev)[:, None]
 
 
 def _validate(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from warmboot.engine.device import upload
 from warmboot.kernels.attention import flash_attn_varlen_func
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata
 from warmboot.kernels.decode import paged_decode_attention
@@ -74,9 +75,9 @@ def _prefill_inputs(meta: AttentionMetadata, device: torch.device):
         table = torch.zeros(len(seqs), width, dtype=torch.int64, device=device)
         for i, s in enumerate(seqs):
             table[i, : len(s.block_table)] = s.block_table
-        cu_q = torch.tensor(cu, dtype=torch.int32).to(device, non_blocking=True)
+        cu_q = upload(torch.tensor(cu, dtype=torch.int32), device)
         ctx = torch.tensor([s.context_len for s in seqs], dtype=torch.int32)
         max_q = max(s.query_len for s in seqs)
         max_k = max(s.context_len for s in seqs)
-        meta.cache[key] = (cu_q, ctx.to(device, non_blocking=True), table, max_q, max_k)
+        meta.cache[key] = (cu_q, upload(ctx, device), table, max_q, max_k)
     return meta.cache[key]
