@@ -207,6 +207,8 @@ def test_metrics_report_requests_latency_and_start_path(client, server):
     assert "warmboot_inter_token_latency_seconds_count" in text
     assert 'warmboot_start_info{path="cold"' in text
     assert "warmboot_kv_cache_usage" in text and "warmboot_bubble_fraction" in text
+    assert 'warmboot_cuda_graphs_info{state="off"} 1.0' in text  # a CPU engine
+    assert "warmboot_graph_steps_total 0.0" in text
     assert "warmboot_time_to_ready_seconds" in text
     health = httpx.get(server[0] + "/health").json()
     assert health["status"] == "ok" and health["start_path"] == "cold"

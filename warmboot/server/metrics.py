@@ -95,6 +95,16 @@ class _EngineCollector:
         )
         bubble.add_metric([], float(state["bubble_fraction"] or 0.0))
         yield bubble
+        graphs = InfoMetricFamily(
+            "warmboot_cuda_graphs", "Decode CUDA graphs: on, off, or off with the capture's error"
+        )
+        graphs.add_metric([], {"state": str(state.get("cuda_graphs", "off"))})
+        yield graphs
+        graph_steps = CounterMetricFamily(
+            "warmboot_graph_steps", "Decode steps replayed as CUDA graphs"
+        )
+        graph_steps.add_metric([], float(state.get("graph_steps") or 0))
+        yield graph_steps
         start = InfoMetricFamily("warmboot_start", "How this replica started and why")
         start.add_metric([], {"path": state["start_path"], "reason": state["start_reason"]})
         yield start
