@@ -570,6 +570,10 @@ def test_ping_pong_buffers_and_slots_never_reused_in_flight(path, monkeypatch):
         handle = prepare(sched)
         seen["steps"] += 1
         seen["two_in_flight"] += len(in_flight()) == 2
+        if handle.inputs is not None:  # inputs live in the step's preallocated working set
+            own = runner._staging[handle.buffer]._bufs["ids"].untyped_storage().data_ptr()
+            assert handle.inputs.input_ids.untyped_storage().data_ptr() == own
+            seen["staged"] += 1
         # Every row of an in-flight step owns a live slot no other request has.
         slots = runner._slots
         assert len(set(slots.values())) == len(slots), "two requests share a token slot"
@@ -582,7 +586,7 @@ def test_ping_pong_buffers_and_slots_never_reused_in_flight(path, monkeypatch):
 
     monkeypatch.setattr(runner, "prepare_step", checked)
     pipe = drive(llm, reqs)
-    assert seen["steps"] > 30 and seen["two_in_flight"] > 20, seen
+    assert seen["steps"] > 30 and seen["two_in_flight"] > 20 and seen["staged"] > 20, seen
     assert llm.stats()["preemptions"] > 0
     tok = llm.get_tokenizer()
     compare_runs(reqs, sync, pipe, tok)

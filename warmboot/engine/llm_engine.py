@@ -95,6 +95,8 @@ class LLMEngine:
             config.cache.block_size,
             num_request_slots=2 * self.sched_config.max_num_seqs + 2,
             max_model_len=self.sched_config.max_model_len,
+            max_num_seqs=self.sched_config.max_num_seqs,
+            max_num_batched_tokens=self.sched_config.max_num_batched_tokens,
             cpu_threads=threads,
         )
         self.grammars: GrammarRequests | None = None

@@ -40,6 +40,47 @@ class StepInputs:
     """Decode-only step run as a CUDA graph: rows padded to this captured batch size."""
 
 
+class Staging:
+    """One ping-pong working set: preallocated host tensors (pinned on CUDA) that a step's
+    inputs are written into and uploaded from. The runner reuses a set only after the step
+    that last used it has been collected, so its uploads have completed."""
+
+    ROWS = ("seq_lens", "sample_index", "fed_index", "fed_slots", "sample_slots")
+    TOKENS = ("ids", "positions", "slots")
+
+    def __init__(self, max_tokens: int, max_rows: int, width: int, pin: bool):
+        def buf(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int64, pin_memory=pin)
+
+        self._bufs = {name: buf(max_tokens) for name in self.TOKENS}
+        self._bufs |= {name: buf(max_rows) for name in self.ROWS}
+        self._tables = buf(max_rows * width)
+        self._pin = pin
+
+    def put(self, name: str, values: list[int]) -> torch.Tensor:
+        """``values`` as a view of the named buffer (a fresh tensor if they do not fit)."""
+        buf = self._bufs[name]
+        if len(values) > buf.shape[0]:  # NOTE: not expected: the scheduler bounds a step
+            return _fresh(values, self._pin)
+        view = buf[: len(values)]
+        view.numpy()[:] = values
+        return view
+
+    def tables(self, source: np.ndarray, rows: list[int], width: int) -> torch.Tensor:
+        """(len(rows), width) view holding ``source[rows, :width]``, copied in C."""
+        n = len(rows)
+        if n * width > self._tables.shape[0]:
+            return _fresh(source[rows, :width], self._pin)
+        view = self._tables[: n * width].view(n, width)
+        np.take(source[:, :width], rows, axis=0, out=view.numpy())
+        return view
+
+
+def _fresh(values, pin: bool) -> torch.Tensor:
+    t = torch.from_numpy(np.array(values, dtype=np.int64))
+    return t.pin_memory() if pin else t
+
+
 @dataclass
 class StepHandle:
     """One launched step: a future for its sampled tokens."""
@@ -67,6 +108,8 @@ class ModelRunner:
         block_size: int,
         num_request_slots: int,
         max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
         cpu_threads: int | None = None,
     ):
         self.model_cfg = model_cfg
@@ -95,6 +138,9 @@ class ModelRunner:
         theirs in C, not per block in Python); the last row is the graph padding row."""
         self._table_len: dict[str, int] = {}
         """Per request: entries of its table already in ``_tables``."""
+        pin = device.type == "cuda"
+        tokens = max(max_num_batched_tokens, max_num_seqs)
+        self._staging = [Staging(tokens, max_num_seqs, width, pin) for _ in range(2)]
         self.scratch_block = 0
         """KV block past the managed pool, written only by graph padding rows."""
         self.graphs: DecodeGraphs | None = None
@@ -206,7 +252,7 @@ class ModelRunner:
             self._parked.discard(s.req_id)
             self._slot_of(s.req_id)
             self._slot_users[s.req_id] += 1
-        handle.inputs = self.prepare(sched.scheduled)
+        handle.inputs = self.prepare(sched.scheduled, buf)
         return handle
 
     def submit_forward(self, handle: StepHandle) -> None:
@@ -217,8 +263,9 @@ class ModelRunner:
             return
         rows = zip(step.last_index, step.rows, strict=True)
         fed = [(i, self._slots[s.req_id]) for i, s in rows if s.device_fed]
-        fed_index = self._host([i for i, _ in fed])
-        fed_slots = self._host([slot for _, slot in fed])
+        staging = self._staging[handle.buffer]
+        fed_index = staging.put("fed_index", [i for i, _ in fed])
+        fed_slots = staging.put("fed_slots", [slot for _, slot in fed])
 
         def patch(input_ids: torch.Tensor) -> None:
             if fed:
@@ -250,7 +297,9 @@ class ModelRunner:
             handle.event = self.stream.record()
             return
         rows = [self._sampling_row(s) for s in step.sample_rows]
-        slots = self._host([self._slots[s.req_id] for s in step.sample_rows])
+        slots = self._staging[handle.buffer].put(
+            "sample_slots", [self._slots[s.req_id] for s in step.sample_rows]
+        )
         masked = [i for i, s in enumerate(step.sample_rows) if s.params.structured_outputs]
         if bitmask is not None and self.device.type == "cuda":
             bitmask = bitmask.pin_memory()  # NOTE: so the upload below does not block the host
@@ -281,17 +330,17 @@ class ModelRunner:
         return self._to_output(rows, handle.result)
 
     def _host(self, values: list) -> torch.Tensor:
-        """An int64 host tensor, pinned when the device is a GPU (so uploads are async).
-        NOTE: through numpy: 4x faster than ``torch.tensor`` on a batch's block tables."""
-        t = torch.from_numpy(np.array(values, dtype=np.int64))
-        return t.pin_memory() if self.device.type == "cuda" else t
+        """A fresh int64 host tensor, pinned when the device is a GPU (so uploads are async)."""
+        return _fresh(values, self.device.type == "cuda")
 
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
         """Host -> device inside the stream: non-blocking from pinned memory; no-op on CPU."""
         return t.to(self.device, non_blocking=True)
 
-    def prepare(self, scheduled: list[ScheduledRequest]) -> StepInputs:
+    def prepare(self, scheduled: list[ScheduledRequest], buffer: int = 0) -> StepInputs:
+        """The step's inputs, written into the ping-pong working set ``buffer``."""
         bs = self.block_size
+        staging = self._staging[buffer]
         rows = sorted(scheduled, key=lambda s: s.num_tokens != 1)  # decodes first, stable
         ids: list[int] = []
         positions: list[int] = []
@@ -313,7 +362,7 @@ class ModelRunner:
             slots += [self.scratch_block * bs] * pad
         host = self._host
         meta = AttentionMetadata(
-            slot_mapping=host(slots),
+            slot_mapping=staging.put("slots", slots),
             num_decode_tokens=num_decodes + pad,
             decode_block_tables=None,
             decode_seq_lens=None,
@@ -322,8 +371,9 @@ class ModelRunner:
         )
         if num_decodes:
             decodes = rows[:num_decodes]
-            meta.decode_block_tables = self._decode_tables(decodes, pad)
-            meta.decode_seq_lens = host([s.start_pos + 1 for s in decodes] + [1] * pad)
+            meta.decode_block_tables = self._decode_tables(staging, decodes, pad)
+            lens = [s.start_pos + 1 for s in decodes] + [1] * pad
+            meta.decode_seq_lens = staging.put("seq_lens", lens)
         start = num_decodes
         for s in rows[num_decodes:]:
             ctx = s.start_pos + s.num_tokens
@@ -333,16 +383,18 @@ class ModelRunner:
         sampling = [i for i, s in enumerate(rows) if s.sample]
         return StepInputs(
             rows=rows,
-            input_ids=host(ids),
-            positions=host(positions),
+            input_ids=staging.put("ids", ids),
+            positions=staging.put("positions", positions),
             meta=meta,
             sample_rows=[rows[i] for i in sampling],
-            sample_index=host([last_index[i] for i in sampling]),
+            sample_index=staging.put("sample_index", [last_index[i] for i in sampling]),
             last_index=last_index,
             graph_batch=graph_batch,
         )
 
-    def _decode_tables(self, decodes: list[ScheduledRequest], pad: int) -> torch.Tensor:
+    def _decode_tables(
+        self, staging: Staging, decodes: list[ScheduledRequest], pad: int
+    ) -> torch.Tensor:
         """(rows + pad, widest table) host tensor from the per-slot tables, after appending
         each row's new blocks; padding rows point at the scratch block."""
         tables = self._tables
@@ -355,8 +407,7 @@ class ModelRunner:
                 self._table_len[s.req_id] = len(s.block_table)
             slots.append(slot)
         width = max(len(s.block_table) for s in decodes)
-        out = torch.from_numpy(tables[slots + [len(tables) - 1] * pad, :width])
-        return out.pin_memory() if self.device.type == "cuda" else out
+        return staging.tables(tables, slots + [len(tables) - 1] * pad, width)
 
     def _graph_batch(self, rows: list[ScheduledRequest], num_decodes: int) -> int | None:
         """The graph bucket of a decode-only step, or None (eager)."""
