@@ -188,3 +188,32 @@ def test_crash_during_publish_then_cold_boot_publishes(path, golden, tmp_path, m
     third = make_llm(path, root)
     assert third.engine.start_info.path == "restored_image"
     assert outputs(third) == golden[2]
+
+
+def test_the_snapshot_carries_the_attention_autotune_results(path, tmp_path, monkeypatch):
+    """Configs the Triton tuner measured before the publish travel in the manifest and are
+    adopted by a restore (which then skips their tuning); malformed ones are ignored."""
+    from warmboot.kernels import tuning
+
+    monkeypatch.setenv("WARMBOOT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tuning, "TUNER", tuning.Tuner())
+    measured = {"fwd|cuda:H200|d128": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8}}
+    tuning.import_autotune_cache(measured, persist=False)
+    store = tmp_path / "store"
+    make_llm(path, store)  # cold boot: publishes
+    manifest = Manifest.from_json(next((store / "manifests").glob("*.json")).read_bytes())
+    assert manifest.facts["autotune"] == measured
+
+    monkeypatch.setattr(tuning, "TUNER", tuning.Tuner())  # a fresh process: nothing measured
+    assert tuning.export_autotune_cache() == {}
+    restored = make_llm(path, store)
+    assert restored.engine.start_info.path == "restored_image"
+    assert tuning.export_autotune_cache() == measured
+
+    manifest_path = next((store / "manifests").glob("*.json"))
+    doc = json.loads(manifest_path.read_text())
+    doc["facts"]["autotune"] = measured | {"evil": {"BLOCK_M": "__import__('os')"}}
+    manifest_path.write_text(json.dumps(doc))
+    monkeypatch.setattr(tuning, "TUNER", tuning.Tuner())
+    assert make_llm(path, store).engine.start_info.path == "restored_image"
+    assert tuning.export_autotune_cache() == measured

@@ -4,7 +4,8 @@ ones on a GPU, persisted as JSON so a snapshot carries them.
 The cache file is ``$WARMBOOT_CACHE_DIR/autotune/attention.json`` (default
 ``~/.cache/warmboot``): ``{key: config}``, where a key names the kernel, the device and the
 compile-time shape (head dim, dtype, mask flags, sequence-length bucket).
-``export_autotune_cache()`` / ``import_autotune_cache()`` move it in and out of a snapshot.
+``export_autotune_cache()`` / ``import_autotune_cache()`` move it in and out of a tier-A
+snapshot (its manifest's ``autotune`` fact; ``snapshot/boot.py``).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ boot. Every failure is turned into a logged reason and a cold boot; nothing here
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,7 @@ class SnapshotBoot:
             _check_dtypes(tensors, dtype)
             if self.device.type == "cuda":
                 restore_files(self.store, manifest, "triton_cache", triton_cache_dir())
+            _adopt_autotune(manifest.facts.get("autotune"))
         except Exception as e:  # noqa: BLE001 - any failure means a cold boot, with its reason
             self.reason = f"restore from {self.store.url} failed: {_describe(e)}"
             return None
@@ -109,6 +111,7 @@ class SnapshotBoot:
         try:
             tensors = [(n, p) for n, p in model.named_parameters()]
             files = runtime_files(self.model_dir, self.device)
+            facts = facts | _autotune_facts()
             extra = {"model_dir": str(self.model_dir)}
             manifest, written = publish_image(
                 self.store, self.key, self.fields, tensors, files, facts, extra=extra
@@ -124,6 +127,34 @@ class SnapshotBoot:
             written / 1e9,
         )
         return manifest
+
+
+def _autotune_facts() -> dict[str, Any]:
+    """The attention kernels' measured launch configs, if this process used them (importing
+    the tuner would pull Triton into CPU-only engines)."""
+    tuning = sys.modules.get("warmboot.kernels.tuning")
+    entries = tuning.export_autotune_cache() if tuning else {}
+    return {"autotune": entries} if entries else {}
+
+
+def _adopt_autotune(entries: Any) -> None:
+    """Configs measured by the publisher: this start skips their tuning. Malformed entries
+    (the manifest is data, not trusted code) are ignored, never launched."""
+    if not isinstance(entries, dict) or not entries:
+        return
+    good = {
+        k: cfg
+        for k, cfg in entries.items()
+        if isinstance(k, str)
+        and isinstance(cfg, dict)
+        and all(isinstance(n, str) and n.isidentifier() and type(v) is int for n, v in cfg.items())
+    }
+    if len(good) != len(entries):
+        log.warning("ignoring %d malformed autotune entries", len(entries) - len(good))
+    if good:
+        from warmboot.kernels.tuning import import_autotune_cache
+
+        import_autotune_cache(good)
 
 
 def _describe(e: Exception) -> str:
