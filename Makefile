@@ -3,7 +3,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean runsc
+.PHONY: demo test lint bench clean runsc gpu-wheels
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -36,3 +36,14 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# Wheels the GPU image lacks (its Python is 3.12), for bench/gpu_run.sh: the device tool's
+# `run` with carry [".whl"]. Versions come from requirements.txt.
+GPU_WHEELS := xgrammar apache-tvm-ffi pydantic pydantic_core annotated-types typing-inspection
+gpu-wheels: $(STAMP)
+	mkdir -p .whl
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: \
+	  --python-version 3.12 --implementation cp -d .whl \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+	  --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  $$(for w in $(GPU_WHEELS); do grep -i "^$$w==" requirements.txt; done)
