@@ -175,3 +175,20 @@ def test_a_failed_capture_falls_back_to_eager_unless_required(path, monkeypatch)
     monkeypatch.undo()
     engine.enable_decode_graphs((1, 2), emulate=True)
     assert llm.stats()["cuda_graphs"] == "emulated"
+
+
+def test_a_smaller_kv_pool_leaves_no_stale_block_ids(path):
+    """Rows of the per-slot block tables hold ids past a row's length, which the torch
+    backend reads (masked); after the pool shrinks (as before a process checkpoint) none
+    may point past the new pool, or a short row next to a long one would index past it."""
+    llm = make_llm(path, pipelined=False, num_kv_blocks=64)
+    many = random_prompts([30] * 4, VOCAB_SIZE, seed=9)
+    llm.generate([{"prompt_token_ids": p} for p in many], greedy(20, ignore_eos=True))
+    runner = llm.engine.runner
+    assert runner._tables[:-1].max() >= 20
+    llm.engine.resize_kv_cache(20)
+    assert runner._tables[:-1].max() == 0 and runner._tables[-1].min() == 20
+    long, short = random_prompts([30, 3], VOCAB_SIZE, seed=10)
+    prompts = [{"prompt_token_ids": p} for p in (long, short)]
+    out = llm.generate(prompts, greedy(5, ignore_eos=True))
+    assert [len(o.outputs[0].token_ids) for o in out] == [5, 5]

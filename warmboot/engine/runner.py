@@ -166,6 +166,10 @@ class ModelRunner:
         """``num_blocks`` for the block manager plus the scratch block."""
         cfg = self.model_cfg
         self.scratch_block = num_blocks
+        # NOTE: a table row's columns past its length are read (masked) by the torch backend:
+        # ids left from an earlier, larger pool would index past this one
+        self._tables.fill(0)
+        self._table_len.clear()
         self._tables[-1] = num_blocks
         num_blocks += 1
         shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
