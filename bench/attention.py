@@ -296,17 +296,25 @@ def main() -> int:
         device="interpreter (CPU)" if args.cpu else torch.cuda.get_device_name(),
     )  # fmt: skip
     t0 = time.perf_counter()
-    result["correctness"] = correctness(device, tiny=args.cpu)
-    _print_correctness(result["correctness"])
-    if not args.cpu:
-        result["prefill_tflops"] = prefill_perf()
-        result["decode"] = decode_perf()
-        result["compile_s"] = compile_times()
-        print(json.dumps(result["compile_s"]))
-    result["wall_s"] = time.perf_counter() - t0
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("attention_cpu.json" if args.cpu else "attention.json")
-    path.write_text(json.dumps(result, indent=1))
+
+    def save() -> None:  # NOTE: after every part: a run cut off by a time box keeps the rest
+        result["wall_s"] = time.perf_counter() - t0
+        path.write_text(json.dumps(result, indent=1))
+
+    result["correctness"] = correctness(device, tiny=args.cpu)
+    _print_correctness(result["correctness"])
+    save()
+    if not args.cpu:
+        for name, part in (
+            ("prefill_tflops", prefill_perf),
+            ("decode", decode_perf),
+            ("compile_s", compile_times),
+        ):
+            result[name] = part()
+            save()
+        print(json.dumps(result["compile_s"]))
     print(f"wrote {path} in {result['wall_s']:.0f}s")
     bad = [
         r

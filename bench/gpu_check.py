@@ -216,7 +216,8 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - record and go on: device time is scarce
             out.setdefault("errors", []).append(f"{getattr(part, '__name__', 'part')}: {e!r}")
             print("ERROR", e, flush=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(out, indent=2))
+        # NOTE: after every part: a run cut off by its time box keeps what it measured
+        (args.out / "gpu_check.json").write_text(json.dumps(out, indent=2))
     print(json.dumps(out))
 
 
