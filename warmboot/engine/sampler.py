@@ -79,7 +79,9 @@ class Sampler:
         tokens = x.argmax(dim=-1)
         rand = [i for i, p in enumerate(params) if not p.greedy]
         if rand:
-            tokens[rand] = _sample(x[rand], [rows[i] for i in rand])
+            # NOTE: a Python list as an index of a CUDA tensor is a blocking copy (a sync)
+            at = upload(torch.tensor(rand), x.device)
+            tokens[at] = _sample(x[at], [rows[i] for i in rand])
         if logprobs is None:
             return SamplerOutput(tokens, None, None, None)
         k = max(p.logprobs for p in params if p.logprobs is not None)
@@ -96,7 +98,8 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     sub = [rows[i] for i in idx]
     dev, vocab = logits.device, logits.shape[1]
     counts = _token_counts([r.output_token_ids for r in sub], vocab, dev)
-    x = logits[idx]
+    at = upload(torch.tensor(idx), dev)
+    x = logits[at]
     if any(r.params.repetition_penalty != 1.0 for r in sub):
         rep = _column([r.params.repetition_penalty for r in sub], dev)
         seen = (counts > 0) | (_token_counts([r.prompt_token_ids for r in sub], vocab, dev) > 0)
@@ -104,7 +107,7 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     freq = _column([r.params.frequency_penalty for r in sub], dev)
     presence = _column([r.params.presence_penalty for r in sub], dev)
     x = x - freq * counts - presence * (counts > 0)
-    logits[idx] = x
+    logits[at] = x
     return logits
 
 
@@ -179,8 +182,11 @@ def _token_counts(
     _check_ids(ids, vocab, "token history")
     lengths = torch.tensor([len(h) for h in histories])
     flat = torch.repeat_interleave(torch.arange(len(histories)), lengths) * vocab + ids
-    counts = torch.bincount(upload(flat, dev), minlength=len(histories) * vocab)
-    return counts.view(len(histories), vocab).float()
+    # NOTE: not bincount: on CUDA it reads the input's max back to the host (a sync)
+    flat = upload(flat, dev)
+    counts = torch.zeros(len(histories) * vocab, dtype=torch.float32, device=dev)
+    counts.index_add_(0, flat, torch.ones(flat.shape[0], dtype=torch.float32, device=dev))
+    return counts.view(len(histories), vocab)
 
 
 def _check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
