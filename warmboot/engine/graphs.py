@@ -68,10 +68,6 @@ class DecodeGraphs:
         self.replays: Counter[int] = Counter()
         """Steps run per batch size."""
 
-    @property
-    def max_batch(self) -> int:
-        return self.batch_sizes[-1]
-
     def bucket(self, num_rows: int) -> int | None:
         """The smallest captured batch size that holds ``num_rows``, or None."""
         i = bisect.bisect_left(self.batch_sizes, num_rows)
