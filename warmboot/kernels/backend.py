@@ -73,3 +73,10 @@ class AttentionBackend(ABC):
         sliding_window: int | None,
     ) -> torch.Tensor:  # (N, Hq, D)
         ...
+
+
+def write_kv(k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
+    """Scatter the step's new K/V (N, Hkv, D) into the paged caches at ``meta.slot_mapping``."""
+    hkv, d = k.shape[1], k.shape[2]
+    k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)

@@ -10,16 +10,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, PrefillSeq
+from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, PrefillSeq, write_kv
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:

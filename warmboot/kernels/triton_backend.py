@@ -13,7 +13,7 @@ import torch
 
 from warmboot.engine.device import upload
 from warmboot.kernels.attention import flash_attn_varlen_func
-from warmboot.kernels.backend import AttentionBackend, AttentionMetadata
+from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, write_kv
 from warmboot.kernels.decode import paged_decode_attention
 
 
@@ -21,9 +21,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
-        num_kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+        write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         # Engine window w: keys (pos - w, pos]; flash-attn's left window counts pos - left.
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
