@@ -20,6 +20,7 @@ from tests.tiny_models import KINDS, VOCAB_SIZE
 from warmboot import LLM, SamplingParams
 from warmboot.config import SUPPORTED_ARCHITECTURES
 from warmboot.engine.llm_engine import InvalidRequestError
+from warmboot.outputs import OutputFolder
 
 MAX_MODEL_LEN = 128
 TEXT_PROMPT = "Hello world, this is a test"
@@ -197,6 +198,47 @@ def test_n_completions_each_stop_at_their_own_stop_string(llm):
         assert len(c.logprobs) == len(c.token_ids)
     assert out.outputs[0].finish_reason == "stop"
     assert_engine_clean(llm)
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta", "final"])
+def test_output_kinds_agree(llm, kind):
+    """The three output kinds of one streamed request (n=3, logprobs, a stop string) carry
+    the same completions; deltas hold only what is new, cumulative outputs are snapshots."""
+    kw = dict(n=3, temperature=1.0, seed=23, max_tokens=24, ignore_eos=True, logprobs=2)
+    free = llm.generate(TEXT_PROMPT, SamplingParams(**kw))[0].outputs
+    _, stop = stop_window(free[1].text, len(free[1].text) // 2, 2)
+    ref = llm.generate(TEXT_PROMPT, SamplingParams(stop=[stop], **kw))[0]
+    outs = list(
+        llm.generate_stream(TEXT_PROMPT, SamplingParams(stop=[stop], output_kind=kind, **kw))
+    )
+    assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+    if kind == "final":
+        assert len(outs) == 1
+    else:
+        assert len(outs) > 3, "the request should stream in several pieces"
+    folder = OutputFolder()
+    for o in outs:
+        folder.add(o)
+        for c in o.outputs:
+            assert len(c.logprobs) == len(c.token_ids)
+            if kind == "delta":
+                assert (c.text, c.token_ids) == (c.delta_text, c.delta_token_ids)
+                assert len(c.token_ids) <= 1, "a delta holds only the step's new token"
+    got = outs[-1] if kind != "delta" else folder.cumulative()
+    if kind == "cumulative":  # earlier outputs are snapshots, not views that grew since
+        first = outs[0].outputs[0]
+        assert len(first.logprobs) == len(first.token_ids) < len(got.outputs[0].token_ids)
+    for r, c in zip(ref.outputs, got.outputs, strict=True):
+        assert (c.text, c.token_ids) == (r.text, r.token_ids)
+        assert (c.finish_reason, c.stop_reason) == (r.finish_reason, r.stop_reason)
+        assert c.logprobs == r.logprobs
+    assert any(c.finish_reason == "stop" for c in got.outputs)
+    assert_engine_clean(llm)
+
+
+def test_unknown_output_kind_is_named():
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="partial")
 
 
 # -- 3. stop_token_ids ---------------------------------------------------------------------------

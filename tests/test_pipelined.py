@@ -61,18 +61,18 @@ def rows_of(handle) -> list[str]:
     return [] if handle is None else [s.req_id for s in handle.sched.scheduled]
 
 
-def step_checked(engine, delta: bool = False):
-    outs = engine.step(delta=delta)
+def step_checked(engine):
+    outs = engine.step()
     engine.block_manager.check_invariants()
     return outs
 
 
-def run_to_end(engine, outputs: dict[str, list], delta: bool = False) -> None:
+def run_to_end(engine, outputs: dict[str, list]) -> None:
     """Step until idle (a pipelined engine may still have a step in flight after the last
     output), checking the pool after every step; every output is appended per request."""
     n = 0
     while engine.has_unfinished_requests():
-        for out in step_checked(engine, delta):
+        for out in step_checked(engine):
             outputs.setdefault(out.request_id, []).append(out)
         n += 1
         assert n < MAX_STEPS, "the engine does not make progress"
@@ -385,7 +385,7 @@ def base_text(path):
 
 
 def _stream(llm, params, prompts) -> tuple[dict, dict, dict]:
-    """Stream several requests with ``step(delta=True)``; return per request the concatenated
+    """Stream several requests (cumulative outputs); return per request the concatenated
     deltas, the final output, and (pipelined) whether the request had a row in the step in
     flight when its final output came (a zombie)."""
     engine = llm.engine
@@ -398,7 +398,7 @@ def _stream(llm, params, prompts) -> tuple[dict, dict, dict]:
     zombie_at_finish: dict[str, bool] = {}
     n = 0
     while engine.has_unfinished_requests():
-        for out in step_checked(engine, delta=True):
+        for out in step_checked(engine):
             (c,) = out.outputs
             assert out.request_id not in finals
             for stop in params.stop:

@@ -134,6 +134,27 @@ def test_remote_requests_match_transformers(worker, hf):
     assert len(final.logprobs) == 10 and len(outs) > 1
 
 
+def test_remote_output_kinds(worker, hf):
+    """Only deltas cross the pipe; the launcher hands each request the kind it asked for."""
+    client, _, _ = worker
+    prompt = [5, 17, 33, 2, 9]
+    ref = hf_greedy(hf, prompt, 8)
+    got = {}
+    for kind in ("cumulative", "delta", "final"):
+        params = SamplingParams(
+            temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=1, output_kind=kind
+        )
+        got[kind] = asyncio.run(_run(client, {"prompt_token_ids": prompt}, params))
+    cumulative, delta, (final,) = got["cumulative"], got["delta"], got["final"]
+    assert [o.outputs[0].token_ids for o in cumulative] == [ref[: i + 1] for i in range(8)]
+    assert [o.outputs[0].token_ids for o in delta] == [[t] for t in ref]
+    assert [len(o.outputs[0].logprobs) for o in delta] == [1] * 8
+    assert final.finished and final.outputs[0].token_ids == ref
+    assert final.outputs[0].text == cumulative[-1].outputs[0].text
+    assert final.outputs[0].text == "".join(o.outputs[0].text for o in delta)
+    assert final.outputs[0].logprobs == cumulative[-1].outputs[0].logprobs
+
+
 def test_remote_rejects_bad_requests_and_aborts(worker):
     client, _, _ = worker
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+OUTPUT_KINDS = ("cumulative", "delta", "final")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
     """Grammar-constrained decoding; the output ends when the grammar is complete."""
+    output_kind: str = "cumulative"
+    """What each streamed output holds: "cumulative" (the whole text and tokens so far, plus
+    the delta fields), "delta" (only what is new: O(new tokens) per output, for streaming) or
+    "final" (one output, at the end). ``LLM.generate`` always returns final outputs."""
 
     def __post_init__(self) -> None:
         # NOTE: frozen dataclass; normalise list inputs to tuples through object.__setattr__.
@@ -113,6 +118,8 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an integer")
+        if self.output_kind not in OUTPUT_KINDS:
+            bad("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
 
     @property
     def greedy(self) -> bool:

@@ -41,7 +41,7 @@ class AsyncLLM:
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Yield incremental outputs (``delta_text`` / ``delta_token_ids``) until finished."""
+        """Yield the outputs, shaped by ``params.output_kind``, until finished."""
         stream = await self.add_request(prompt, params, request_id)
         try:
             async for out in stream:
@@ -124,7 +124,7 @@ class AsyncLLM:
                 if not self._drain(block):
                     return
                 if self.engine.has_unfinished_requests():
-                    for out in self.engine.step(delta=True):
+                    for out in self.engine.step():
                         self._deliver(out.request_id, out)
         except BaseException as e:  # noqa: BLE001 - every waiting caller must hear about it
             log.exception("engine loop failed")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 from warmboot.config import CacheConfig, EngineConfig, SchedulerConfig
 from warmboot.engine.llm_engine import InvalidRequestError, LLMEngine, Prompt
@@ -74,22 +75,23 @@ class LLM:
         """
         if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
             prompts = [prompts]
-        params = _per_prompt(sampling_params, len(prompts))
+        params = [_final(p) for p in _per_prompt(sampling_params, len(prompts))]
         ids = self._add_all(prompts, params)
         done: dict[str, RequestOutput] = {}
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step(finished_only=True):
+            for out in self.engine.step():
                 done[out.request_id] = out
         return [done[i] for i in ids]
 
     def generate_stream(
         self, prompt: Prompt, sampling_params: SamplingParams | None = None
     ) -> Iterator[RequestOutput]:
-        """Yield incremental outputs (``delta_text`` / ``delta_token_ids``) of one request."""
+        """Yield the outputs of one request as it advances, shaped by the params'
+        ``output_kind`` (cumulative by default, with ``delta_text`` / ``delta_token_ids``)."""
         (request_id,) = self._add_all([prompt], [sampling_params or SamplingParams()])
         try:
             while True:
-                for out in self.engine.step(delta=True):
+                for out in self.engine.step():
                     if out.request_id == request_id:
                         yield out
                         if out.finished:
@@ -133,6 +135,11 @@ class LLM:
 
 def _is_token_list(x) -> bool:
     return isinstance(x, list) and bool(x) and isinstance(x[0], int)
+
+
+def _final(params: SamplingParams) -> SamplingParams:
+    """Batch generation returns only the end: no per-step output copies."""
+    return params if params.output_kind == "final" else replace(params, output_kind="final")
 
 
 def _per_prompt(params, count: int) -> list[SamplingParams]:

@@ -279,12 +279,16 @@ class LLMEngine:
     def _greedy_probe(self, prompt: list[int], max_tokens: int, logprobs: int):
         """Run one greedy request alone (idle engine) and forget it: [(token, logprob)]."""
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs
+            max_tokens=max_tokens,
+            temperature=0.0,
+            ignore_eos=True,
+            logprobs=logprobs,
+            output_kind="final",
         )
         self.add_request("probe", {"prompt_token_ids": prompt}, params)
         out = None
         while self.has_unfinished_requests():
-            out = next(iter(self.step(finished_only=True)), out)
+            out = next(iter(self.step()), out)
         self.block_manager.reset_prefix_cache()
         c = out.outputs[0]
         return [(t, lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
@@ -411,17 +415,21 @@ class LLMEngine:
         return bool(self.outputs.groups) or self.scheduler.has_unfinished() or self.loop.in_flight()
 
     # -- step ----------------------------------------------------------------------------------
-    def step(self, delta: bool = False, finished_only: bool = False) -> list[RequestOutput]:
-        """One loop iteration (commits one step); returns the outputs of advanced requests
-        (only of finished ones with ``finished_only``: no per-step copies for batch use)."""
-        touched = self.loop.step()
-        touched |= {rid for rid, g in self.outputs.groups.items() if g.finished}
+    def step(self) -> list[RequestOutput]:
+        """One loop iteration (commits one step); returns the outputs of advanced requests,
+        each shaped by its ``output_kind`` ("final" ones only once they end)."""
+        return self.take_outputs(self.loop.step())
+
+    def take_outputs(self, touched: set[str]) -> list[RequestOutput]:
+        """The outputs due after a step that advanced the groups ``touched``; forgets the
+        groups that finished."""
+        touched = touched | {rid for rid, g in self.outputs.groups.items() if g.finished}
         outputs = []
         for rid in [r for r in self.outputs.groups if r in touched]:
             group = self.outputs.groups[rid]
-            if finished_only and not group.finished:
+            if group.output_kind == "final" and not group.finished:
                 continue
-            outputs.append(group.output(delta))
+            outputs.append(group.output())
             if group.finished:
                 self.outputs.pop_finished(rid)
                 if self.grammars:

@@ -45,22 +45,31 @@ class CompletionState:
         self.text = self.text[:cut]
         return stop
 
-    def output(self, delta: bool) -> CompletionOutput:
+    def output(self) -> CompletionOutput:
+        """What is new since the previous output, and (unless the kind is "delta") the whole
+        text and tokens so far: copying those is O(length) per output."""
         visible = len(self.text) if self.finish_reason else len(self.text) - self.hold_back
         visible = max(visible, self.emitted_chars)
-        out = CompletionOutput(
+        delta_text = self.text[self.emitted_chars : visible]
+        delta_ids = self.token_ids[self.emitted_tokens :]
+        logprobs = self.logprobs
+        if self.params.output_kind == "delta":
+            text, token_ids = delta_text, delta_ids
+            logprobs = None if logprobs is None else logprobs[self.emitted_tokens :]
+        else:
+            text, token_ids = self.text[:visible], list(self.token_ids)
+            logprobs = None if logprobs is None else list(logprobs)
+        self.emitted_chars, self.emitted_tokens = visible, len(self.token_ids)
+        return CompletionOutput(
             index=self.index,
-            text=self.text[:visible],
-            token_ids=list(self.token_ids),
+            text=text,
+            token_ids=token_ids,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
-            logprobs=self.logprobs,
+            logprobs=logprobs,
+            delta_text=delta_text,
+            delta_token_ids=delta_ids,
         )
-        if delta:
-            out.delta_text = self.text[self.emitted_chars : visible]
-            out.delta_token_ids = self.token_ids[self.emitted_tokens :]
-            self.emitted_chars, self.emitted_tokens = visible, len(self.token_ids)
-        return out
 
 
 @dataclass
@@ -75,12 +84,16 @@ class RequestGroup:
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.completions)
 
-    def output(self, delta: bool) -> RequestOutput:
+    @property
+    def output_kind(self) -> str:
+        return self.completions[0].params.output_kind
+
+    def output(self) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[c.output(delta) for c in self.completions],
+            outputs=[c.output() for c in self.completions],
             finished=self.finished,
             num_cached_tokens=self.children[0].num_cached_tokens,
         )

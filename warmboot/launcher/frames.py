@@ -15,7 +15,7 @@ from typing import BinaryIO
 
 import msgpack
 
-from warmboot.outputs import CompletionOutput, Logprob, RequestOutput
+from warmboot.outputs import CompletionOutput, Logprob, OutputFolder, RequestOutput
 from warmboot.sampling_params import SamplingParams, StructuredOutputs
 
 MAX_FRAME_BYTES = 256 << 20
@@ -81,7 +81,7 @@ def params_from_wire(data: dict) -> SamplingParams:
 
 
 def output_to_wire(out: RequestOutput) -> dict:
-    """Only what is new since the previous output (``delta=True`` outputs): a long stream
+    """Only what is new since the previous output (any ``output_kind``): a long stream
     costs O(tokens) on the wire, not O(tokens^2)."""
     completions = []
     for c in out.outputs:
@@ -106,42 +106,49 @@ def output_to_wire(out: RequestOutput) -> dict:
 
 
 class OutputAccumulator:
-    """Rebuilds cumulative ``RequestOutput``s (with deltas) from ``output_to_wire`` maps."""
+    """Turns ``output_to_wire`` maps back into ``RequestOutput``s of the request's kind:
+    deltas as they are, cumulative ones folded (the only O(length) copy per output)."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int]):
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        output_kind: str = "cumulative",
+    ):
         self.request_id, self.prompt, self.prompt_token_ids = request_id, prompt, prompt_token_ids
-        self._text: dict[int, str] = {}
-        self._ids: dict[int, list[int]] = {}
-        self._logprobs: dict[int, list[dict[int, Logprob]] | None] = {}
+        self.output_kind = output_kind
+        self._folder = OutputFolder()
 
     def add(self, data: dict) -> RequestOutput:
-        outputs = []
-        for c in data["c"]:
-            i = c["index"]
-            self._text[i] = self._text.get(i, "") + c["delta_text"]
-            self._ids.setdefault(i, []).extend(c["delta_token_ids"])
-            if c["logprobs"] is not None:
-                steps = [
-                    {int(t): Logprob(v[0], v[1]) for t, v in step.items()} for step in c["logprobs"]
-                ]
-                self._logprobs.setdefault(i, []).extend(steps)
-            outputs.append(
-                CompletionOutput(
-                    index=i,
-                    text=self._text[i],
-                    token_ids=list(self._ids[i]),
-                    finish_reason=c["finish_reason"],
-                    stop_reason=c["stop_reason"],
-                    logprobs=self._logprobs.get(i),
-                    delta_text=c["delta_text"],
-                    delta_token_ids=list(c["delta_token_ids"]),
-                )
-            )
-        return RequestOutput(
+        delta = RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=outputs,
+            outputs=[_completion_from_wire(c) for c in data["c"]],
             finished=data["finished"],
             num_cached_tokens=data["num_cached_tokens"],
         )
+        if self.output_kind == "delta":
+            return delta
+        self._folder.add(delta)
+        return self._folder.cumulative()
+
+
+def _completion_from_wire(c: dict) -> CompletionOutput:
+    logprobs = None
+    if c["logprobs"] is not None:
+        logprobs = [
+            {int(t): Logprob(v[0], v[1]) for t, v in step.items()} for step in c["logprobs"]
+        ]
+    ids = list(c["delta_token_ids"])
+    return CompletionOutput(
+        index=c["index"],
+        text=c["delta_text"],
+        token_ids=ids,
+        finish_reason=c["finish_reason"],
+        stop_reason=c["stop_reason"],
+        logprobs=logprobs,
+        delta_text=c["delta_text"],
+        delta_token_ids=ids,
+    )

@@ -169,7 +169,7 @@ class RemoteLLM:
                 self._deliver_output(frame)
             elif kind == "added":
                 self._acc[frame["id"]] = OutputAccumulator(
-                    frame["id"], frame["prompt"], frame["prompt_token_ids"]
+                    frame["id"], frame["prompt"], frame["prompt_token_ids"], frame["output_kind"]
                 )
                 self._settle(frame["id"], frame)
             elif kind == "rejected":

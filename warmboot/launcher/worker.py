@@ -19,6 +19,7 @@ import queue
 import sys
 import threading
 import time
+from dataclasses import replace
 
 from warmboot.engine.errors import InvalidRequestError
 from warmboot.launcher.frames import (
@@ -56,7 +57,7 @@ class Worker:
             if not self._drain(block=idle):
                 return
             if self.engine.has_unfinished_requests():
-                for out in self.engine.step(delta=True):
+                for out in self.engine.step():
                     self.writer.send({"t": "out", "id": out.request_id, **output_to_wire(out)})
                 self._send_stats(force=not self.engine.has_unfinished_requests())
 
@@ -76,11 +77,14 @@ class Worker:
         try:
             params = params_from_wire(f["params"])
             text, ids = self.engine.validate(f["prompt"], params)
-            self.engine.add_request(f["id"], {"prompt": text, "prompt_token_ids": ids}, params)
+            self.engine.add_request(
+                f["id"], {"prompt": text, "prompt_token_ids": ids}, _wired(params)
+            )
         except (InvalidRequestError, ValueError, TypeError) as e:
             self.writer.send({"t": "rejected", "id": f["id"], "message": str(e)})
             return
-        self.writer.send({"t": "added", "id": f["id"], "prompt": text, "prompt_token_ids": ids})
+        added = {"t": "added", "id": f["id"], "prompt": text, "prompt_token_ids": ids}
+        self.writer.send({**added, "output_kind": params.output_kind})
 
     def _on_abort(self, f: dict) -> None:
         self.engine.abort_request(f["id"])
@@ -141,6 +145,14 @@ class Worker:
         if force or now - self._last_stats >= STATS_INTERVAL_S:
             self._last_stats = now
             self.writer.send({"t": "stats", "stats": self.engine.stats()})
+
+
+def _wired(params):
+    """Only deltas cross the pipe (the launcher folds them back): a cumulative request runs
+    as a delta one here, so the worker never copies a whole output per step."""
+    if params.output_kind != "cumulative":
+        return params
+    return replace(params, output_kind="delta")
 
 
 def _trim_heap() -> None:

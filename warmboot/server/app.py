@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from warmboot.engine.client import RequestStream
 from warmboot.engine.errors import EngineDeadError, InvalidRequestError
-from warmboot.outputs import RequestOutput
+from warmboot.outputs import OutputFolder, RequestOutput
 from warmboot.sampling_params import SamplingParams
 from warmboot.server import responses as R
 from warmboot.server.engine_holder import EngineHolder, EngineNotReady
@@ -280,7 +280,7 @@ class _Api:
     async def _completion_chunks(self, meta, streams, echo, include_usage) -> AsyncIterator[dict]:
         finals: dict[int, RequestOutput] = {}
         sent = _SentChoices()
-        async for p, out in self._merge(streams):
+        async for p, out in self._merge(streams, finals):
             for c in out.outputs:
                 if not sent.pending(meta, p, c):
                     continue
@@ -289,8 +289,6 @@ class _Api:
                 chunk = R.completion_chunk(meta, p, c, prefix, offset)
                 sent.record(p, c, chunk["choices"][0]["logprobs"], offset)
                 yield chunk
-            if out.finished:
-                finals[p] = out
         if include_usage:
             yield R.usage_chunk(meta, "text_completion", [finals[p] for p in sorted(finals)])
 
@@ -310,27 +308,28 @@ class _Api:
     async def _chat_chunks(self, meta, stream, n: int, include_usage) -> AsyncIterator[dict]:
         for i in range(n):
             yield R.chat_chunk(meta, i, {"role": "assistant", "content": ""}, None)
-        final, sent = None, _SentChoices()
-        async for _, out in self._merge([stream]):
+        finals: dict[int, RequestOutput] = {}
+        sent = _SentChoices()
+        async for _, out in self._merge([stream], finals):
             for c in out.outputs:
                 if sent.pending(meta, 0, c):
                     delta = {"content": c.delta_text} if c.delta_text or not c.finished else {}
                     chunk = R.chat_chunk(meta, c.index, delta, c)
                     sent.record(p=0, c=c, logprobs=None, offset=0)
                     yield chunk
-            if out.finished:
-                final = out
-        if include_usage and final is not None:
-            yield R.usage_chunk(meta, "chat.completion.chunk", [final])
+        if include_usage and finals:
+            yield R.usage_chunk(meta, "chat.completion.chunk", [finals[0]])
 
     # -- shared --------------------------------------------------------------------------------
     async def _finals(self, streams: list[RequestStream]) -> list[RequestOutput]:
         async def last(stream: RequestStream) -> RequestOutput:
-            timing, out = R.Timing(self.metrics), None
+            timing, folder = R.Timing(self.metrics), OutputFolder()
             async for out in stream:
                 timing.observe(out)
-            timing.finish(out)
-            return out
+                folder.add(out)
+            final = folder.cumulative()
+            timing.finish(final)
+            return final
 
         tasks = [asyncio.ensure_future(last(s)) for s in streams]
         try:
@@ -340,17 +339,20 @@ class _Api:
                 task.cancel()
             self._abort(streams)
 
-    async def _merge(self, streams: list[RequestStream]):
-        """Yield (prompt index, output) from several streams as they arrive."""
+    async def _merge(self, streams: list[RequestStream], finals: dict[int, RequestOutput]):
+        """Yield (prompt index, delta output) from several streams as they arrive; each
+        stream's whole output goes into ``finals`` when it ends."""
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(p: int, stream: RequestStream) -> None:
-            timing = R.Timing(self.metrics)
+            timing, folder = R.Timing(self.metrics), OutputFolder()
             try:
                 async for out in stream:
                     timing.observe(out)
+                    folder.add(out)
                     if out.finished:
-                        timing.finish(out)
+                        finals[p] = folder.cumulative()
+                        timing.finish(finals[p])
                     await merged.put((p, out))
             except Exception as e:  # noqa: BLE001 - re-raised in the consumer
                 await merged.put((p, e))

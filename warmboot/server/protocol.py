@@ -116,6 +116,7 @@ class _SamplingRequest(_Model):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             structured_outputs=structured,
+            output_kind="delta",  # NOTE: the server folds deltas itself (O(tokens) a request)
             **extras,
         )
 
