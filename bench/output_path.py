@@ -47,7 +47,8 @@ def make_engine(max_len: int):
         max_position_embeddings=max_len + 16,
     )  # fmt: skip
     train_tokenizer(model, VOCAB)
-    llm = LLM(str(model), max_model_len=max_len + 16, max_num_seqs=BATCH, num_kv_blocks=64)
+    blocks = (max_len + 16) // 16 + 1
+    llm = LLM(str(model), max_model_len=max_len + 16, max_num_seqs=BATCH, num_kv_blocks=blocks)
     return llm.engine
 
 
