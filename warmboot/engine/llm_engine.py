@@ -423,7 +423,7 @@ class LLMEngine:
     def take_outputs(self, touched: set[str]) -> list[RequestOutput]:
         """The outputs due after a step that advanced the groups ``touched``; forgets the
         groups that finished."""
-        touched = touched | {rid for rid, g in self.outputs.groups.items() if g.finished}
+        touched = touched | self.outputs.finished
         outputs = []
         for rid in [r for r in self.outputs.groups if r in touched]:
             group = self.outputs.groups[rid]

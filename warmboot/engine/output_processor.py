@@ -24,11 +24,11 @@ class CompletionState:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    hold_back: int = field(init=False)
+    """Characters kept back while running: they might start a stop string."""
 
-    @property
-    def hold_back(self) -> int:
-        """Characters kept back while running: they might start a stop string."""
-        return max((len(s) for s in self.params.stop), default=1) - 1
+    def __post_init__(self) -> None:
+        self.hold_back = max((len(s) for s in self.params.stop), default=1) - 1
 
     def add_text(self, piece: str) -> str | None:
         """Append detokenized text; return the stop string that ended it, if any."""
@@ -36,7 +36,7 @@ class CompletionState:
             return None
         search_from = max(0, len(self.text) - self.hold_back)
         self.text += piece
-        if len(self.token_ids) < self.params.min_tokens:
+        if not self.params.stop or len(self.token_ids) < self.params.min_tokens:
             return None
         found = [(i, s) for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
         if not found:
@@ -79,10 +79,14 @@ class RequestGroup:
     prompt_token_ids: list[int]
     completions: list[CompletionState]
     children: list[Request]
+    unfinished: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.unfinished = sum(c.finish_reason is None for c in self.completions)
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.completions)
+        return self.unfinished == 0
 
     @property
     def output_kind(self) -> str:
@@ -103,6 +107,8 @@ class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.groups: dict[str, RequestGroup] = {}
+        self.finished: set[str] = set()
+        """Ids of the groups whose every completion has ended (until ``pop_finished``)."""
         self._child: dict[str, tuple[RequestGroup, CompletionState]] = {}
 
     def add(self, group: RequestGroup) -> None:
@@ -125,7 +131,14 @@ class OutputProcessor:
                 continue
             if self._apply(ev, state):
                 stopped.append(ev.request.request_id)
+            if state.finish_reason is not None:
+                self._ended(group)
         return touched, stopped
+
+    def _ended(self, group: RequestGroup) -> None:
+        group.unfinished -= 1
+        if not group.unfinished:
+            self.finished.add(group.request_id)
 
     def _apply(self, ev: TokenEvent, state: CompletionState) -> bool:
         req = ev.request
@@ -162,8 +175,10 @@ class OutputProcessor:
         for state in group.completions:
             if state.finish_reason is None:
                 state.finish_reason = FinishReason.ABORT.value
+                self._ended(group)
 
     def pop_finished(self, request_id: str) -> None:
         group = self.groups.pop(request_id)
+        self.finished.discard(request_id)
         for child in group.children:
             del self._child[child.request_id]
