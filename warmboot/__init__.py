@@ -15,6 +15,7 @@ _EXPORTS = {
     "RequestOutput": "warmboot.outputs",
     "CompletionOutput": "warmboot.outputs",
     "Logprob": "warmboot.outputs",
+    "OutputFolder": "warmboot.outputs",
 }
 __all__ = [*_EXPORTS, "__version__"]
 
