@@ -155,6 +155,35 @@ def test_remote_output_kinds(worker, hf):
     assert final.outputs[0].logprobs == cumulative[-1].outputs[0].logprobs
 
 
+def test_remote_concurrent_requests_share_step_frames(worker, hf):
+    """A step's outputs cross the pipe as one frame; each stream still gets its own."""
+    client, _, _ = worker
+    prompts = [[5, 17, 33, 2, 9], [7, 7, 1], [40, 3, 8, 12], [11]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, output_kind="delta")
+    frames = []
+    deliver = client._deliver_outputs
+
+    def spy(items):
+        frames.append(len(items))
+        deliver(items)
+
+    client._deliver_outputs = spy
+    try:
+
+        async def main():
+            jobs = [_run(client, {"prompt_token_ids": p}, params) for p in prompts]
+            return await asyncio.gather(*jobs)
+
+        results = asyncio.run(main())
+    finally:
+        del client._deliver_outputs
+    for p, outs in zip(prompts, results, strict=True):
+        assert [t for o in outs for t in o.outputs[0].token_ids] == hf_greedy(hf, p, 6)
+        assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    assert sum(frames) == sum(len(outs) for outs in results)
+    assert max(frames) == len(prompts), "steps with all four running share one frame"
+
+
 def test_remote_rejects_bad_requests_and_aborts(worker):
     client, _, _ = worker
 

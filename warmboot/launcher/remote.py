@@ -165,8 +165,8 @@ class RemoteLLM:
     def _dispatch(self) -> None:
         while (frame := self.channel.frames.get()) is not None:
             kind = frame["t"]
-            if kind == "out":
-                self._deliver_output(frame)
+            if kind == "outs":
+                self._deliver_outputs(frame["items"])
             elif kind == "added":
                 self._acc[frame["id"]] = OutputAccumulator(
                     frame["id"], frame["prompt"], frame["prompt_token_ids"], frame["output_kind"]
@@ -186,16 +186,21 @@ class RemoteLLM:
                 log.warning("worker said %s", frame)
         self._fail_all(self._dead or "the worker exited")
 
-    def _deliver_output(self, frame: dict) -> None:
-        rid = frame["id"]
-        acc, entry = self._acc.get(rid), self._streams.get(rid)
-        if acc is None or entry is None:
-            return  # aborted on our side: drop late outputs
-        out = acc.add(frame)
-        if out.finished:
-            self._acc.pop(rid, None)
-            self._streams.pop(rid, None)
-        _call(entry[0], entry[1].put_nowait, out)
+    def _deliver_outputs(self, items: list[dict]) -> None:
+        """One step's outputs: one wake-up per event loop, not one per output."""
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        for item in items:
+            rid = item["id"]
+            acc, entry = self._acc.get(rid), self._streams.get(rid)
+            if acc is None or entry is None:
+                continue  # aborted on our side: drop late outputs
+            out = acc.add(item)
+            if out.finished:
+                self._acc.pop(rid, None)
+                self._streams.pop(rid, None)
+            batches.setdefault(entry[0], []).append((entry[1], out))
+        for loop, batch in batches.items():
+            _call(loop, _put_all, batch)
 
     def _settle(self, rid: str, value) -> None:
         entry = self._pending.pop(rid, None)
@@ -221,6 +226,11 @@ class RemoteLLM:
         for loop, q in list(self._streams.values()):
             _call(loop, q.put_nowait, error)
         self._streams.clear()
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for stream, item in batch:
+        stream.put_nowait(item)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:

@@ -57,8 +57,10 @@ class Worker:
             if not self._drain(block=idle):
                 return
             if self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    self.writer.send({"t": "out", "id": out.request_id, **output_to_wire(out)})
+                outs = self.engine.step()
+                if outs:  # one frame a step: under gVisor each write is a costly syscall
+                    items = [{"id": o.request_id, **output_to_wire(o)} for o in outs]
+                    self.writer.send({"t": "outs", "items": items})
                 self._send_stats(force=not self.engine.has_unfinished_requests())
 
     def _drain(self, block: bool) -> bool:
