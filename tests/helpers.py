@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import threading
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def random_prompts(lengths, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -48,3 +51,77 @@ def stop_window(text: str, start: int, size: int) -> tuple[int, str]:
         if all(c.isascii() and c.isprintable() for c in s) and text.find(s) == i:
             return i, s
     raise AssertionError(f"precondition: no {size}-char ASCII window in {text!r}")
+
+
+# NOTE: aten ops that read device data on the host (a sync, refused inside a CUDA-graph
+# capture) or whose output shape depends on the data.
+CAPTURE_BREAKING_OPS = frozenset(
+    {
+        "item",  # .item(), int(t), bool(t), float(t) (under inference_mode)
+        "_local_scalar_dense",  # the same, elsewhere
+        "nonzero",
+        "masked_select",
+        "_unique",
+        "_unique2",
+        "unique_dim",
+        "unique_consecutive",
+        "bincount",
+        "histc",
+        "equal",
+        "is_nonzero",
+    }
+)
+
+
+class CaptureGuard(TorchDispatchMode):
+    """Records the aten ops run inside it that would break a CUDA-graph capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.hits: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops += 1
+        name = func.overloadpacket.__name__
+        if name in CAPTURE_BREAKING_OPS:
+            self.hits.append(str(func))
+        elif name == "repeat_interleave" and kwargs.get("output_size") is None:
+            self.hits.append(f"{func} without output_size")
+        elif name in ("index", "index_put", "index_put_") and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None
+        ):
+            self.hits.append(f"{func} with a boolean mask")
+        return func(*args, **kwargs)
+
+
+def guard_captured_region(monkeypatch) -> CaptureGuard:
+    """Run every (emulated) decode-graph forward under one ``CaptureGuard``; ``tolist`` and
+    ``numpy`` (host reads that bypass the dispatcher) count as hits there too."""
+    from warmboot.engine.graphs import DecodeGraphs
+
+    guard, run, inside = CaptureGuard(), DecodeGraphs._run_eager, threading.local()
+
+    def guarded(self, batch):
+        inside.yes = True  # NOTE: per thread: the host thread works on while the forward runs
+        try:
+            with guard:
+                return run(self, batch)
+        finally:
+            inside.yes = False
+
+    def host_read(name):
+        method = getattr(torch.Tensor, name)
+
+        def read(t, *args, **kw):
+            if getattr(inside, "yes", False):
+                guard.hits.append(f"Tensor.{name}")
+            return method(t, *args, **kw)
+
+        return read
+
+    monkeypatch.setattr(DecodeGraphs, "_run_eager", guarded)
+    for name in ("tolist", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, host_read(name))
+    return guard

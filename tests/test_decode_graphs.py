@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import example, given
 
-from tests.helpers import hf_greedy, random_prompts
+from tests.helpers import CaptureGuard, guard_captured_region, hf_greedy, random_prompts
 from tests.test_pipelined import (
     HEAVY,
     MAX_MODEL_LEN,
@@ -192,3 +192,27 @@ def test_a_smaller_kv_pool_leaves_no_stale_block_ids(path):
     prompts = [{"prompt_token_ids": p} for p in (long, short)]
     out = llm.generate(prompts, greedy(5, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in out] == [5, 5]
+
+
+def test_the_captured_forward_has_no_capture_breaking_ops(path, monkeypatch):
+    """What a graph captures (the torch backend's decode forward) never reads device data on
+    the host nor makes data-dependent shapes: on CUDA either breaks the capture."""
+    guard = guard_captured_region(monkeypatch)
+    llm = graph_llm(path, pipelined=True)
+    prompts = random_prompts([9, 4, 13], VOCAB_SIZE, seed=5)
+    llm.generate([{"prompt_token_ids": p} for p in prompts], greedy(5, ignore_eos=True))
+    assert llm.stats()["graph_steps"] >= 4 and guard.ops > 100
+    assert guard.hits == []
+
+
+def test_capture_guard_flags_host_reads():
+    t = torch.arange(6)
+    with CaptureGuard() as guard:
+        int(t[2])
+        with torch.inference_mode():
+            t[3].item()
+        t[t > 2]
+        torch.repeat_interleave(t, t)
+        torch.nonzero(t)
+        t[torch.tensor([1, 2])]  # an integer index is fine
+    assert len(guard.hits) == 5, guard.hits

@@ -10,7 +10,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # NOTE: before triton is first imported (j
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.helpers import assert_engine_clean, random_prompts  # noqa: E402
+from tests.helpers import assert_engine_clean, guard_captured_region, random_prompts  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE  # noqa: E402
 from warmboot import LLM, SamplingParams  # noqa: E402
 from warmboot.engine.llm_engine import _attention_backend  # noqa: E402
@@ -47,11 +47,15 @@ def test_greedy_matches_torch_backend(kind, tiny_model_dir):
     assert _greedy(path, "triton", prompts) == _greedy(path, "torch", prompts)
 
 
-def test_decode_graph_path_matches_torch_backend(tiny_model_dir):
+def test_decode_graph_path_matches_torch_backend(tiny_model_dir, monkeypatch):
+    """The graph path's tokens equal the torch backend's, and what a graph captures (the
+    Triton decode forward) has no op that would break a CUDA-graph capture."""
     path = tiny_model_dir("llama")
     prompts = random_prompts([13, 3, 6], VOCAB_SIZE, seed=12)  # 3 rows padded to 4
     expect = _greedy(path, "torch", prompts)
+    guard = guard_captured_region(monkeypatch)
     assert _greedy(path, "triton", prompts, graphs=True) == expect
+    assert guard.ops > 100 and guard.hits == []
 
 
 def test_backend_selection():
