@@ -217,3 +217,24 @@ def test_input_errors():
         flash_attn_varlen_func(q.int(), k, k, cu, cu, 4, 4)
     with pytest.raises(ValueError, match="head dim"):
         flash_attn_varlen_func(q, k[..., :32], k[..., :32], cu, cu, 4, 4)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_pretune_probe_is_the_engines_prefill(window):
+    """The start-up tuning's synthetic prefill (zero queries over the cache's first blocks)
+    is a well-formed engine prefill: each row averages V over exactly its visible keys."""
+    from warmboot.kernels.triton_backend import prefill_probe
+
+    g = _gen("probe", window or 0)
+    k_cache = torch.randn(7, 4, 2, 16, generator=g).half()
+    v_cache = torch.randn(7, 4, 2, 16, generator=g).half()
+    q_len, k_len = 6, 19
+    out = prefill_probe(k_cache, v_cache, 4, 0.25, window, q_len, k_len)
+    k, v = k_cache.flatten(0, 1)[:k_len], v_cache.flatten(0, 1)[:k_len]
+    left = -1 if window is None else window - 1
+    ref, _ = varlen_attention_ref(
+        torch.zeros(q_len, 4, 16, dtype=torch.float16), k, v, _cu([q_len]), _cu([k_len]),
+        0.25, True, (left, 0),
+    )  # fmt: skip
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err <= BOUND[torch.float16], err

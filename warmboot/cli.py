@@ -101,6 +101,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="with --snapshot-store: restore if possible but never publish",
     )
+    p.add_argument(
+        "--pretune-attention",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="tune the Triton prefill kernel for every sequence-length bucket at start-up "
+        "(CUDA); auto: only before publishing a snapshot, which then carries the results",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log start-up phases")
 
 
@@ -115,6 +122,7 @@ def _engine_kwargs(args, model: str) -> dict:
         cuda_graphs=False if args.enforce_eager else None,
         snapshot_store=args.snapshot_store,
         snapshot_publish=args.snapshot_publish,
+        pretune_attention={"auto": None, "on": True, "off": False}[args.pretune_attention],
     )
     if hasattr(args, "max_num_seqs"):
         kwargs["max_num_seqs"] = args.max_num_seqs

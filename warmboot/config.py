@@ -198,3 +198,7 @@ class EngineConfig:
     A snapshot matching the compatibility key is restored instead of loading the checkpoint."""
     snapshot_publish: bool = True
     """After a cold boot with a ``snapshot_store``, publish a snapshot for the next start."""
+    pretune_attention: bool | None = None
+    """Tune the Triton prefill kernel for every sequence-length bucket at start-up (CUDA), so
+    that no request waits for tuning or compiling; None: only before publishing a snapshot,
+    which then carries the results and the compiled kernels."""

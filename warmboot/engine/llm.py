@@ -36,6 +36,7 @@ class LLM:
         seed: int = 0,
         snapshot_store: str | None = None,
         snapshot_publish: bool = True,
+        pretune_attention: bool | None = None,
     ):
         config = EngineConfig(
             model=str(model),
@@ -57,6 +58,7 @@ class LLM:
             ),
             snapshot_store=None if snapshot_store is None else str(snapshot_store),
             snapshot_publish=snapshot_publish,
+            pretune_attention=pretune_attention,
         )
         self.engine = LLMEngine(config, max_model_len=max_model_len)
 

@@ -126,13 +126,21 @@ class LLMEngine:
                 self.runner.load_model(model_dir)
             with self._phase("warmup"):
                 canary = self._warmup()
+        publishing = bool(self.snapshot and not restored and config.snapshot_publish)
+        if wants_pretune(config.pretune_attention, device, attention.name, publishing):
+            with self._phase("autotune"):
+                sched = self.sched_config
+                shapes = self.runner.pretune_attention(
+                    sched.max_num_batched_tokens, sched.max_model_len
+                )
+            log.info("attention tuned for %d prefill shapes", shapes)
         self.graphs_note = "off"
         """CUDA graphs: on, off, emulated (CPU tests), or off with the capture's error."""
         if use_graphs:
             with self._phase("cuda_graphs"):
                 self._capture_graphs(required=bool(config.cuda_graphs))
         reason = self.snapshot.reason if self.snapshot else "no snapshot store configured"
-        if self.snapshot and not restored and config.snapshot_publish:
+        if publishing:
             with self._phase("snapshot_publish"):
                 facts = asdict(self.facts) | {"canary": canary}
                 self.snapshot.publish(self.runner.model, facts | {"cold_boot": self.startup_times})
@@ -553,6 +561,13 @@ def _resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.d
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; use auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+def wants_pretune(setting: bool | None, device: torch.device, backend: str, publishing: bool):
+    """Whether start-up tunes the prefill kernel for every shape (``pretune_attention``)."""
+    if device.type != "cuda" or backend != "triton":
+        return False
+    return publishing if setting is None else setting
 
 
 def _attention_backend(name: str, device: torch.device) -> AttentionBackend:

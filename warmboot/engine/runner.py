@@ -162,6 +162,14 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * cfg.num_layers * self.block_size * cfg.kv_size * elem
 
+    def pretune_attention(self, max_q: int, max_k: int) -> int:
+        """Tune the attention backend's prefill for every shape bucket (start-up, idle)."""
+        cfg = self.model_cfg
+        k_cache, v_cache = self.kv_caches[0]
+        windows = set(cfg.sliding_windows)
+        scale = cfg.head_dim**-0.5
+        return self.attention.pretune(k_cache, v_cache, cfg.num_heads, scale, windows, max_q, max_k)
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """``num_blocks`` for the block manager plus the scratch block."""
         cfg = self.model_cfg

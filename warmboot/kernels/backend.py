@@ -74,6 +74,20 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:  # (N, Hq, D)
         ...
 
+    def pretune(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        num_heads: int,
+        scale: float,
+        windows: set[int | None],
+        max_q: int,
+        max_k: int,
+    ) -> int:
+        """Measure launch configs for every prefill shape bucket before serving (a snapshot
+        then carries them); returns the number of shapes tuned. Nothing to tune here."""
+        return 0
+
 
 def write_kv(k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
     """Scatter the step's new K/V (N, Hkv, D) into the paged caches at ``meta.slot_mapping``."""

@@ -10,8 +10,10 @@ a decode step can be captured in a CUDA graph. On the CPU it runs in Triton's in
 from __future__ import annotations
 
 import torch
+import triton
 
 from warmboot.engine.device import upload
+from warmboot.kernels import tuning
 from warmboot.kernels.attention import flash_attn_varlen_func
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, write_kv
 from warmboot.kernels.decode import paged_decode_attention
@@ -23,8 +25,7 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
         write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
-        # Engine window w: keys (pos - w, pos]; flash-attn's left window counts pos - left.
-        window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        window = _window(sliding_window)
         nd = meta.num_decode_tokens
         if nd:
             paged_decode_attention(
@@ -55,6 +56,43 @@ class TritonAttentionBackend(AttentionBackend):
                 out=out[nd:],
             )
         return out
+
+    def pretune(self, k_cache, v_cache, num_heads, scale, windows, max_q, max_k) -> int:
+        if k_cache.device.type != "cuda" or tuning.interpreting():
+            return 0  # NOTE: the interpreter and the CPU use one fixed config
+        shapes = tuning.prefill_shapes(max_q, max_k)
+        for window in sorted(windows, key=lambda w: -1 if w is None else w):
+            for q_len, k_len in shapes:
+                prefill_probe(k_cache, v_cache, num_heads, scale, window, q_len, k_len)
+        torch.cuda.synchronize(k_cache.device)
+        return len(shapes) * len(windows)
+
+
+def prefill_probe(k_cache, v_cache, num_heads, scale, window, q_len, k_len) -> torch.Tensor:
+    """One sequence's causal prefill of ``q_len`` queries over the cache's first ``k_len``
+    keys (blocks 0, 1, ...), as the engine launches it: tunes that shape's bucket."""
+    dev, (_, bs, _, d) = k_cache.device, k_cache.shape
+    i32 = dict(dtype=torch.int32, device=dev)
+    q = torch.zeros(q_len, num_heads, d, dtype=k_cache.dtype, device=dev)
+    return flash_attn_varlen_func(
+        q,
+        k_cache,
+        v_cache,
+        torch.tensor([0, q_len], **i32),
+        None,
+        q_len,
+        k_len,
+        scale,
+        causal=True,
+        window_size=_window(window),
+        block_table=torch.arange(triton.cdiv(k_len, bs), **i32)[None],
+        seqused_k=torch.tensor([k_len], **i32),
+    )
+
+
+def _window(sliding_window: int | None) -> tuple[int, int]:
+    """Engine window w: keys (pos - w, pos]; flash-attn's left window counts pos - left."""
+    return (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
 
 
 def _prefill_inputs(meta: AttentionMetadata, device: torch.device):

@@ -136,3 +136,24 @@ def device_key(device: torch.device) -> str:
 def seqlen_bucket(n: int) -> int:
     """Tuning bucket of a sequence length: next power of two, 128 .. 16384."""
     return min(16384, max(128, triton.next_power_of_2(max(n, 1))))
+
+
+SEQLEN_BUCKETS = tuple(128 << i for i in range(8))
+"""Every value ``seqlen_bucket`` can return."""
+
+
+def prefill_shapes(max_q: int, max_k: int) -> list[tuple[int, int]]:
+    """One (query, key) length pair per (query bucket, key bucket) that a causal prefill
+    can meet with up to ``max_q`` new and ``max_k`` total tokens (queries <= keys): tuning
+    these ahead of traffic leaves nothing to tune (or compile) while serving."""
+    top_q = seqlen_bucket(min(max_q, max_k))
+    top_k = seqlen_bucket(max_k)
+    shapes = []
+    for bq in SEQLEN_BUCKETS:
+        if bq > top_q:
+            break
+        q_len = min(bq, max_q, max_k)
+        for bk in SEQLEN_BUCKETS:
+            if bq <= bk <= top_k:
+                shapes.append((q_len, max(q_len, min(bk, max_k))))
+    return shapes
