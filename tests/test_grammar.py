@@ -298,3 +298,34 @@ def test_no_transformers_import(tok_dir):
         "assert PreTrainedTokenizerFast.__module__.startswith('transformers.')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, timeout=120)
+
+
+def test_batched_fill_equals_per_row_fills(backend, tokenizer):
+    """``fill_bitmasks`` (one call, xgrammar's threads) writes exactly what per-row fills
+    write, for matchers in every state, at any rows; other rows stay untouched."""
+    cases = [
+        (StructuredOutputs(json=SCHEMA), '{"name": "'),
+        (StructuredOutputs(regex=REGEX), "ab"),
+        (StructuredOutputs(grammar=YES_NO), "yes"),  # complete: only EOS
+        (StructuredOutputs(grammar=YES_NO), None),  # terminated: only EOS
+        (StructuredOutputs(json_object=True), ""),
+    ]
+    matchers = []
+    for spec, prefix in cases:
+        m = backend.matcher(backend.compile(spec))
+        for t in tokenizer.encode(prefix if prefix is not None else "no"):
+            assert m.accept(t)
+        if prefix is None:
+            assert m.accept(EOS) and m.terminated
+        matchers.append(m)
+    rows = [6, 0, 3, 4, 1]
+    words = (backend.vocab_size + 31) // 32
+    batched = torch.full((8, words), 12345, dtype=torch.int32)
+    backend.fill_bitmasks(matchers, batched, rows)
+    one_by_one = torch.full((8, words), 12345, dtype=torch.int32)
+    for m, r in zip(matchers, rows, strict=True):
+        m.fill_bitmask(one_by_one, r)
+    assert torch.equal(batched, one_by_one)
+    assert (batched[[2, 5, 7]] == 12345).all()
+    assert allowed_ids(batched, 3, backend.vocab_size) == {EOS}
+    assert allowed_ids(batched, 4, backend.vocab_size) == {EOS}

@@ -44,13 +44,11 @@ class GrammarRequests:
 
         rows = handle.inputs.sample_rows if handle.inputs is not None else []
         live = [(i, self.matchers.get(s.req_id)) for i, s in enumerate(rows)]
-        live = [(i, m) for i, m in live if m is not None and not m.is_terminated()]
+        live = [(i, m) for i, m in live if m is not None and not m.terminated]
         if not live:
             return None
         mask = allocate_bitmask(len(rows), self.vocab_size)
-        mask.fill_(-1)
-        for i, matcher in live:
-            matcher.fill_bitmask(mask, i)
+        self.backend.fill_bitmasks([m for _, m in live], mask, [i for i, _ in live])
         return mask
 
     def accept(self, events: list[TokenEvent]) -> list[str]:
@@ -64,6 +62,6 @@ class GrammarRequests:
             rejected = [t for t in ev.new_token_ids if not matcher.accept(t)]
             if rejected:  # NOTE: cannot happen with the mask applied; end it, never crash
                 log.error("%s: token %s violates its grammar; ending the request", req_id, rejected)
-            if rejected or matcher.is_terminated():
+            if rejected or matcher.terminated:
                 ended.append(req_id)
         return ended
