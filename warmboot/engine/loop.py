@@ -1,11 +1,12 @@
 """The two engine loops over the same scheduler, runner and sampler.
 
 sync:       plan(t) -> forward(t) -> sample(t) -> wait -> commit(t)
-pipelined:  wait(t) -> commit(t) -> plan(t+2) -> sample(t+1) -> forward(t+2)
-            The device runs forward(t+1) while the host commits t and plans t+2; sample(t+1)
-            is enqueued after commit(t) ("forward now, sample later"), so penalty histories and
-            grammar masks see token t. A request that ends at t is finalized at once; its row in
-            t+1 is a zombie whose blocks and slot are held until t+1 retires.
+pipelined:  wait(t) -> commit(t) -> sample(t+1) -> plan(t+2) -> forward(t+2)
+            The device runs forward(t+1) while the host commits t; sample(t+1) is enqueued
+            right after commit(t) ("forward now, sample later"), so penalty histories and
+            grammar masks see token t, and t+2 is planned while it runs. A request that ends
+            at t is finalized at once; its row in t+1 is a zombie whose blocks and slot are
+            held until t+1 retires.
 """
 
 from __future__ import annotations
@@ -94,8 +95,8 @@ class PipelinedLoop:
             self.sampled = self.forwarded = None
             eng.meter.reset_clock()
             return touched
-        upcoming = eng.launch(eng.scheduler.schedule())  # host work while forward(t+1) runs
-        eng.launch_sample(self.forwarded)
+        eng.launch_sample(self.forwarded)  # as soon as commit(t) allows: masks, penalties
+        upcoming = eng.launch(eng.scheduler.schedule())  # host work while sample(t+1) runs
         eng.runner.submit_forward(upcoming)
         self.sampled, self.forwarded = self.forwarded, upcoming
         return touched
