@@ -151,3 +151,13 @@ def test_restore_timeout_and_missing_runsc_fall_back_in_process(published, fault
     assert answer == published[1]
     assert launch_mod.canary_matches([[1, -0.5]], [[1, -0.50001]])
     assert not launch_mod.canary_matches([[1, -0.5]], [[2, -0.5]])
+
+
+def test_a_sandboxed_worker_runs_one_torch_thread_unless_told(tmp_path):
+    """gVisor traps the futexes of torch's thread pool (docs/benchmarks/sandbox_threads.md)."""
+    cfg = LaunchConfig(engine={"model": str(tmp_path)}, work_dir=tmp_path / "work")
+    engine = json.loads(launch_mod.worker_spec(cfg).argv[-1])
+    assert engine == {"model": str(tmp_path), "cpu_threads": 1}
+    cfg = replace(cfg, engine={"model": str(tmp_path), "cpu_threads": 3})
+    assert json.loads(launch_mod.worker_spec(cfg).argv[-1])["cpu_threads"] == 3
+    assert cfg.engine == {"model": str(tmp_path), "cpu_threads": 3}  # not mutated

@@ -223,7 +223,7 @@ def worker_spec(cfg: LaunchConfig):
     if store and "://" not in str(store):  # the worker publishes tier A into a local store
         Path(store).mkdir(parents=True, exist_ok=True)
         binds.append(str(Path(store).resolve()))
-    argv = [sys.executable, "-m", "warmboot.launcher.worker", json.dumps(cfg.engine)]
+    argv = [sys.executable, "-m", "warmboot.launcher.worker", json.dumps(sandboxed(cfg.engine))]
     # NOTE: the scratch tmpfs (captured in the image) sits on a fixed, otherwise empty path:
     # a tmpfs over /tmp would hide models and stores that live there.
     scratch = Path(cfg.work_dir).resolve() / "scratch"
@@ -237,6 +237,16 @@ def worker_spec(cfg: LaunchConfig):
         writable_binds=tuple(binds),
         tmpfs=(str(scratch),),
     )
+
+
+def sandboxed(engine: dict) -> dict:
+    """Engine settings inside gVisor: one torch thread unless told otherwise. gVisor traps the
+    futexes torch's intra-op pool syncs with around every op: two threads decoded the demo
+    model 3.7x slower than one at batch 16, and one is as fast as natively
+    (docs/benchmarks/sandbox_threads.md)."""
+    if engine.get("cpu_threads") is not None:
+        return engine
+    return {**engine, "cpu_threads": 1}
 
 
 def process_key_fields(cfg: LaunchConfig, runsc_version: str, spec) -> dict[str, str]:
