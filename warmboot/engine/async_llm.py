@@ -16,7 +16,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
-from warmboot.engine.client import RequestStream
+from warmboot.engine.client import RequestStream, put_from_thread
 from warmboot.engine.errors import EngineDeadError, InvalidRequestError
 from warmboot.engine.llm_engine import LLMEngine, Prompt
 from warmboot.outputs import RequestOutput
@@ -124,8 +124,7 @@ class AsyncLLM:
                 if not self._drain(block):
                     return
                 if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
-                        self._deliver(out.request_id, out)
+                    self._deliver_step(self.engine.step())
         except BaseException as e:  # noqa: BLE001 - every waiting caller must hear about it
             log.exception("engine loop failed")
             self._error = e
@@ -172,6 +171,18 @@ class AsyncLLM:
             future.get_loop().call_soon_threadsafe(settle)
         except RuntimeError:  # the caller's loop is closed
             pass
+
+    def _deliver_step(self, outputs: list[RequestOutput]) -> None:
+        """One step's outputs: one wake-up per event loop, not one per output."""
+        items = []
+        for out in outputs:
+            entry = self._streams.get(out.request_id)
+            if entry is None:
+                continue
+            if out.finished:
+                del self._streams[out.request_id]
+            items.append((*entry, out))
+        put_from_thread(items)
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         entry = self._streams.get(request_id)

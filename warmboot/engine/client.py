@@ -61,6 +61,24 @@ class RequestStream:
             self._abort(self.request_id)
 
 
+def put_from_thread(items: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue, Any]]) -> None:
+    """From an engine or dispatcher thread, put each item on its stream's queue: one wake-up
+    per event loop for the whole batch (each wake-up is a write to that loop's self-pipe)."""
+    batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+    for loop, queue, item in items:
+        batches.setdefault(loop, []).append((queue, item))
+    for loop, batch in batches.items():
+        try:
+            loop.call_soon_threadsafe(_put_all, batch)
+        except RuntimeError:  # that event loop is closed: nobody is listening
+            pass
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for queue, item in batch:
+        queue.put_nowait(item)
+
+
 class EngineClient(Protocol):
     tokenizer: Tokenizer
     max_model_len: int

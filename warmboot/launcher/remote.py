@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
-from warmboot.engine.client import RequestStream
+from warmboot.engine.client import RequestStream, put_from_thread
 from warmboot.engine.errors import EngineDeadError, InvalidRequestError
 from warmboot.launcher.frames import FrameWriter, OutputAccumulator, params_to_wire, read_frame
 from warmboot.sampling_params import SamplingParams
@@ -188,7 +188,7 @@ class RemoteLLM:
 
     def _deliver_outputs(self, items: list[dict]) -> None:
         """One step's outputs: one wake-up per event loop, not one per output."""
-        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        ready = []
         for item in items:
             rid = item["id"]
             acc, entry = self._acc.get(rid), self._streams.get(rid)
@@ -198,9 +198,8 @@ class RemoteLLM:
             if out.finished:
                 self._acc.pop(rid, None)
                 self._streams.pop(rid, None)
-            batches.setdefault(entry[0], []).append((entry[1], out))
-        for loop, batch in batches.items():
-            _call(loop, _put_all, batch)
+            ready.append((*entry, out))
+        put_from_thread(ready)
 
     def _settle(self, rid: str, value) -> None:
         entry = self._pending.pop(rid, None)
@@ -226,11 +225,6 @@ class RemoteLLM:
         for loop, q in list(self._streams.values()):
             _call(loop, q.put_nowait, error)
         self._streams.clear()
-
-
-def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
-    for stream, item in batch:
-        stream.put_nowait(item)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
