@@ -8,22 +8,22 @@ here) sends ``STEPS`` steps of ``--batch`` typical delta outputs both ways, alte
 and reports ms per step of its own time; the parent drains the pipe as the launcher does.
 Writes ``docs/benchmarks/frame_batching.{json,md,png}``.
 
-Run from the repository root: ``python bench/frame_batching.py`` (as root for gVisor).
+Run from the repository root: ``python -m bench.frame_batching`` (as root for gVisor).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.common import pyplot, report_meta
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks"
@@ -122,28 +122,14 @@ def main() -> None:
 
 
 def write_report(args, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     args.out.mkdir(parents=True, exist_ok=True)
-    cpu = platform.processor() or platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{cpu}, {os.cpu_count()} cores",
-        "steps": STEPS,
-        "rounds": ROUNDS,
-    }
+    meta = report_meta(steps=STEPS, rounds=ROUNDS)
     (args.out / "frame_batching.json").write_text(json.dumps(meta | {"rows": rows}, indent=2))
     lines = [
         "# Worker output frames: one per request vs one per step",
         "",
-        f"{meta['date']}, {meta['machine']}. `python bench/frame_batching.py`: the worker's"
+        f"{meta['date']}, {meta['machine']}. `python -m bench.frame_batching`: the worker's"
         f" cost (ms of its engine thread per decode step) of sending a step's one-token delta"
         f" outputs on its stdout pipe, {STEPS} steps, median of {ROUNDS} alternating rounds."
         " gVisor: the same child inside `runsc` (ptrace platform), as a tier-P worker runs.",

@@ -6,13 +6,12 @@ current tree with an older revision (``--compare-rev``, checked out in a git wor
 the same run, alternating, median of ``--repeats``. Writes
 ``docs/benchmarks/host_overhead.{json,md,png}``.
 
-Run from the repository root: ``python bench/host_overhead.py --compare-rev REV``.
+Run from the repository root: ``python -m bench.host_overhead --compare-rev REV``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -110,32 +109,18 @@ def main() -> None:
 
 
 def write_report(args, names: list[str], rows: list[dict]) -> None:
-    import platform
+    # NOTE: imported here: a child runs this file against an older tree that may lack it
+    from bench.common import pyplot, report_meta
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     args.out.mkdir(parents=True, exist_ok=True)
-    cpu = platform.processor() or platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{cpu}, {os.cpu_count()} cores",
-        "batch": BATCH,
-        "new_tokens": NEW_TOKENS,
-        "repeats": args.repeats,
-    }
+    meta = report_meta(batch=BATCH, new_tokens=NEW_TOKENS, repeats=args.repeats)
     (args.out / "host_overhead.json").write_text(json.dumps(meta | {"rows": rows}, indent=2))
     head = "| context | " + " | ".join(f"{n} ms/step" for n in names) + " |"
     lines = [
         "# Host work per decode step",
         "",
-        f"{meta['date']}, {meta['machine']}. `python bench/host_overhead.py"
+        f"{meta['date']}, {meta['machine']}. `python -m bench.host_overhead"
         f" --compare-rev {names[0]}`: sync loop, batch {BATCH}, {NEW_TOKENS} new tokens, a"
         " one-layer model (the forward costs little); host ms per step = (wall - device busy)"
         f" / steps over steady decode, median of {args.repeats}, both trees alternating.",

@@ -9,22 +9,21 @@ token. This drives the real output path with one synthetic token per request per
 step around output lengths of 1k-8k tokens, for both kinds in the same run. Writes
 ``docs/benchmarks/output_path.{json,md,png}``.
 
-Run from the repository root: ``python bench/output_path.py``.
+Run from the repository root: ``python -m bench.output_path``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import random
 import tempfile
 import time
 from pathlib import Path
 
 import msgpack
+
+from bench.common import pyplot, report_meta
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks"
@@ -115,29 +114,14 @@ def main() -> None:
 
 
 def write_report(args, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     args.out.mkdir(parents=True, exist_ok=True)
-    cpu = platform.processor() or platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{cpu}, {os.cpu_count()} cores",
-        "batch": BATCH,
-        "window_steps": WINDOW,
-        "repeats": args.repeats,
-    }
+    meta = report_meta(batch=BATCH, window_steps=WINDOW, repeats=args.repeats)
     (args.out / "output_path.json").write_text(json.dumps(meta | {"rows": rows}, indent=2))
     lines = [
         "# Streaming output path: host ms per decode step",
         "",
-        f"{meta['date']}, {meta['machine']}. `python bench/output_path.py`: batch {BATCH}, one"
+        f"{meta['date']}, {meta['machine']}. `python -m bench.output_path`: batch {BATCH}, one"
         " synthetic token per request per step through the engine's output processor, then"
         " `output_to_wire`, msgpack and the launcher's `OutputAccumulator` (the worker path);"
         f" mean over the {WINDOW} steps up to each output length, median of {args.repeats},"

@@ -6,21 +6,21 @@ built-in demo model (greedy, 24 new tokens, after a warm-up) in a child process 
 inside ``runsc``, with 1 thread and with every core, at batch 1 and 16, and reports output
 tokens/s. Writes ``docs/benchmarks/sandbox_threads.{json,md,png}``.
 
-Run from the repository root, as root for gVisor: ``python bench/sandbox_threads.py``.
+Run from the repository root, as root for gVisor: ``python -m bench.sandbox_threads``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from bench.common import pyplot, report_meta
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks"
@@ -96,28 +96,14 @@ def main() -> None:
 
 
 def write_report(args, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     args.out.mkdir(parents=True, exist_ok=True)
-    cpu = platform.processor() or platform.machine()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{cpu}, {os.cpu_count()} cores",
-        "model": "warmboot-demo-135m, fp32",
-        "new_tokens": NEW_TOKENS,
-    }
+    meta = report_meta(model="warmboot-demo-135m, fp32", new_tokens=NEW_TOKENS)
     (args.out / "sandbox_threads.json").write_text(json.dumps(meta | {"rows": rows}, indent=2))
     lines = [
         "# Decode inside gVisor by torch thread count",
         "",
-        f"{meta['date']}, {meta['machine']}. `python bench/sandbox_threads.py`: the demo model"
+        f"{meta['date']}, {meta['machine']}. `python -m bench.sandbox_threads`: the demo model"
         f" (fp32, sync loop), greedy, {NEW_TOKENS} new tokens after a warm-up, in a child"
         " process natively and inside `runsc` (ptrace platform), one run each.",
         "",
