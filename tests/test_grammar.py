@@ -329,3 +329,59 @@ def test_batched_fill_equals_per_row_fills(backend, tokenizer):
     assert (batched[[2, 5, 7]] == 12345).all()
     assert allowed_ids(batched, 3, backend.vocab_size) == {EOS}
     assert allowed_ids(batched, 4, backend.vocab_size) == {EOS}
+
+
+def test_batched_accept_equals_one_by_one(backend, tokenizer):
+    """``accept_tokens`` (one call into xgrammar) gives the answers and states of accepting
+    token by token: allowed, disallowed, out of the vocabulary, EOS that terminates."""
+    specs = [StructuredOutputs(grammar=YES_NO), StructuredOutputs(regex=REGEX),
+             StructuredOutputs(json=SCHEMA), StructuredOutputs(grammar=YES_NO)]  # fmt: skip
+    prefixes = ["yes", "ab", '{"name": "', "n"]
+    streams = [
+        [EOS, tokenizer.encode("x")[0]],  # "yes" complete: EOS terminates, then nothing fits
+        [tokenizer.encode("c")[0], tokenizer.encode("9")[0]],
+        [10_000, tokenizer.encode("a")[0]],
+        [tokenizer.encode("o")[0], EOS],
+    ]
+
+    def matchers():
+        ms = [backend.matcher(backend.compile(s)) for s in specs]
+        for m, prefix in zip(ms, prefixes, strict=True):
+            for t in tokenizer.encode(prefix):
+                assert m.accept(t)
+        return ms
+
+    batched, single = matchers(), matchers()
+    for k in range(2):
+        got = backend.accept_tokens([(m, s[k]) for m, s in zip(batched, streams, strict=True)])
+        want = [m.accept(s[k]) for m, s in zip(single, streams, strict=True)]
+        assert got == want
+        assert [m.terminated for m in batched] == [m.terminated for m in single]
+    assert batched[0].terminated and batched[3].terminated and not batched[1].terminated
+    assert got[0] is False  # nothing after termination
+
+
+def test_requests_end_on_a_rejected_token_or_termination(tok_dir, tokenizer, caplog):
+    """The engine side: a token the grammar refuses (impossible with the mask applied) ends
+    its request with an error in the log; so does an accepted EOS; the others go on."""
+    from types import SimpleNamespace
+
+    from warmboot.engine.scheduler import TokenEvent
+    from warmboot.engine.structured import GrammarRequests
+
+    grammars = GrammarRequests(tok_dir / "tokenizer.json", TOK_VOCAB, (EOS,))
+    for rid, spec in (("bad", REGEX), ("done", None), ("fine", REGEX)):
+        grammars.add(
+            rid,
+            StructuredOutputs(grammar=YES_NO) if spec is None else StructuredOutputs(regex=spec),
+        )
+
+    def event(rid, text=None, token=None):
+        ids = tokenizer.encode(text) if text is not None else [token]
+        return TokenEvent(SimpleNamespace(request_id=rid), ids, [None] * len(ids), False)
+
+    assert grammars.accept([event("bad", "ab"), event("done", "yes"), event("fine", "ab")]) == []
+    ended = grammars.accept([event("bad", token=tokenizer.encode("7")[0]),
+                             event("done", token=EOS), event("fine", "c")])  # fmt: skip
+    assert ended == ["bad", "done"]
+    assert "bad: token" in caplog.text and "violates its grammar" in caplog.text

@@ -244,6 +244,26 @@ class GrammarBackend:
             self._batch = _xgr.BatchGrammarMatcher()
         self._batch.batch_fill_next_token_bitmask(live, bitmask, live_rows)
 
+    def accept_tokens(self, pairs: Sequence[tuple[GrammarMatcher, int]]) -> list[bool]:
+        """``matcher.accept(token)`` for each pair (distinct matchers), in one call into
+        xgrammar for those the checks here let through."""
+        admissible = [m.admissible(t) for m, t in pairs]
+        todo = [(m, int(t)) for (m, t), ok in zip(pairs, admissible, strict=True) if ok]
+        done = iter(())
+        if todo:
+            done = iter(
+                _xgr.BatchGrammarMatcher.batch_accept_token(
+                    [m._m for m, _ in todo], [t for _, t in todo]
+                )
+            )
+        accepted = []
+        for (matcher, token), ok in zip(pairs, admissible, strict=True):
+            took = bool(next(done)) if ok else False
+            if took and int(token) in matcher.stop_ids:
+                matcher.terminated = matcher._m.is_terminated()
+            accepted.append(took)
+        return accepted
+
 
 class GrammarMatcher:
     """The grammar state of one sequence."""
@@ -256,17 +276,19 @@ class GrammarMatcher:
         self.terminated = matcher.is_terminated()
         """True once the grammar is complete and an EOS token was accepted (kept here: each
         query of xgrammar's state is a call into C++)."""
+        self.stop_ids = frozenset(matcher.stop_token_ids)
+        """Only accepting one of these can terminate the matcher."""
 
     def accept(self, token_id: int) -> bool:
         """Advance by one token; ``False`` (state unchanged) if the grammar does not allow it."""
+        return self._backend.accept_tokens([(self, token_id)])[0]
+
+    def admissible(self, token_id: int) -> bool:
+        """Whether the token may be offered to xgrammar at all (in the vocabulary, not a
+        token the backend never allows, the matcher still running)."""
         token_id = int(token_id)
         b = self._backend
-        if not 0 <= token_id < b.vocab_size or token_id in self._never or self.terminated:
-            return False
-        accepted = self._m.accept_token(token_id)
-        if accepted:
-            self.terminated = self._m.is_terminated()
-        return accepted
+        return 0 <= token_id < b.vocab_size and token_id not in self._never and not self.terminated
 
     def is_terminated(self) -> bool:
         return self.terminated

@@ -52,16 +52,20 @@ class GrammarRequests:
         return mask
 
     def accept(self, events: list[TokenEvent]) -> list[str]:
-        """Advance the matchers by the committed tokens; return requests whose grammar ended."""
-        ended = []
+        """Advance the matchers by the committed tokens (one batched call per token position);
+        return the requests whose grammar ended."""
+        rows = []
         for ev in events:
-            req_id = ev.request.request_id
-            matcher = self.matchers.get(req_id)
-            if matcher is None or ev.finished:
-                continue
-            rejected = [t for t in ev.new_token_ids if not matcher.accept(t)]
-            if rejected:  # NOTE: cannot happen with the mask applied; end it, never crash
-                log.error("%s: token %s violates its grammar; ending the request", req_id, rejected)
-            if rejected or matcher.terminated:
-                ended.append(req_id)
-        return ended
+            matcher = self.matchers.get(ev.request.request_id)
+            if matcher is not None and not ev.finished:
+                rows.append((ev.request.request_id, matcher, list(ev.new_token_ids)))
+        rejected: dict[str, int] = {}
+        for k in range(max((len(ids) for _, _, ids in rows), default=0)):
+            batch = [(r, m, ids[k]) for r, m, ids in rows if len(ids) > k and r not in rejected]
+            took = self.backend.accept_tokens([(m, t) for _, m, t in batch])
+            rejected |= {
+                req_id: t for (req_id, _, t), ok in zip(batch, took, strict=True) if not ok
+            }
+        for req_id, token in rejected.items():  # NOTE: not with the mask applied; never crash
+            log.error("%s: token %s violates its grammar; ending the request", req_id, token)
+        return [r for r, m, _ in rows if r in rejected or m.terminated]
