@@ -46,8 +46,10 @@ def compile_kernel(
 ):
     """triton.compile for a CUDA target; args not named are i32 scalars. Pointers and
     ``stride_*`` args are marked 16-divisible, as a launch on real tensors specialises them
-    (without it the decode kernel spilled and loaded 4 bytes at a time)."""
+    (without it the decode kernel spilled and loaded 4 bytes at a time), except those the
+    kernel marks ``do_not_specialize``."""
     sig, attrs = {}, {}
+    fixed = set(fn.do_not_specialize)  # a launch does not specialise these either
     for i, name in enumerate(fn.arg_names):
         if name in constexprs:
             sig[name] = "constexpr"
@@ -55,7 +57,7 @@ def compile_kernel(
             sig[name] = pointers[name]
         else:
             sig[name] = "fp32" if name in floats else "i32"
-        if name in pointers or name.startswith("stride_"):
+        if (name in pointers or name.startswith("stride_")) and i not in fixed:
             attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     opts = {"num_warps": num_warps}

@@ -349,7 +349,9 @@ def _key_range(
     return lo, hi, full_lo, full_hi
 
 
-@triton.jit
+# NOTE: ints that change from launch to launch are not specialised (== 1, % 16): each new
+# class would be a new JIT compile, seconds of a request's first token after a restore.
+@triton.jit(do_not_specialize=["stride_bt", "stride_lh", "batch", "num_m_blocks"])
 def _fwd_kernel(
     Q,
     K,

@@ -63,7 +63,9 @@ def _keys(
     )  # fmt: skip
 
 
-@triton.jit
+# NOTE: the table width (eager steps), the split count and the partials' strides change from
+# step to step; specialising them (== 1, % 16) would JIT-compile new variants while serving.
+@triton.jit(do_not_specialize=["stride_bt", "stride_pt", "stride_ph", "num_splits", "query_len"])
 def _decode_kernel(
     Q, K, V, Out, OPart, LPart, BLOCK_TABLE, SEQ_LENS,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
@@ -141,7 +143,7 @@ def _decode_kernel(
         tl.store(LPart + base, lse2, mask=r_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt", "stride_ph", "num_splits"])
 def _combine_kernel(
     Out, OPart, LPart, stride_ot, stride_oh, stride_pt, stride_ph, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,

@@ -70,7 +70,8 @@ class TritonAttentionBackend(AttentionBackend):
 
 def prefill_probe(k_cache, v_cache, num_heads, scale, window, q_len, k_len) -> torch.Tensor:
     """One sequence's causal prefill of ``q_len`` queries over the cache's first ``k_len``
-    keys (blocks 0, 1, ...), as the engine launches it: tunes that shape's bucket."""
+    keys (blocks 0, 1, ...), with the argument dtypes of the engine's launches (an int64
+    table, int32 lengths: a different dtype would be another compiled variant)."""
     dev, (_, bs, _, d) = k_cache.device, k_cache.shape
     i32 = dict(dtype=torch.int32, device=dev)
     q = torch.zeros(q_len, num_heads, d, dtype=k_cache.dtype, device=dev)
@@ -85,7 +86,7 @@ def prefill_probe(k_cache, v_cache, num_heads, scale, window, q_len, k_len) -> t
         scale,
         causal=True,
         window_size=_window(window),
-        block_table=torch.arange(triton.cdiv(k_len, bs), **i32)[None],
+        block_table=torch.arange(triton.cdiv(k_len, bs), dtype=torch.int64, device=dev)[None],
         seqused_k=torch.tensor([k_len], **i32),
     )
 
