@@ -242,10 +242,8 @@ class LLMEngine:
         tests: static buffers and padding without a capture). Idle engine only."""
         if self.has_unfinished_requests():
             raise RuntimeError("enable_decode_graphs needs an idle engine")
-        sched = self.sched_config
-        sizes = batch_sizes or default_batch_sizes(sched.max_num_seqs)
-        width = -(-sched.max_model_len // self.config.cache.block_size)
-        self.runner.setup_decode_graphs(sizes, width, emulate)
+        sizes = batch_sizes or default_batch_sizes(self.sched_config.max_num_seqs)
+        self.runner.setup_decode_graphs(sizes, emulate)
         self.graphs_note = "emulated" if emulate else "on"
 
     def _capture_graphs(self, required: bool) -> None:

@@ -199,11 +199,10 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def setup_decode_graphs(
-        self, batch_sizes: tuple[int, ...], width: int, emulate: bool = False
-    ) -> None:
-        """Capture decode steps as CUDA graphs (``emulate``: static buffers and padding only,
-        run eagerly; for CPU tests). Call again after the weights or the KV pool change."""
+    def setup_decode_graphs(self, batch_sizes: tuple[int, ...], emulate: bool = False) -> None:
+        """Capture decode steps as CUDA graphs, block tables as wide as ``max_model_len``
+        (``emulate``: static buffers and padding only, run eagerly; for CPU tests). Call again
+        after the weights or the KV pool change."""
         self.graphs = None  # NOTE: frees the old graphs' pool before capturing anew
         model, attention = self.model, self.attention
 
@@ -211,6 +210,7 @@ class ModelRunner:
             hidden = model(ids, positions, self.kv_caches, meta, attention)
             return model.compute_logits(hidden)
 
+        width = self._tables.shape[1]
         graphs = DecodeGraphs(
             forward, self.device, batch_sizes, width, self.block_size, self.scratch_block, emulate
         )
@@ -366,7 +366,8 @@ class ModelRunner:
             ids.extend(s.token_ids)
             last_index.append(len(ids) - 1)
         num_decodes = sum(1 for s in rows if s.num_tokens == 1)
-        graph_batch = self._graph_batch(rows, num_decodes)
+        width = max((len(s.block_table) for s in rows[:num_decodes]), default=0)
+        graph_batch = self._graph_batch(len(rows), num_decodes, width)
         pad = graph_batch - num_decodes if graph_batch else 0
         if pad:  # padding rows of a graph step: token 0 at the scratch slot, one key
             ids += [0] * pad
@@ -383,7 +384,7 @@ class ModelRunner:
         )
         if num_decodes:
             decodes = rows[:num_decodes]
-            meta.decode_block_tables = self._decode_tables(staging, decodes, pad)
+            meta.decode_block_tables = self._decode_tables(staging, decodes, pad, width)
             lens = [s.start_pos + 1 for s in decodes] + [1] * pad
             meta.decode_seq_lens = staging.put("seq_lens", lens)
         start = num_decodes
@@ -405,10 +406,10 @@ class ModelRunner:
         )
 
     def _decode_tables(
-        self, staging: Staging, decodes: list[ScheduledRequest], pad: int
+        self, staging: Staging, decodes: list[ScheduledRequest], pad: int, width: int
     ) -> torch.Tensor:
-        """(rows + pad, widest table) host tensor from the per-slot tables, after appending
-        each row's new blocks; padding rows point at the scratch block."""
+        """(rows + pad, ``width``: the widest table) host tensor from the per-slot tables,
+        after appending each row's new blocks; padding rows point at the scratch block."""
         tables = self._tables
         slots = []
         for s in decodes:
@@ -418,14 +419,14 @@ class ModelRunner:
                 tables[slot, known : len(s.block_table)] = s.block_table[known:]
                 self._table_len[s.req_id] = len(s.block_table)
             slots.append(slot)
-        width = max(len(s.block_table) for s in decodes)
         return staging.tables(tables, slots + [len(tables) - 1] * pad, width)
 
-    def _graph_batch(self, rows: list[ScheduledRequest], num_decodes: int) -> int | None:
-        """The graph bucket of a decode-only step, or None (eager)."""
-        if self.graphs is None or not rows or num_decodes != len(rows):
+    def _graph_batch(self, num_rows: int, num_decodes: int, width: int) -> int | None:
+        """The graph bucket of a decode-only step whose widest table is ``width``, or None
+        (eager)."""
+        if self.graphs is None or not num_rows or num_decodes != num_rows:
             return None
-        if max(len(s.block_table) for s in rows) > self.graphs.width:
+        if width > self.graphs.width:
             return None
         return self.graphs.bucket(num_decodes)
 
