@@ -32,3 +32,15 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def save_report(out: Path, name: str, meta: dict, rows: list, lines: list[str], fig) -> None:
+    """``out/name.{json,md,png}``: the raw rows with ``meta``, the table text, the figure."""
+    import json
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(meta | {"rows": rows}, indent=2))
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    fig.tight_layout()
+    fig.savefig(out / f"{name}.png", dpi=120)
+    print("\n".join(lines))

@@ -14,7 +14,6 @@ Run from the repository root: ``python -m bench.frame_batching`` (as root for gV
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -23,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import pyplot, report_meta
+from bench.common import pyplot, report_meta, save_report
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks"
@@ -123,9 +122,7 @@ def main() -> None:
 
 def write_report(args, rows: list[dict]) -> None:
     plt = pyplot()
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = report_meta(steps=STEPS, rounds=ROUNDS)
-    (args.out / "frame_batching.json").write_text(json.dumps(meta | {"rows": rows}, indent=2))
     lines = [
         "# Worker output frames: one per request vs one per step",
         "",
@@ -144,7 +141,6 @@ def write_report(args, rows: list[dict]) -> None:
                 continue
             a, b = ms["per_request"], ms["per_step"]
             lines.append(f"| {r['batch']} | {where} | {a:.3f} | {b:.3f} | {a / b:.1f}x |")
-    (args.out / "frame_batching.md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for where in ("native", "gvisor"):
         got = [r for r in rows if r[where] is not None]
@@ -158,9 +154,7 @@ def write_report(args, rows: list[dict]) -> None:
     ax.set_ylabel("worker ms per step to send outputs")
     ax.set_title(f"worker output frames, {meta['date']}")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.out / "frame_batching.png", dpi=120)
-    print("\n".join(lines))
+    save_report(args.out, "frame_batching", meta, rows, lines, fig)
 
 
 if __name__ == "__main__":

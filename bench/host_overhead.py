@@ -12,7 +12,6 @@ Run from the repository root: ``python -m bench.host_overhead --compare-rev REV`
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -110,12 +109,10 @@ def main() -> None:
 
 def write_report(args, names: list[str], rows: list[dict]) -> None:
     # NOTE: imported here: a child runs this file against an older tree that may lack it
-    from bench.common import pyplot, report_meta
+    from bench.common import pyplot, report_meta, save_report
 
     plt = pyplot()
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = report_meta(batch=BATCH, new_tokens=NEW_TOKENS, repeats=args.repeats)
-    (args.out / "host_overhead.json").write_text(json.dumps(meta | {"rows": rows}, indent=2))
     head = "| context | " + " | ".join(f"{n} ms/step" for n in names) + " |"
     lines = [
         "# Host work per decode step",
@@ -130,7 +127,6 @@ def write_report(args, names: list[str], rows: list[dict]) -> None:
     ]
     for r in rows:
         lines.append(f"| {r['context']} | " + " | ".join(f"{r[n]:.2f}" for n in names) + " |")
-    (args.out / "host_overhead.md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for n in names:
         ax.plot([r["context"] for r in rows], [r[n] for r in rows], marker="o", label=n)
@@ -139,9 +135,7 @@ def write_report(args, names: list[str], rows: list[dict]) -> None:
     ax.set_ylabel("host ms per decode step")
     ax.set_title(f"host work per step, {meta['date']}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out / "host_overhead.png", dpi=120)
-    print("\n".join(lines))
+    save_report(args.out, "host_overhead", meta, rows, lines, fig)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Run from the repository root: ``python -m bench.output_path``.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import tempfile
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 
 import msgpack
 
-from bench.common import pyplot, report_meta
+from bench.common import pyplot, report_meta, save_report
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks"
@@ -115,9 +114,7 @@ def main() -> None:
 
 def write_report(args, rows: list[dict]) -> None:
     plt = pyplot()
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = report_meta(batch=BATCH, window_steps=WINDOW, repeats=args.repeats)
-    (args.out / "output_path.json").write_text(json.dumps(meta | {"rows": rows}, indent=2))
     lines = [
         "# Streaming output path: host ms per decode step",
         "",
@@ -139,7 +136,6 @@ def write_report(args, rows: list[dict]) -> None:
             f"| {r['length']} | {c['engine_ms']:.2f} | {c['wire_ms']:.2f} | {d['engine_ms']:.2f}"
             f" | {d['wire_ms']:.2f} | {ratio:.2f}x |"
         )
-    (args.out / "output_path.md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(6, 3.5))
     for kind in KINDS:
         total = [r[kind]["engine_ms"] + r[kind]["wire_ms"] for r in rows]
@@ -149,9 +145,7 @@ def write_report(args, rows: list[dict]) -> None:
     ax.set_ylabel("host ms per step (engine + wire + launcher)")
     ax.set_title(f"streaming output path, {meta['date']}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out / "output_path.png", dpi=120)
-    print("\n".join(lines))
+    save_report(args.out, "output_path", meta, rows, lines, fig)
 
 
 if __name__ == "__main__":

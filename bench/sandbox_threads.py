@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import pyplot, report_meta
+from bench.common import pyplot, report_meta, save_report
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks"
@@ -97,9 +97,7 @@ def main() -> None:
 
 def write_report(args, rows: list[dict]) -> None:
     plt = pyplot()
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = report_meta(model="warmboot-demo-135m, fp32", new_tokens=NEW_TOKENS)
-    (args.out / "sandbox_threads.json").write_text(json.dumps(meta | {"rows": rows}, indent=2))
     lines = [
         "# Decode inside gVisor by torch thread count",
         "",
@@ -115,7 +113,6 @@ def write_report(args, rows: list[dict]) -> None:
         ratio = f"{gv / r['native']:.2f}" if gv else "-"
         gv_text = f"{gv:.1f}" if gv else "-"
         lines.append(f"| {r['batch']} | {r['threads']} | {r['native']:.1f} | {gv_text} | {ratio} |")
-    (args.out / "sandbox_threads.md").write_text("\n".join(lines) + "\n")
     fig, ax = plt.subplots(figsize=(6, 3.5))
     labels = [f"batch {r['batch']}\n{r['threads']} thr" for r in rows]
     xs = range(len(rows))
@@ -125,9 +122,7 @@ def write_report(args, rows: list[dict]) -> None:
     ax.set_ylabel("output tokens/s")
     ax.set_title(f"decode in gVisor by torch threads, {meta['date']}")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(args.out / "sandbox_threads.png", dpi=120)
-    print("\n".join(lines))
+    save_report(args.out, "sandbox_threads", meta, rows, lines, fig)
 
 
 if __name__ == "__main__":
