@@ -6,11 +6,13 @@ STAMP  := $(VENV)/.installed
 .PHONY: demo test lint bench clean runsc gpu-wheels
 
 $(STAMP): requirements.txt pyproject.toml
+	@free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); [ "$$free" -ge 3 ] \
+		|| { echo "error: the venv needs about 2.5 GiB of disk (3 GiB free to build it); $$free GiB free here" >&2; exit 1; }
 	test -x $(PY) || python3 -m venv $(VENV)
 	# requirements.txt is the complete pinned set: --no-deps stops pip from adding unpinned
 	# extras (xgrammar would pull triton, and an unpinned torch would be a CUDA build).
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps -r requirements.txt
-	$(PY) -m pip install -q --disable-pip-version-check --no-deps -e .
+	$(PY) -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps -r requirements.txt
+	$(PY) -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps -e .
 	touch $(STAMP)
 
 # gVisor for process snapshots: installed when missing and we are root with apt; otherwise the

@@ -249,7 +249,7 @@ def compile_times() -> dict:
     )
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/triton", WARMBOOT_CACHE_DIR=f"{tmp}/wb")
+        env = dict(os.environ, TRITON_CACHE_DIR=f"{tmp}/triton", WARMBOOT_CACHE=f"{tmp}/wb")
         env.pop("TRITON_INTERPRET", None)
         for label in ("cold", "cached"):  # the autotune JSON persists too: cached skips tuning
             p = subprocess.run(

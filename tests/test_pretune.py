@@ -64,7 +64,7 @@ def test_nothing_to_tune_off_the_gpu():
 def test_tuning_runs_before_the_publish(path, tmp_path, monkeypatch):
     """With tuning due (as on a GPU), start-up tunes every shape for the model's windows,
     then publishes: the snapshot carries what the tuning measured."""
-    monkeypatch.setenv("WARMBOOT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WARMBOOT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(tuning, "TUNER", tuning.Tuner())
     calls = []
 

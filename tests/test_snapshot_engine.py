@@ -195,7 +195,7 @@ def test_the_snapshot_carries_the_attention_autotune_results(path, tmp_path, mon
     adopted by a restore (which then skips their tuning); malformed ones are ignored."""
     from warmboot.kernels import tuning
 
-    monkeypatch.setenv("WARMBOOT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("WARMBOOT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(tuning, "TUNER", tuning.Tuner())
     measured = {"fwd|cuda:H200|d128": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8}}
     tuning.import_autotune_cache(measured, persist=False)

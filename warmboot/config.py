@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,13 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def cache_root() -> Path:
+    """Root of every cache warmboot keeps (demo models, snapshots, autotune results):
+    ``$WARMBOOT_CACHE`` or ``~/.cache/warmboot``."""
+    env = os.environ.get("WARMBOOT_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "warmboot"
 
 
 class ModelFilesError(FileNotFoundError):

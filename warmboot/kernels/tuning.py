@@ -1,7 +1,7 @@
 """Launch configurations for the attention kernels: a fixed one in the interpreter, measured
 ones on a GPU, persisted as JSON so a snapshot carries them.
 
-The cache file is ``$WARMBOOT_CACHE_DIR/autotune/attention.json`` (default
+The cache file is ``$WARMBOOT_CACHE/autotune/attention.json`` (default
 ``~/.cache/warmboot``): ``{key: config}``, where a key names the kernel, the device and the
 compile-time shape (head dim, dtype, mask flags, sequence-length bucket).
 ``export_autotune_cache()`` / ``import_autotune_cache()`` move it in and out of a tier-A
@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 import triton.testing
+
+from warmboot.config import cache_root
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +51,7 @@ def warp_specialize_supported(device: torch.device) -> bool:
 
 
 def autotune_cache_path() -> Path:
-    root = os.environ.get("WARMBOOT_CACHE_DIR") or Path.home() / ".cache" / "warmboot"
-    return Path(root) / "autotune" / "attention.json"
+    return cache_root() / "autotune" / "attention.json"
 
 
 class Tuner:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from warmboot.config import cache_root
+
 DEFAULT_MODEL_NAME = "warmboot-demo-135m"
 DEFAULT_SHAPE = dict(
     hidden_size=576,
@@ -42,12 +44,6 @@ REQUIRED_FILES = (
 _SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 _TMP_PREFIX = ".tmp-"
 _ROWS_PER_CHUNK = 4096
-
-
-def cache_root() -> Path:
-    """Root of warmboot's cache: ``$WARMBOOT_CACHE`` or ``~/.cache/warmboot``."""
-    env = os.environ.get("WARMBOOT_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "warmboot"
 
 
 def default_model_dir() -> Path:

@@ -333,7 +333,7 @@ def _s3_client(endpoint_url: str | None, region: str | None, pool: int):
 
 
 def default_store_dir() -> Path:
-    from warmboot.models.demo import cache_root
+    from warmboot.config import cache_root
 
     return cache_root() / "snapshots"
 
