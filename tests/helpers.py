@@ -41,6 +41,11 @@ def assert_engine_clean(llm) -> None:
     assert not engine.has_unfinished_requests()
     engine.block_manager.check_invariants()
     assert engine.block_manager.num_used_blocks == 0
+    # Per-request runner state (slot, generator, penalty histories) goes at the next step.
+    runner = engine.runner
+    live = set(runner._slots) | set(runner._generators) | set(runner._histories)
+    leaving = runner._parked | set(engine.scheduler._finished_since_step)
+    assert live <= leaving, f"runner state kept for requests that left: {live - leaving}"
 
 
 def stop_window(text: str, start: int, size: int) -> tuple[int, str]:

@@ -455,6 +455,15 @@ def test_penalties_match_hand_written_greedy(rep, presence, freq, llm, hf):
     assert_engine_clean(llm)
 
 
+def test_penalty_histories_leave_with_their_requests(llm):
+    """The runner's per-request history tensors go when the request's slot does."""
+    params = greedy(5, frequency_penalty=0.5, repetition_penalty=1.2)
+    for _ in range(3):
+        one(llm, {"prompt_token_ids": [5, 6, 7]}, params)
+    assert len(llm.engine.runner._histories) == 1  # the last request's: released next step
+    assert_engine_clean(llm)
+
+
 # -- 8. bad input --------------------------------------------------------------------------------
 def test_bad_requests_are_rejected_and_the_engine_keeps_serving(llm, hf):
     engine = llm.engine

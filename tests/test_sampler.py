@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from warmboot.engine.sampler import (
     Sampler,
     SamplingRow,
+    TokenHistory,
     apply_filters,
     apply_penalties,
     make_generator,
@@ -151,6 +152,91 @@ def test_penalties_skip_rows_without_them():
     got = apply_penalties(logits.clone(), rows)
     assert torch.equal(got[0], logits[0])
     assert got[1, 1] == logits[1, 1] - 2.0 and got[1, 2] == logits[1, 2] - 1.0
+
+
+def dense_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The dense (B, V) formula, op for op, that the sparse implementation must equal bitwise."""
+    x = logits.clone()
+    vocab = x.shape[1]
+    if not any(r.params.repetition_penalty != 1.0 for r in rows):
+        rep = None
+    else:
+        rep = torch.tensor([[r.params.repetition_penalty] for r in rows])
+    for i, r in enumerate(rows):
+        if not r.params.uses_penalties:
+            continue
+        counts = torch.zeros(vocab).index_add_(
+            0,
+            torch.as_tensor(r.output_token_ids, dtype=torch.int64),
+            torch.ones(len(r.output_token_ids)),
+        )
+        row = x[i]
+        if rep is not None:
+            seen = counts > 0
+            seen[torch.as_tensor(r.prompt_token_ids, dtype=torch.int64)] = True
+            row = torch.where(seen, torch.where(row > 0, row / rep[i], row * rep[i]), row)
+        p = r.params
+        x[i] = (
+            row
+            - torch.tensor(p.frequency_penalty) * counts
+            - torch.tensor(p.presence_penalty) * (counts > 0)
+        )
+    return x
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([1.0, 0.7, 1.3]),
+            st.sampled_from([0.0, 0.4, -1.1]),
+            st.sampled_from([0.0, 0.3, -0.6]),
+            st.lists(st.integers(0, 199), max_size=40),
+            st.lists(st.integers(0, 199), max_size=40),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(0, 2**31),
+    st.booleans(),
+)
+def test_sparse_penalties_equal_the_dense_formula_bitwise(specs, key, strided):
+    """Rows with and without penalties, repeated ids, histories as lists or tensors, a
+    non-contiguous logits view: the same float32 values as the dense formula, bit for bit."""
+    rows = []
+    for rep, presence, freq, prompt, output, as_tensor in specs:
+        p = SamplingParams(
+            temperature=0.0,
+            repetition_penalty=rep,
+            presence_penalty=presence,
+            frequency_penalty=freq,
+        )
+        if as_tensor:
+            prompt, output = TokenHistory().sync(prompt), TokenHistory().sync(output)
+        rows.append(SamplingRow(p, prompt, output, None))
+    g = make_generator(key)
+    logits = torch.randn(len(rows), 200, generator=g) * 4
+    want = dense_penalties(logits, rows)
+    if strided:
+        wide = torch.full((len(rows), 400), float("nan"))
+        wide[:, ::2] = logits
+        got = apply_penalties(wide[:, ::2], rows)
+        assert torch.isnan(wide[:, 1::2]).all(), "wrote outside the view"
+    else:
+        got = apply_penalties(logits.clone(), rows)
+    assert torch.equal(got, want)
+
+
+def test_token_history_mirrors_a_growing_list():
+    history, ids, views = TokenHistory(), [], []
+    for n in (0, 1, 63, 64, 65, 200, 200, 1000):
+        ids += list(range(len(ids), n))
+        view = history.sync(ids)
+        assert view.tolist() == ids and view.dtype == torch.int64
+        views.append((view, list(ids)))
+    for view, then in views:  # earlier views are never rewritten by later appends
+        assert view.tolist() == then
 
 
 # --- seeding --------------------------------------------------------------------------------

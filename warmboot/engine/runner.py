@@ -16,7 +16,13 @@ import torch
 from warmboot.config import ModelConfig
 from warmboot.engine.device import Event, make_stream
 from warmboot.engine.graphs import DecodeGraphs
-from warmboot.engine.sampler import Sampler, SamplerOutput, SamplingRow, make_generator
+from warmboot.engine.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    TokenHistory,
+    make_generator,
+)
 from warmboot.engine.scheduler import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, PrefillSeq
 from warmboot.models.decoder import DecoderModel
@@ -123,6 +129,8 @@ class ModelRunner:
         self.stream = make_stream(device, cpu_threads)
         weakref.finalize(self, self.stream.close)
         self._generators: dict[str, torch.Generator] = {}
+        self._histories: dict[str, tuple[TokenHistory, TokenHistory]] = {}
+        """Per penalised request: its prompt and output as host tensors."""
         self._buffers: list[StepHandle | None] = [None, None]
         self._step_count = 0
         self.token_buffer = torch.zeros(num_request_slots, dtype=torch.int64, device=device)
@@ -244,6 +252,7 @@ class ModelRunner:
             if req_id in self._finished:
                 self._finished.discard(req_id)
                 self._generators.pop(req_id, None)
+                self._histories.pop(req_id, None)
 
     # -- step ----------------------------------------------------------------------------------
     def prepare_step(self, sched: SchedulerOutput) -> StepHandle:
@@ -436,10 +445,16 @@ class ModelRunner:
             gen = self._generators.get(s.req_id)
             if gen is None:
                 gen = self._generators[s.req_id] = make_generator(s.params.seed, self.device)
+        prompt, output = s.prompt_token_ids, s.output_token_ids
+        if s.params.uses_penalties:  # NOTE: tensors, so the sampler converts no list per step
+            histories = self._histories.get(s.req_id)
+            if histories is None:
+                histories = self._histories[s.req_id] = (TokenHistory(), TokenHistory())
+            prompt, output = histories[0].sync(prompt), histories[1].sync(output)
         return SamplingRow(
             params=s.params,
-            prompt_token_ids=s.prompt_token_ids,
-            output_token_ids=s.output_token_ids,
+            prompt_token_ids=prompt,
+            output_token_ids=output,
             generator=gen,
             suppress_token_ids=s.suppress_token_ids,
         )

@@ -91,23 +91,41 @@ class Sampler:
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Apply repetition, frequency and presence penalties in place to float32 (B, V) logits."""
+    """Apply repetition, frequency and presence penalties in place to float32 (B, V) logits.
+
+    Touches only the (row, token) pairs of the histories: O(history) gathers and scatters plus
+    one zero-fill of the counts, no (B, V) temporaries and no host sync. Repeated pairs write
+    the same value, so the scatters are deterministic; the arithmetic is the dense formula's,
+    element for element (a repetition penalty of 1 divides or multiplies by 1: exact)."""
     idx = [i for i, r in enumerate(rows) if r.params.uses_penalties]
     if not idx:
         return logits
     sub = [rows[i] for i in idx]
     dev, vocab = logits.device, logits.shape[1]
-    counts = _token_counts([r.output_token_ids for r in sub], vocab, dev)
-    at = upload(torch.tensor(idx), dev)
-    x = logits[at]
-    if any(r.params.repetition_penalty != 1.0 for r in sub):
-        rep = _column([r.params.repetition_penalty for r in sub], dev)
-        seen = (counts > 0) | (_token_counts([r.prompt_token_ids for r in sub], vocab, dev) > 0)
-        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
-    freq = _column([r.params.frequency_penalty for r in sub], dev)
-    presence = _column([r.params.presence_penalty for r in sub], dev)
-    x = x - freq * counts - presence * (counts > 0)
-    logits[at] = x
+    work = logits if logits.is_contiguous() else logits.contiguous()
+    flat = work.view(-1)
+    base = upload(torch.tensor(idx) * vocab, dev)
+    out_ids, out_owner = _occurrences([r.output_token_ids for r in sub], vocab, "history", dev)
+    out_at = base[out_owner] + out_ids
+    rep_rows = [j for j, r in enumerate(sub) if r.params.repetition_penalty != 1.0]
+    if rep_rows:
+        prompts = [sub[j].prompt_token_ids for j in rep_rows]
+        p_ids, p_owner = _occurrences(prompts, vocab, "prompt", dev)
+        p_owner = upload(torch.tensor(rep_rows), dev)[p_owner]
+        seen = torch.cat([out_at, base[p_owner] + p_ids])
+        rep = _per_row([r.params.repetition_penalty for r in sub], dev)
+        rep = rep[torch.cat([out_owner, p_owner])]
+        x = flat[seen]
+        flat[seen] = torch.where(x > 0, x / rep, x * rep)
+    counts = torch.zeros(len(sub) * vocab, dtype=torch.float32, device=dev)
+    local = out_owner * vocab + out_ids
+    counts.index_add_(0, local, torch.ones(local.shape[0], dtype=torch.float32, device=dev))
+    c = counts[local]
+    freq = _per_row([r.params.frequency_penalty for r in sub], dev)[out_owner]
+    presence = _per_row([r.params.presence_penalty for r in sub], dev)[out_owner]
+    flat[out_at] = flat[out_at] - freq * c - presence * (c > 0)
+    if work is not logits:
+        logits.copy_(work)
     return logits
 
 
@@ -174,19 +192,41 @@ def _suppress(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
     logits[index[:, 0], index[:, 1]] = float("-inf")
 
 
-def _token_counts(
-    histories: Sequence[Sequence[int]], vocab: int, dev: torch.device
-) -> torch.Tensor:
-    """(len(histories), vocab) float32 occurrence counts from one bincount over all ids."""
-    ids = torch.cat([torch.as_tensor(h, dtype=torch.int64).reshape(-1) for h in histories])
-    _check_ids(ids, vocab, "token history")
-    lengths = torch.tensor([len(h) for h in histories])
-    flat = torch.repeat_interleave(torch.arange(len(histories)), lengths) * vocab + ids
-    # NOTE: not bincount: on CUDA it reads the input's max back to the host (a sync)
-    flat = upload(flat, dev)
-    counts = torch.zeros(len(histories) * vocab, dtype=torch.float32, device=dev)
-    counts.index_add_(0, flat, torch.ones(flat.shape[0], dtype=torch.float32, device=dev))
-    return counts.view(len(histories), vocab)
+def _occurrences(
+    histories: Sequence[Sequence[int] | torch.Tensor], vocab: int, what: str, dev: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 (ids, owner) on ``dev``: every id of every history and the index of its history.
+    One upload of the ids; the owners are expanded on the device (sized, so no sync)."""
+    parts = [torch.as_tensor(h, dtype=torch.int64).reshape(-1) for h in histories]
+    ids = torch.cat(parts)
+    _check_ids(ids, vocab, what)
+    lengths = upload(torch.tensor([p.shape[0] for p in parts]), dev)
+    owner = upload(torch.arange(len(parts)), dev)
+    owner = torch.repeat_interleave(owner, lengths, output_size=ids.shape[0])
+    return upload(ids, dev), owner
+
+
+class TokenHistory:
+    """A host int64 tensor that mirrors a growing list of token ids, appended in amortised
+    O(new ids): the penalties read a request's history without converting it every step."""
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(64, dtype=torch.int64)
+        self._len = 0
+
+    def sync(self, ids: Sequence[int]) -> torch.Tensor:
+        """``ids`` (a list that only grows) as a tensor view."""
+        n = len(ids)
+        if n < self._len:  # NOTE: not expected (outputs only grow): start over
+            self._len = 0
+        if n > self._buf.shape[0]:
+            grown = torch.empty(max(n, 2 * self._buf.shape[0]), dtype=torch.int64)
+            grown[: self._len] = self._buf[: self._len]
+            self._buf = grown
+        if n > self._len:
+            self._buf[self._len : n] = torch.tensor(ids[self._len : n], dtype=torch.int64)
+            self._len = n
+        return self._buf[:n]
 
 
 def _check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
@@ -198,6 +238,10 @@ def _check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:
 
 def _column(values: Sequence[float], dev: torch.device) -> torch.Tensor:
     return upload(torch.tensor(values, dtype=torch.float32), dev)[:, None]
+
+
+def _per_row(values: Sequence[float], dev: torch.device) -> torch.Tensor:
+    return upload(torch.tensor(values, dtype=torch.float32), dev)
 
 
 def _validate(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
