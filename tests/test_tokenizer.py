@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from warmboot.tokenizer import Tokenizer
+from warmboot.tokenizer import ByteLevelDetokenizer, IncrementalDetokenizer, Tokenizer
 from warmboot.tokenizer.train import CHAT_TEMPLATE, train_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -173,6 +173,55 @@ def test_detokenizer_random_ids(which, request):
             assert "".join(_stream(tok, ids, skip)) == full, ids
             checked += 1
     assert checked > 400
+
+
+def _whole(detok, ids: list[int]) -> str:
+    return "".join(detok.step(i) for i in ids) + detok.flush()
+
+
+@pytest.mark.parametrize("which", ["tok_dir", "big_tok_dir"])
+def test_byte_level_detokenizer_equals_decode_on_any_ids(which, request):
+    """The table path is taken for a ByteLevel vocabulary, and its pieces plus the flush equal
+    ``decode`` and the ``DecodeStream`` path on any ids: cut characters, invalid UTF-8 (U+FFFD),
+    special tokens either way, ids past the vocabulary."""
+    tok = Tokenizer.from_dir(request.getfixturevalue(which))
+    assert isinstance(tok.detokenizer(), ByteLevelDetokenizer)
+    rng = random.Random(1)
+    invalid = 0
+    for trial in range(600):
+        if trial % 2:
+            ids = _random_split_ids(tok, rng)
+            ids = ids[: rng.randint(1, len(ids))]  # often ends inside a character
+        else:
+            ids = [rng.randrange(tok.vocab_size + 8) for _ in range(rng.randint(1, 40))]
+        for skip in (True, False):
+            full = tok.decode(ids, skip_special_tokens=skip)
+            invalid += "\ufffd" in full
+            assert _whole(tok.detokenizer(skip), ids) == full, (ids, skip)
+            assert _whole(IncrementalDetokenizer(tok._tok, skip), ids) == full, (ids, skip)
+    assert invalid > 100, "the trials must include invalid UTF-8"
+
+
+def test_token_text_is_the_single_token_decode(tok_dir):
+    tok = Tokenizer.from_dir(tok_dir)
+    for i in [*range(tok.vocab_size), tok.vocab_size + 3, 0, 5]:  # twice: from the cache
+        assert tok.token_text(i) == tok.decode([i], skip_special_tokens=False)
+
+
+def test_other_decoders_keep_decode_stream(tmp_path):
+    """A vocabulary whose decoder is not ByteLevel alone (here SentencePiece-style Metaspace)
+    goes through ``DecodeStream``."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    hf = HFTokenizer(models.WordLevel({"\u2581hi": 0, "\u2581there": 1, "[UNK]": 2}, "[UNK]"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Metaspace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_dir(tmp_path)
+    detok = tok.detokenizer()
+    assert isinstance(detok, IncrementalDetokenizer)
+    assert _whole(detok, [0, 1]) == tok.decode([0, 1]) == "hi there"
 
 
 @pytest.mark.parametrize("which", ["tok_dir", "big_tok_dir"])

@@ -155,11 +155,11 @@ class BlockManager:
         NOTE: a hashed block keeps its hash while a table lists it, so each call starts at the
         table's first unhashed block: O(new blocks) per step, unless a block stays unhashed
         (its content is cached in another block), which is retried on every call."""
-        if not self.enable_prefix_caching:
-            return
-        table = self._tables[seq_id]
         bs = self.block_size
         first = self._hashed_upto.get(seq_id, 0)
+        if not self.enable_prefix_caching or num_computed // bs <= first:
+            return  # NOTE: most decode steps: no block filled up since the last call
+        table = self._tables[seq_id]
         prev = self.blocks[table[first - 1]] if first else None
         parent = prev.block_hash if prev else None
         for i in range(first, min(num_computed // bs, len(table))):

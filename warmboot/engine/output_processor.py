@@ -9,14 +9,14 @@ from warmboot.engine.request import FinishReason, Request
 from warmboot.engine.scheduler import TokenEvent, TokenLogprobs
 from warmboot.outputs import CompletionOutput, Logprob, RequestOutput
 from warmboot.sampling_params import SamplingParams
-from warmboot.tokenizer import IncrementalDetokenizer, Tokenizer
+from warmboot.tokenizer import Detokenizer, Tokenizer
 
 
 @dataclass
 class CompletionState:
     index: int
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    detokenizer: Detokenizer
     text: str = ""
     emitted_chars: int = 0
     emitted_tokens: int = 0
@@ -164,8 +164,9 @@ class OutputProcessor:
         return False
 
     def _logprob_dict(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
-        entries = {t: Logprob(v, self.tokenizer.decode([t], False)) for t, v in lp.top}
-        entries.setdefault(token, Logprob(lp.token_logprob, self.tokenizer.decode([token], False)))
+        text = self.tokenizer.token_text
+        entries = {t: Logprob(v, text(t)) for t, v in lp.top}
+        entries.setdefault(token, Logprob(lp.token_logprob, text(token)))
         return entries
 
     def abort(self, request_id: str) -> None:

@@ -1,5 +1,10 @@
 """Tokenizer loading, incremental detokenization and training of the demo tokenizer."""
 
-from warmboot.tokenizer.tokenizer import IncrementalDetokenizer, Tokenizer
+from warmboot.tokenizer.tokenizer import (
+    ByteLevelDetokenizer,
+    Detokenizer,
+    IncrementalDetokenizer,
+    Tokenizer,
+)
 
-__all__ = ["IncrementalDetokenizer", "Tokenizer"]
+__all__ = ["ByteLevelDetokenizer", "Detokenizer", "IncrementalDetokenizer", "Tokenizer"]

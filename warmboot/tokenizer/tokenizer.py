@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import codecs
 import functools
 import json
 import re
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,7 @@ class Tokenizer:
         self.all_special_ids: frozenset[int] = self._special_ids()
         self.chat_template: str | None = _pick_template(config.get("chat_template"))
         self._compiled_template = None
+        self._texts: dict[int, str] = {}
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
@@ -72,6 +75,14 @@ class Tokenizer:
         """Text of ``ids`` (any iterable of ints); invalid UTF-8 becomes U+FFFD."""
         return self._tok.decode(list(map(int, ids)), skip_special_tokens=skip_special_tokens)
 
+    def token_text(self, token_id: int) -> str:
+        """``decode([token_id], skip_special_tokens=False)``, cached (logprobs name every top
+        token of every step)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.decode([token_id], skip_special_tokens=False)
+        return text
+
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes a token stands for (a token may hold part of a UTF-8 character)."""
         piece = self._tok.id_to_token(int(token_id))
@@ -89,6 +100,8 @@ class Tokenizer:
 
     @functools.cached_property
     def _byte_level(self) -> bool:
+        if self._decoder_type == "ByteLevel":
+            return True
         return "ByteLevel" in json.dumps(json.loads(self._tok.to_str()).get("decoder"))
 
     def token_to_id(self, token: str) -> int | None:
@@ -114,9 +127,21 @@ class Tokenizer:
             messages=messages, add_generation_prompt=add_generation_prompt, **context
         )
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        """A fresh incremental detokenizer for one generated sequence."""
+    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
+        """A fresh incremental detokenizer for one generated sequence: a table lookup per token
+        for a byte-level vocabulary, else ``tokenizers``' ``DecodeStream``."""
+        if self._decoder_type == "ByteLevel":
+            return ByteLevelDetokenizer(self._pieces[skip_special_tokens])
         return IncrementalDetokenizer(self._tok, skip_special_tokens)
+
+    @functools.cached_property
+    def _decoder_type(self) -> str | None:
+        return (json.loads(self._tok.to_str()).get("decoder") or {}).get("type")
+
+    @functools.cached_property
+    def _pieces(self) -> dict[bool, _Pieces]:
+        special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        return {True: _Pieces(self.token_bytes, special), False: _Pieces(self.token_bytes, set())}
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -154,6 +179,43 @@ class IncrementalDetokenizer:
         rest = self._tok.decode(self._ids, skip_special_tokens=self._skip)[self._emitted :]
         self._emitted += len(rest)
         return rest
+
+
+class _Pieces(dict):
+    """token id -> the bytes it adds to the text (empty for a skipped special token), filled
+    on first use: ``pieces[id]`` is a C dict lookup once a token has been seen."""
+
+    def __init__(self, token_bytes: Callable[[int], bytes], skipped: set[int]) -> None:
+        super().__init__()
+        self._token_bytes = token_bytes
+        self._skipped = skipped
+
+    def __missing__(self, token_id: int) -> bytes:
+        piece = b"" if token_id in self._skipped else self._token_bytes(token_id)
+        self[token_id] = piece
+        return piece
+
+
+class ByteLevelDetokenizer:
+    """Incremental text of a byte-level BPE vocabulary (GPT-2 style: Llama 3, Qwen, SmolLM):
+    each token stands for fixed bytes, and the text is their UTF-8 decoding with invalid
+    sequences replaced, which is what ``tokenizers``' ByteLevel decoder computes. Same
+    interface as ``IncrementalDetokenizer``, about ten times cheaper per token."""
+
+    def __init__(self, pieces: _Pieces) -> None:
+        self._pieces = pieces
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def step(self, token_id: int) -> str:
+        """New text since the last call; ``''`` while an incomplete UTF-8 sequence is pending."""
+        return self._utf8.decode(self._pieces[token_id])
+
+    def flush(self) -> str:
+        """At the end of a sequence: a cut-off character still pending, as U+FFFD."""
+        return self._utf8.decode(b"", final=True)
+
+
+Detokenizer = IncrementalDetokenizer | ByteLevelDetokenizer
 
 
 def _token_str(value: Any) -> str | None:
