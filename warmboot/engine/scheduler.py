@@ -148,6 +148,8 @@ class Scheduler:
         """
         table = self.kv.block_table(req.request_id)
         need = self.kv.blocks_needed(req.num_computed_tokens + n) - len(table)
+        if need <= 0 and table:
+            return True, incoming  # NOTE: most decode steps: the last block has room
         while not self.kv.allocate(req.request_id, req.num_computed_tokens + n):
             if need <= self.kv.num_free_blocks + incoming:
                 return False, incoming - max(0, need - self.kv.num_free_blocks)
