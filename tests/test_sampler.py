@@ -323,6 +323,41 @@ def test_filters_match_reference_mask(params):
         assert set(kept.nonzero().flatten().tolist()) == allowed
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.builds(
+            SamplingParams,
+            temperature=st.sampled_from([0.6, 1.0, 1.7]),
+            top_k=st.sampled_from([0, 0, 1, 4, 40, 299, 300, 1000]),
+            top_p=st.sampled_from([1.0, 1.0, 0.3, 0.9, 0.99]),
+            min_p=st.sampled_from([0.0, 0.0, 0.05]),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    st.integers(0, 2**31),
+)
+def test_filters_of_a_mixed_batch_match_each_rows_reference(params, key):
+    """Rows with top-k only, top-p only, both or neither share one batch (the candidates are the
+    largest k in use, or the whole vocabulary when a row has top-p alone); each row keeps its
+    reference set."""
+    vocab = 300
+    scaled = torch.stack(
+        [fixed_logits(key + i, vocab) / p.temperature for i, p in enumerate(params)]
+    )
+    kept = torch.isfinite(apply_filters(scaled.clone(), params))
+    for i, p in enumerate(params):
+        allowed = ref_allowed(scaled[i].double().tolist(), p)
+        assert set(kept[i].nonzero().flatten().tolist()) == allowed, p
+
+
+def test_top_k_keeps_ties_beyond_the_candidates():
+    logits = torch.tensor([[5.0, 3.0, 3.0, 3.0, 1.0, 3.0]])
+    kept = torch.isfinite(apply_filters(logits, [SamplingParams(top_k=2)]))
+    assert kept.tolist() == [[True, True, True, True, False, True]]
+
+
 def test_top_p_boundary_keeps_smallest_set():
     kept = apply_filters(torch.zeros(1, 4), [SamplingParams(top_p=0.5)])
     assert torch.isfinite(kept).sum() == 2  # cumulative 0.25, 0.5: two of four equal tokens

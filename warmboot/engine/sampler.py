@@ -141,17 +141,26 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     if not (use_k or use_p):
         return logits
     ks = [min(p.top_k, vocab) if p.uses_top_k else vocab for p in params]
-    ascending, order = logits.sort(dim=-1)
-    if use_k:
-        # NOTE: ties with the k-th largest value are kept, so the kept set may exceed k.
-        kth = ascending.gather(1, vocab - upload(torch.tensor(ks), dev)[:, None])
-        ascending = ascending.masked_fill(ascending < kth, float("-inf"))
-    if use_p:
-        cum = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
-        drop = cum <= 1.0 - _column([p.top_p for p in params], dev)
-        drop[:, -1] = False  # NOTE: the most likely token always survives.
-        ascending = ascending.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, ascending)
+    # NOTE: the candidates are the K largest logits, K the largest k in use: top-k needs no
+    # sort of the vocabulary unless some row asks for top-p without top-k (then K = V).
+    top_p_only = any(p.top_p < 1.0 and not p.uses_top_k for p in params)
+    width = vocab if top_p_only else max(k for k, p in zip(ks, params, strict=True) if p.uses_top_k)
+    cand, order = logits.topk(width, dim=-1)  # descending
+    kth = cand.gather(1, upload(torch.tensor(ks), dev).clamp_max(width)[:, None] - 1)
+    no_k = upload(torch.tensor([not p.uses_top_k for p in params]), dev)[:, None]
+    kth = kth.masked_fill(no_k, float("-inf"))
+    # NOTE: ties with the k-th largest value are kept, so the kept set may exceed k.
+    logits = logits.masked_fill(logits < kth, float("-inf"))
+    if not use_p:
+        return logits
+    cand = cand.masked_fill(cand < kth, float("-inf"))
+    probs = torch.softmax(cand, dim=-1)
+    top_p = _column([p.top_p for p in params], dev)
+    # Drop a candidate once the candidates before it hold top_p of the mass: the smallest set
+    # (the most likely token always survives). Rows without top-p keep their top-k set.
+    drop = ((probs.cumsum(dim=-1) - probs) >= top_p) & (top_p < 1.0)
+    dropped = torch.ones_like(logits, dtype=torch.bool).scatter_(1, order, drop)
+    return logits.masked_fill(dropped & (top_p < 1.0), float("-inf"))
 
 
 def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
