@@ -11,6 +11,9 @@
    and cached), when the time box allows.
 
 Usage: ``python -m bench.gpu_check --out $OUT``. Prints one JSON summary line at the end.
+``--device cpu --smoke`` runs every part on the CPU at tiny sizes (graphs emulated, no sync
+debug mode, no tuning): the test suite does, so the GPU's minutes are never spent on a
+broken script.
 """
 
 from __future__ import annotations
@@ -26,12 +29,28 @@ from pathlib import Path
 import torch
 
 
-def correctness(out: dict) -> None:
+def make_llm(args, path, graphs: bool = False, **kw):
+    """An engine on ``args.device``; graphs are captured on CUDA and emulated on the CPU."""
+    from warmboot import LLM
+
+    cuda = args.device == "cuda"
+    llm = LLM(str(path), device=args.device, cuda_graphs=graphs and cuda, **kw)
+    if graphs and not cuda:
+        llm.engine.enable_decode_graphs(emulate=True)
+    return llm
+
+
+def synchronize(args) -> None:
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def correctness(out: dict, args) -> None:
     from transformers import AutoModelForCausalLM
 
     from tests.helpers import hf_greedy, random_prompts
     from tests.tiny_models import KINDS, VOCAB_SIZE, make_tiny_model
-    from warmboot import LLM, SamplingParams
+    from warmboot import SamplingParams
 
     root = Path(tempfile.mkdtemp(prefix="wb-gpu-"))
     prompts = random_prompts((5, 13, 31, 47), VOCAB_SIZE)
@@ -43,15 +62,15 @@ def correctness(out: dict) -> None:
         ref = [hf_greedy(hf, p, 16) for p in prompts]
         loops = {}
         for pipelined, graphs in ((False, False), (True, False), (True, True)):
-            llm = LLM(
-                str(path),
-                device="cuda",
+            llm = make_llm(
+                args,
+                path,
+                graphs,
                 dtype="float32",
                 max_model_len=128,
                 block_size=16,
                 num_kv_blocks=64,
                 pipelined=pipelined,
-                cuda_graphs=graphs,
             )
             outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
             loops[pipelined, graphs] = [o.outputs[0].token_ids for o in outs]
@@ -65,15 +84,15 @@ def correctness(out: dict) -> None:
     out["correctness"] = results
 
 
-def hidden_syncs(out: dict) -> None:
+def hidden_syncs(out: dict, args) -> None:
     """The launch path must not synchronise: steady pipelined decode of a batch mixing greedy,
     seeded top-k/top-p, penalties, logprobs and a JSON schema, under torch's sync debug mode.
     Every warning names the Python line that synchronised (``collect``'s event wait is the
-    one expected)."""
+    one expected). On the CPU the same loop runs without the debug mode."""
     import warnings
 
     from bench.bubble import SCHEMA, SHAPE
-    from warmboot import LLM, SamplingParams
+    from warmboot import SamplingParams
     from warmboot.models.demo import write_random_llama
     from warmboot.sampling_params import StructuredOutputs
     from warmboot.tokenizer.train import train_tokenizer
@@ -81,7 +100,7 @@ def hidden_syncs(out: dict) -> None:
     model_dir = Path(tempfile.mkdtemp(prefix="wb-sync-")) / "model"
     write_random_llama(model_dir, **SHAPE, seed=0, dtype="bfloat16")
     train_tokenizer(model_dir, SHAPE["vocab_size"])
-    llm = LLM(str(model_dir), device="cuda", max_model_len=256, num_kv_blocks=512, pipelined=True)
+    llm = make_llm(args, model_dir, max_model_len=256, num_kv_blocks=512, pipelined=True)
     kinds = [
         SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
         SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=48),
@@ -98,7 +117,9 @@ def hidden_syncs(out: dict) -> None:
         eng.add_request(f"s{i}", pr, sp)
     eng.step()
     eng.step()  # prefill done: from here on, steady decode
-    torch.cuda.set_sync_debug_mode("warn")
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_sync_debug_mode("warn")
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -107,18 +128,18 @@ def hidden_syncs(out: dict) -> None:
                 eng.step()
                 steps += 1
     finally:
-        torch.cuda.set_sync_debug_mode("default")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("default")
     where: dict[str, int] = {}
     for w in caught:
         key = f"{Path(w.filename).name}:{w.lineno}"
         where[key] = where.get(key, 0) + 1
-    out["hidden_syncs"] = {"steps": steps, "sync_sites": where}
+    out["hidden_syncs"] = {"steps": steps, "sync_sites": where if cuda else "not checked on cpu"}
     print("hidden syncs", out["hidden_syncs"], flush=True)
 
 
 def bubble(out: dict, args) -> None:
     from bench.bubble import SHAPE, run
-    from warmboot import LLM
     from warmboot.models.demo import write_random_llama
     from warmboot.tokenizer.train import train_tokenizer
 
@@ -132,23 +153,25 @@ def bubble(out: dict, args) -> None:
         for mode in ("eager", "graphs")
     }
     llms = {
-        name: LLM(
-            str(model_dir),
-            device="cuda",
+        name: make_llm(
+            args,
+            model_dir,
+            kw["cuda_graphs"],
             max_model_len=128,
             max_num_seqs=64,
             max_num_batched_tokens=64 * 32,
             num_kv_blocks=1024,  # NOTE: explicit, or the first engine takes 90% of the card
-            **kw,
+            pipelined=kw["pipelined"],
         )
         for name, kw in configs.items()
     }
+    batches, new_tokens = ((1, 8), 8) if args.smoke else ((1, 8, 32, 64), 64)
     for schema in (False, True):
-        for batch in (1, 8, 32, 64):
+        for batch in batches:
             row = {"batch": batch, "schema": schema}
             tokens = {}
             for name, llm in llms.items():
-                r = run(llm, batch, 32, 64, schema)
+                r = run(llm, batch, 32, new_tokens, schema)
                 row[f"{name}_tok_s"], row[f"{name}_bubble"] = r["tok_s"], r["bubble"]
                 tokens[name] = r["tokens_out"]
             row["sync_equals_pipelined"] = tokens["sync_eager"] == tokens["pipelined_eager"]
@@ -158,41 +181,44 @@ def bubble(out: dict, args) -> None:
     out["bubble"] = rows
 
 
-def decode(out: dict) -> None:
-    from warmboot import LLM, SamplingParams
+def decode(out: dict, args) -> None:
+    from warmboot import SamplingParams
     from warmboot.models.demo import ensure_default_model
 
+    model = ensure_default_model() if not args.smoke else _small_model()
+    vocab = 49152 if not args.smoke else 4096
     llms = {
-        mode: LLM(
-            str(ensure_default_model()),
-            device="cuda",
+        mode: make_llm(
+            args,
+            model,
+            mode == "graphs",
             max_model_len=512,
             max_num_seqs=64,
             max_num_batched_tokens=64 * 128,
             num_kv_blocks=64 * 512 // 16,
-            cuda_graphs=mode == "graphs",
         )
         for mode in ("eager", "graphs")
     }
     out["graph_capture_s"] = llms["graphs"].engine.startup_times.get("cuda_graphs")
     out["graphs_state"] = llms["graphs"].stats()["cuda_graphs"]
     rows = []
-    for batch in (1, 8, 32, 64):
+    batches, new_tokens = ((1, 8), 8) if args.smoke else ((1, 8, 32, 64), 128)
+    for batch in batches:
         g = torch.Generator().manual_seed(batch)
         prompts = [
-            {"prompt_token_ids": torch.randint(1, 49152, (128,), generator=g).tolist()}
+            {"prompt_token_ids": torch.randint(1, vocab, (128,), generator=g).tolist()}
             for _ in range(batch)
         ]
-        params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
         row = {"batch": batch}
         for mode, llm in llms.items():
             llm.generate(prompts, params)  # warm
-            torch.cuda.synchronize()
+            synchronize(args)
             t0 = time.perf_counter()
             llm.generate(prompts, params)
-            torch.cuda.synchronize()
+            synchronize(args)
             wall = time.perf_counter() - t0
-            row[f"{mode}_tok_s"] = batch * 128 / wall
+            row[f"{mode}_tok_s"] = batch * new_tokens / wall
             row[f"{mode}_bubble"] = llm.stats()["bubble_fraction"]
             row[f"{mode}_graph_steps"] = llm.stats()["graph_steps"]
         rows.append(row)
@@ -200,9 +226,23 @@ def decode(out: dict) -> None:
     out["decode_bf16"] = rows
 
 
-def pretune(out: dict) -> None:
+def _small_model() -> Path:
+    from bench.bubble import SHAPE
+    from warmboot.models.demo import write_random_llama
+    from warmboot.tokenizer.train import train_tokenizer
+
+    model_dir = Path(tempfile.mkdtemp(prefix="wb-small-")) / "model"
+    write_random_llama(model_dir, **SHAPE, seed=0, dtype="float32")
+    train_tokenizer(model_dir, SHAPE["vocab_size"])
+    return model_dir
+
+
+def pretune(out: dict, args) -> None:
     """What ``pretune_attention`` adds to a publishing cold boot: every prefill shape bucket
     of a d128 GQA-4 model up to 1k new / 2k total tokens, tuned (first call) and cached."""
+    if args.device != "cuda":
+        out["pretune"] = "skipped: tuning measures kernels on a GPU"
+        return
     from warmboot.kernels import tuning
     from warmboot.kernels.triton_backend import TritonAttentionBackend
 
@@ -226,22 +266,24 @@ def pretune(out: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu-results")))
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (a check of the script)")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("no CUDA device: this script is for the GPU machine")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("no CUDA device: this script is for the GPU machine (--device cpu --smoke)")
     args.out.mkdir(parents=True, exist_ok=True)
     out = {
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke)",
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }
     t_start = time.perf_counter()
-    for part in (correctness, hidden_syncs, lambda o: bubble(o, args), decode, pretune):
+    for part in (correctness, hidden_syncs, bubble, decode, pretune):
         if part is pretune and time.perf_counter() - t_start > 200:
             out.setdefault("errors", []).append("pretune: skipped, the time box is near")
             continue
         try:
-            part(out)
+            part(out, args)
         except Exception as e:  # noqa: BLE001 - record and go on: device time is scarce
             out.setdefault("errors", []).append(f"{getattr(part, '__name__', 'part')}: {e!r}")
             print("ERROR", e, flush=True)
