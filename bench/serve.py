@@ -1,12 +1,16 @@
-"""Serving under load: warmboot's server against ``transformers serve``, same model, same run.
+"""Serving under load: warmboot's server (pipelined loop, and ``--sync``) against
+``transformers serve``, same model, same run.
 
 Each server runs as its own process on 127.0.0.1; a closed-loop load generator keeps
 ``concurrency`` streaming completions in flight (same prompts, greedy, fixed output length)
 and measures requests/s, output tokens/s, time to first token and inter-token latency
-(p50 / p99) per concurrency. Both servers compute in float32 (the CPU default of warmboot;
+(p50 / p99) per concurrency. The sync server shows what the pipelined loop changes under
+load, time to first token included (a new prefill must not wait behind decodes). All servers
+compute in float32 (the CPU default of warmboot;
 ``--dtype float32`` for transformers). Writes ``docs/benchmarks/serve.{json,md,png}``.
 
     python -m bench.serve [--model DIR] [--concurrency 1 8 32] [--max-tokens 32]
+                          [--servers warmboot warmboot-sync transformers]
 """
 
 from __future__ import annotations
@@ -151,17 +155,19 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-def servers(model: str) -> list[Server]:
+SERVERS = ("warmboot", "warmboot-sync", "transformers")
+
+
+def servers(model: str, names: list[str]) -> list[Server]:
     py = sys.executable
-    wb_port, hf_port = free_port(), free_port()
-    warmboot = Server(
-        "warmboot",
-        [py, "-m", "warmboot.cli", "serve", "--model", model, "--port", str(wb_port)]
-        + ["--served-model-name", "bench", "--dtype", "float32"],
-        wb_port,
-        "bench",
-        {"ignore_eos": True},
-    )
+
+    def warmboot(name: str, extra: list[str]) -> Server:
+        port = free_port()
+        cmd = [py, "-m", "warmboot.cli", "serve", "--model", model, "--port", str(port)]
+        cmd += ["--served-model-name", "bench", "--dtype", "float32", *extra]
+        return Server(name, cmd, port, "bench", {"ignore_eos": True})
+
+    hf_port = free_port()
     hf = Server(
         "transformers",
         [str(Path(py).parent / "transformers"), "serve", model, "--port", str(hf_port)]
@@ -171,7 +177,12 @@ def servers(model: str) -> list[Server]:
         model,
         {},
     )
-    return [warmboot, hf]
+    made = {
+        "warmboot": lambda: warmboot("warmboot", []),
+        "warmboot-sync": lambda: warmboot("warmboot-sync", ["--sync"]),
+        "transformers": lambda: hf,
+    }
+    return [made[n]() for n in names]
 
 
 def main() -> None:
@@ -179,6 +190,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model directory (default: built-in)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     if args.model is None:
@@ -186,7 +198,7 @@ def main() -> None:
 
         args.model = str(ensure_default_model())
     rows, ready = [], {}
-    for server in servers(args.model):
+    for server in servers(args.model, args.servers):
         with server:
             ready[server.name] = server.ready_s
             asyncio.run(load(server, 1, 2, 4))  # warm-up: first-request compile / allocation
@@ -228,7 +240,7 @@ def write_report(args, rows: list[dict], ready: dict) -> None:
     ]
     for c in args.concurrency:
         base = by.get(("transformers", c))
-        for name in ("warmboot", "transformers"):
+        for name in SERVERS:
             r = by.get((name, c))
             if r is None:
                 continue
@@ -238,6 +250,23 @@ def write_report(args, rows: list[dict], ready: dict) -> None:
                 f"{r['ttft_p50_ms']:.0f} / {r['ttft_p99_ms']:.0f} | "
                 f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f} | {ratio:.2f}× |"
             )
+    if any(("warmboot-sync", c) in by and ("warmboot", c) in by for c in args.concurrency):
+        lines += [
+            "",
+            "Pipelined loop against the sync loop (`--sync`), same load: ratios pipelined / sync"
+            " (tok/s above 1 is faster; TTFT and ITL below 1 are shorter).",
+            "",
+            "| concurrency | out tok/s | TTFT p50 | TTFT p99 | ITL p50 |",
+            "| ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for c in args.concurrency:
+            pipe, sync = by.get(("warmboot", c)), by.get(("warmboot-sync", c))
+            if pipe and sync:
+                q = {k: pipe[k] / sync[k] for k in pipe if k.endswith(("_s", "_ms"))}
+                lines.append(
+                    f"| {c} | {q['out_tok_per_s']:.2f} | {q['ttft_p50_ms']:.2f} |"
+                    f" {q['ttft_p99_ms']:.2f} | {q['itl_p50_ms']:.2f} |"
+                )
     lines += [
         "",
         "Time from process start to a healthy `/health`: "
@@ -258,7 +287,8 @@ def plot(args, by: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    for name, color in (("warmboot", "tab:blue"), ("transformers", "tab:gray")):
+    colors = {"warmboot": "tab:blue", "warmboot-sync": "tab:cyan", "transformers": "tab:gray"}
+    for name, color in colors.items():
         cs = [c for c in args.concurrency if (name, c) in by]
         axes[0].plot(cs, [by[(name, c)]["out_tok_per_s"] for c in cs], "o-", c=color, label=name)
         axes[1].plot(cs, [by[(name, c)]["ttft_p50_ms"] for c in cs], "o-", c=color, label=name)
