@@ -2,11 +2,11 @@
 
 The sync loop on a model so small that its forward costs little; host ms per step =
 (wall - device busy) / steps over steady decode, batch 64, growing context. Compares the
-current tree with an older revision (``--compare-rev``, checked out in a git worktree) in
-the same run, alternating, median of ``--repeats``. Writes
+current tree with older revisions (``--compare-rev REV ...``, each checked out in a git
+worktree) in the same run, alternating, median of ``--repeats``. Writes
 ``docs/benchmarks/host_overhead.{json,md,png}``.
 
-Run from the repository root: ``python -m bench.host_overhead --compare-rev REV``.
+Run from the repository root: ``python -m bench.host_overhead --compare-rev REV [REV ...]``.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def run_child(tree: Path, context: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--compare-rev", default=None, help="older revision to compare against")
+    ap.add_argument("--compare-rev", nargs="*", default=[], help="older revisions to compare")
     ap.add_argument("--contexts", type=int, nargs="+", default=[128, 1024, 4096])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=OUT)
@@ -82,14 +82,14 @@ def main() -> None:
     if args.child is not None:
         print(measure(args.child))
         return
-    trees = {"current": ROOT}
-    worktree = None
-    if args.compare_rev:
-        worktree = Path(tempfile.mkdtemp(prefix="wb-rev-")) / "tree"
-        git = ["git", "-C", str(ROOT)]
-        subprocess.run([*git, "worktree", "add", "--detach", str(worktree), args.compare_rev],
+    git = ["git", "-C", str(ROOT)]
+    trees: dict[str, Path] = {}
+    for rev in args.compare_rev:
+        trees[rev] = Path(tempfile.mkdtemp(prefix="wb-rev-")) / "tree"
+        subprocess.run([*git, "worktree", "add", "--detach", str(trees[rev]), rev],
                        check=True, capture_output=True)  # fmt: skip
-        trees = {args.compare_rev: worktree, "current": ROOT}
+    worktrees = list(trees.values())
+    trees["current"] = ROOT
     try:
         rows = []
         for context in args.contexts:
@@ -101,9 +101,8 @@ def main() -> None:
             print(row, flush=True)
             rows.append(row)
     finally:
-        if worktree is not None:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
-                            str(worktree)], check=False)  # fmt: skip
+        for tree in worktrees:
+            subprocess.run([*git, "worktree", "remove", "--force", str(tree)], check=False)
     write_report(args, list(trees), rows)
 
 
@@ -118,9 +117,9 @@ def write_report(args, names: list[str], rows: list[dict]) -> None:
         "# Host work per decode step",
         "",
         f"{meta['date']}, {meta['machine']}. `python -m bench.host_overhead"
-        f" --compare-rev {names[0]}`: sync loop, batch {BATCH}, {NEW_TOKENS} new tokens, a"
+        f" --compare-rev {' '.join(names[:-1])}`: sync loop, batch {BATCH}, {NEW_TOKENS} new tokens, a"
         " one-layer model (the forward costs little); host ms per step = (wall - device busy)"
-        f" / steps over steady decode, median of {args.repeats}, both trees alternating.",
+        f" / steps over steady decode, median of {args.repeats}, the trees alternating.",
         "",
         head,
         "|" + " ---: |" * (len(names) + 1),
