@@ -14,10 +14,15 @@ from warmboot.tokenizer import Detokenizer, Tokenizer
 
 @dataclass
 class CompletionState:
+    """One completion's output so far. Its text is kept as the emitted pieces plus a short
+    pending tail (at most the hold-back and this step's text), so a step costs O(new text):
+    appending to one growing string would copy it all at every token."""
+
     index: int
     params: SamplingParams
     detokenizer: Detokenizer
-    text: str = ""
+    pending: str = ""
+    """Text not yet emitted: the only part a stop string can still cut."""
     emitted_chars: int = 0
     emitted_tokens: int = 0
     token_ids: list[int] = field(default_factory=list)
@@ -26,40 +31,52 @@ class CompletionState:
     stop_reason: int | str | None = None
     hold_back: int = field(init=False)
     """Characters kept back while running: they might start a stop string."""
+    _emitted: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         self.hold_back = max((len(s) for s in self.params.stop), default=1) - 1
+
+    @property
+    def text(self) -> str:
+        """The whole text so far (O(length): for whole outputs, not per step)."""
+        return self._emitted_text() + self.pending
 
     def add_text(self, piece: str) -> str | None:
         """Append detokenized text; return the stop string that ended it, if any."""
         if not piece:
             return None
-        search_from = max(0, len(self.text) - self.hold_back)
-        self.text += piece
+        # NOTE: a stop string can start at most hold_back characters back, never in emitted text
+        search_from = max(0, len(self.pending) - self.hold_back)
+        self.pending += piece
         if not self.params.stop or len(self.token_ids) < self.params.min_tokens:
             return None
-        found = [(i, s) for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
+        stops = self.params.stop
+        found = [(i, s) for s in stops if (i := self.pending.find(s, search_from)) >= 0]
         if not found:
             return None
         cut, stop = min(found)
-        self.text = self.text[:cut]
+        self.pending = self.pending[:cut]
         return stop
 
     def output(self) -> CompletionOutput:
         """What is new since the previous output, and (unless the kind is "delta") the whole
         text and tokens so far: copying those is O(length) per output."""
-        visible = len(self.text) if self.finish_reason else len(self.text) - self.hold_back
-        visible = max(visible, self.emitted_chars)
-        delta_text = self.text[self.emitted_chars : visible]
+        total = self.emitted_chars + len(self.pending)
+        visible = total if self.finish_reason else total - self.hold_back
+        new = max(visible - self.emitted_chars, 0)
+        delta_text, self.pending = self.pending[:new], self.pending[new:]
         delta_ids = self.token_ids[self.emitted_tokens :]
         logprobs = self.logprobs
         if self.params.output_kind == "delta":
             text, token_ids = delta_text, delta_ids
             logprobs = None if logprobs is None else logprobs[self.emitted_tokens :]
         else:
-            text, token_ids = self.text[:visible], list(self.token_ids)
+            text, token_ids = self._emitted_text() + delta_text, list(self.token_ids)
             logprobs = None if logprobs is None else list(logprobs)
-        self.emitted_chars, self.emitted_tokens = visible, len(self.token_ids)
+        if delta_text:
+            self._emitted.append(delta_text)
+        self.emitted_chars += new
+        self.emitted_tokens = len(self.token_ids)
         return CompletionOutput(
             index=self.index,
             text=text,
@@ -70,6 +87,11 @@ class CompletionState:
             delta_text=delta_text,
             delta_token_ids=delta_ids,
         )
+
+    def _emitted_text(self) -> str:
+        if len(self._emitted) > 1:
+            self._emitted[:] = ["".join(self._emitted)]
+        return self._emitted[0] if self._emitted else ""
 
 
 @dataclass
