@@ -9,7 +9,9 @@
 4. first-call JIT compile time of each kernel, cold (empty Triton cache) and from the cache.
 
 ``python -m bench.attention --out $OUT`` on a GPU; ``--cpu`` runs only the correctness half in
-Triton's interpreter at tiny sizes. Writes ``attention.json`` and prints a table.
+Triton's interpreter at tiny sizes, and ``--cpu --smoke`` also runs parts 2 and 3 there at tiny
+sizes (timings meaningless: a check of the script, which the test suite runs). Writes
+``attention.json`` (``attention_cpu.json`` with ``--cpu``) and prints a table.
 """
 
 from __future__ import annotations
@@ -145,13 +147,20 @@ def _multi_token_ref(q, kc, vc, table, seqlens, qlen, window, cap):
 
 
 def _bench(fn, *args, **kwargs) -> float:
-    """Mean milliseconds of ``fn(*args, **kwargs)``."""
+    """Mean milliseconds of ``fn(*args, **kwargs)`` (two timed calls off a GPU: smoke only)."""
+    import torch
     import triton.testing
 
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if tensors and tensors[0].device.type != "cuda":
+        fn(*args, **kwargs)
+        t0 = time.perf_counter()
+        fn(*args, **kwargs)
+        return (time.perf_counter() - t0) * 1e3
     return triton.testing.do_bench(lambda: fn(*args, **kwargs), warmup=10, rep=40)
 
 
-def prefill_perf() -> list[dict]:
+def prefill_perf(device="cuda", seqlens=SEQLENS, tokens=TOKENS, hidden=HIDDEN, dims=(64, 128)):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -164,12 +173,12 @@ def prefill_perf() -> list[dict]:
         "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION,
     }
     rows = []
-    for d in (64, 128):
+    for d in dims:
         for causal in (False, True):
-            for n in SEQLENS:
-                bsz, h = TOKENS // n, HIDDEN // d
+            for n in seqlens:
+                bsz, h = tokens // n, hidden // d
                 q, k, v = (
-                    torch.randn(bsz, n, h, d, device="cuda", dtype=torch.float16) for _ in "qkv"
+                    torch.randn(bsz, n, h, d, device=device, dtype=torch.float16) for _ in "qkv"
                 )
                 flops = bsz * attention_flops([n], [n], h, d, causal)
                 row = dict(d=d, causal=causal, seqlen=n, batch=bsz, heads=h)
@@ -198,25 +207,29 @@ def prefill_perf() -> list[dict]:
     return rows
 
 
-def decode_perf() -> list[dict]:
+DECODE_CASES = ((1, 16384, 1), (32, 4096, 1), (128, 2048, 1), (64, 8192, 1), (32, 4096, 4),
+                (64, 8192, 4))  # fmt: skip
+"""(batch, context, query tokens per sequence)."""
+
+
+def decode_perf(device="cuda", cases=DECODE_CASES, heads=(32, 8)) -> list[dict]:
     import torch
 
     from warmboot.kernels.decode import paged_decode_attention
 
     rows = []
-    hq, hkv, d, bs = 32, 8, 128, 16
-    for batch, ctx, qlen in ((1, 16384, 1), (32, 4096, 1), (128, 2048, 1), (64, 8192, 1),
-                             (32, 4096, 4), (64, 8192, 4)):  # fmt: skip
+    (hq, hkv), d, bs = heads, 128, 16
+    for batch, ctx, qlen in cases:
         nblk = ctx // bs
         num_blocks = batch * nblk
-        kc = torch.randn(num_blocks, bs, hkv, d, device="cuda", dtype=torch.float16)
+        kc = torch.randn(num_blocks, bs, hkv, d, device=device, dtype=torch.float16)
         vc = torch.randn_like(kc)
-        table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(batch, nblk)
-        seqlens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-        q = torch.randn(batch * qlen, hq, d, device="cuda", dtype=torch.float16)
+        table = torch.randperm(num_blocks, device=device, dtype=torch.int32).view(batch, nblk)
+        seqlens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        q = torch.randn(batch * qlen, hq, d, device=device, dtype=torch.float16)
         ms = _bench(paged_decode_attention, q, kc, vc, table, seqlens, query_len=qlen)
         kv_bytes = 2 * kc.numel() * kc.element_size()
-        src = torch.empty(kv_bytes // 2, dtype=torch.float16, device="cuda")
+        src = torch.empty(kv_bytes // 2, dtype=torch.float16, device=device)
         dst = torch.empty_like(src)
         copy_ms = _bench(dst.copy_, src)
         row = dict(
@@ -283,7 +296,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")))
     ap.add_argument("--cpu", action="store_true", help="correctness only, in the interpreter")
+    ap.add_argument("--smoke", action="store_true", help="with --cpu: parts 2-3 at tiny sizes")
     args = ap.parse_args()
+    if args.smoke and not args.cpu:
+        ap.error("--smoke runs in the interpreter: add --cpu")
     if args.cpu:
         os.environ["TRITON_INTERPRET"] = "1"  # NOTE: before the kernels are imported
     sys.path.insert(0, str(ROOT))
@@ -306,6 +322,14 @@ def main() -> int:
     result["correctness"] = correctness(device, tiny=args.cpu)
     _print_correctness(result["correctness"])
     save()
+    if args.smoke:
+        tiny_prefill = dict(seqlens=(32,), tokens=64, hidden=128, dims=(64,))
+        for name, part in (
+            ("prefill_tflops", lambda: prefill_perf("cpu", **tiny_prefill)),
+            ("decode", lambda: decode_perf("cpu", ((2, 64, 1), (2, 64, 4)), (4, 2))),
+        ):
+            result[name] = part()
+            save()
     if not args.cpu:
         for name, part in (
             ("prefill_tflops", prefill_perf),

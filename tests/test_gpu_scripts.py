@@ -29,3 +29,19 @@ def test_gpu_check_smoke_on_the_cpu(tmp_path):
         assert all(row[f"{n}_tok_s"] > 0 for n in ("sync_eager", "pipelined_graphs"))
     assert out["graphs_state"] == "emulated"
     assert all(r["graphs_graph_steps"] > 0 for r in out["decode_bf16"])
+
+
+def test_attention_bench_smoke_in_the_interpreter(tmp_path):
+    """Correctness at tiny sizes, then the speed parts' code (prefill against SDPA, decode
+    against a copy) at tiny sizes in Triton's interpreter: the timings mean nothing here."""
+    cmd = [sys.executable, "-m", "bench.attention", "--cpu", "--smoke", "--out", str(tmp_path)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads((tmp_path / "attention_cpu.json").read_text())
+    assert "errors" not in out, out.get("errors")
+    assert out["correctness"] and not any(r["nan"] for r in out["correctness"])
+    variants = ("triton", "triton_tau0", "triton_emu0", "triton_emu1/8", "triton_plain_order")
+    for row in out["prefill_tflops"]:
+        assert all(row[v] > 0 for v in variants), row
+    assert [r["query_len"] for r in out["decode"]] == [1, 4]
+    assert all(r["kernel_GBps"] > 0 and r["copy_GBps"] > 0 for r in out["decode"])
