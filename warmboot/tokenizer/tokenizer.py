@@ -100,9 +100,7 @@ class Tokenizer:
 
     @functools.cached_property
     def _byte_level(self) -> bool:
-        if self._decoder_type == "ByteLevel":
-            return True
-        return "ByteLevel" in json.dumps(json.loads(self._tok.to_str()).get("decoder"))
+        return "ByteLevel" in json.dumps(self._decoder_spec)
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a token string, or ``None`` if it is not in the vocabulary."""
@@ -135,8 +133,15 @@ class Tokenizer:
         return IncrementalDetokenizer(self._tok, skip_special_tokens)
 
     @functools.cached_property
+    def _decoder_spec(self) -> dict:
+        """The decoder's JSON (only the decoder: serialising the whole tokenizer costs tens of
+        milliseconds with a large vocabulary, on the first request)."""
+        decoder = self._tok.decoder
+        return {} if decoder is None else json.loads(decoder.__getstate__())
+
+    @functools.cached_property
     def _decoder_type(self) -> str | None:
-        return (json.loads(self._tok.to_str()).get("decoder") or {}).get("type")
+        return self._decoder_spec.get("type")
 
     @functools.cached_property
     def _pieces(self) -> dict[bool, _Pieces]:
