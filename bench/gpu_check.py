@@ -273,7 +273,8 @@ def main() -> None:
         sys.exit("no CUDA device: this script is for the GPU machine (--device cpu --smoke)")
     args.out.mkdir(parents=True, exist_ok=True)
     out = {
-        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (smoke)",
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "smoke": args.smoke,
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
     }

@@ -4,6 +4,7 @@ on a script that cannot work (device time is scarce: minutes per task)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,11 +12,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_script(cmd: list[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    """The script in a child whose temporary files (models, stores) land under ``tmp_path``."""
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp_path / "tmp"))
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
 def test_gpu_check_smoke_on_the_cpu(tmp_path):
     cmd = [sys.executable, "-m", "bench.gpu_check", "--device", "cpu", "--smoke"]
-    done = subprocess.run(
-        [*cmd, "--out", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
+    done = run_script([*cmd, "--out", str(tmp_path)], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads((tmp_path / "gpu_check.json").read_text())
     assert "errors" not in out, out.get("errors")
@@ -35,7 +41,7 @@ def test_attention_bench_smoke_in_the_interpreter(tmp_path):
     """Correctness at tiny sizes, then the speed parts' code (prefill against SDPA, decode
     against a copy) at tiny sizes in Triton's interpreter: the timings mean nothing here."""
     cmd = [sys.executable, "-m", "bench.attention", "--cpu", "--smoke", "--out", str(tmp_path)]
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = run_script(cmd, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads((tmp_path / "attention_cpu.json").read_text())
     assert "errors" not in out, out.get("errors")
