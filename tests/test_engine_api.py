@@ -464,6 +464,31 @@ def test_penalty_histories_leave_with_their_requests(llm):
     assert_engine_clean(llm)
 
 
+def test_logit_bias_forces_and_bans_tokens_in_both_loops(path, hf):
+    """+100 on a token makes greedy decoding pick it every step; -100 on the unbiased greedy
+    token bans it. The sync and pipelined loops agree."""
+    prompt = [291, 291, 178, 326, 439, 235]
+    base = hf_greedy(hf, prompt, 8)
+    outs = {}
+    for pipelined in (False, True):
+        llm = make_llm(path, pipelined=pipelined)
+        forced = one(
+            llm, {"prompt_token_ids": prompt}, greedy(8, ignore_eos=True, logit_bias={7: 100.0})
+        )
+        banned = one(
+            llm,
+            {"prompt_token_ids": prompt},
+            greedy(8, ignore_eos=True, logit_bias={base[0]: -100.0}),
+        )
+        assert forced.token_ids == [7] * 8
+        assert base[0] not in banned.token_ids and banned.token_ids != base
+        outs[pipelined] = (forced.token_ids, banned.token_ids)
+        assert_engine_clean(llm)
+    assert outs[False] == outs[True]
+    with pytest.raises(InvalidRequestError, match="logit_bias"):
+        llm.generate({"prompt_token_ids": prompt}, greedy(2, logit_bias={10**6: 1.0}))
+
+
 # -- 8. bad input --------------------------------------------------------------------------------
 def test_bad_requests_are_rejected_and_the_engine_keeps_serving(llm, hf):
     engine = llm.engine

@@ -259,7 +259,10 @@ def _build(spec: dict, greedy_ref) -> Req:
     )
     kind = spec["kind"]
     if kind == "seeded":
-        params = SamplingParams(temperature=0.9, top_p=0.9, seed=spec["seed"], **common)
+        top_k = 20 if spec["seed"] % 2 else 0  # the top-k candidates path, or the full sort
+        params = SamplingParams(
+            temperature=0.9, top_p=0.9, top_k=top_k, seed=spec["seed"], **common
+        )
     elif kind == "penalties":
         params = SamplingParams(
             temperature=0.0,
@@ -273,7 +276,8 @@ def _build(spec: dict, greedy_ref) -> Req:
             temperature=0.0, repetition_penalty=0.5, frequency_penalty=-1.0, **common
         )
     elif kind == "logprobs":
-        params = SamplingParams(temperature=0.0, logprobs=2, **common)
+        bias = {spec["seed"] % 64: 4.0, 3: -2.0}
+        params = SamplingParams(temperature=0.0, logprobs=2, logit_bias=bias, **common)
     else:
         params = SamplingParams(temperature=0.0, **common)
     return Req(spec["rid"], prompt, params, spec["arrival"], spec["abort_at"])

@@ -14,6 +14,7 @@ from warmboot.engine.sampler import (
     SamplingRow,
     TokenHistory,
     apply_filters,
+    apply_logit_bias,
     apply_penalties,
     make_generator,
 )
@@ -237,6 +238,52 @@ def test_token_history_mirrors_a_growing_list():
         views.append((view, list(ids)))
     for view, then in views:  # earlier views are never rewritten by later appends
         assert view.tolist() == then
+
+
+# --- logit bias -----------------------------------------------------------------------------
+
+
+def test_logit_bias_adds_exactly_and_only_to_its_rows_and_tokens():
+    logits = torch.stack([fixed_logits(k, VOCAB) for k in range(3)])
+    params = [
+        SamplingParams(logit_bias={3: 2.5, 7: -1.0}),
+        SamplingParams(),
+        SamplingParams(logit_bias={0: 100.0}),
+    ]
+    got = apply_logit_bias(logits.clone(), params)
+    want = logits.clone()
+    want[0, 3] += 2.5
+    want[0, 7] -= 1.0
+    want[2, 0] += 100.0
+    assert torch.equal(got, want)
+
+
+def test_logit_bias_bans_and_forces_greedy_tokens_and_leaves_logprobs_raw():
+    logits = fixed_logits(11, VOCAB)[None].repeat(2, 1)
+    top = int(logits[0].argmax())
+    forced = (top + 1) % VOCAB
+    rows = [
+        row(SamplingParams(temperature=0.0, logit_bias={top: -100.0}, logprobs=1)),
+        row(SamplingParams(temperature=0.0, logit_bias={forced: 100.0})),
+    ]
+    out = SAMPLER(logits, rows)
+    assert out.token_ids[0] != top and out.token_ids[1] == forced
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert out.top_token_ids[0, 0] == top  # logprobs are the raw model's, before the bias
+    assert torch.allclose(out.top_logprobs[0, 0], raw[top])
+
+
+def test_logit_bias_params_are_normalised_and_checked():
+    p = SamplingParams(logit_bias={9: 1.0, 2: -3.0})
+    assert p.logit_bias == ((2, -3.0), (9, 1.0)) and hash(p) == hash(
+        SamplingParams(logit_bias={2: -3.0, 9: 1.0})
+    )
+    assert SamplingParams(logit_bias={}).logit_bias is None
+    for bad in ({-1: 1.0}, {"5": 1.0}, {5: 100.5}):
+        with pytest.raises(ValueError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)
+    with pytest.raises(ValueError, match="logit_bias"):
+        apply_logit_bias(torch.zeros(1, VOCAB), [SamplingParams(logit_bias={VOCAB: 1.0})])
 
 
 # --- seeding --------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
 OUTPUT_KINDS = ("cumulative", "delta", "final")
 
 
@@ -69,6 +70,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
     """Grammar-constrained decoding; the output ends when the grammar is complete."""
+    logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
+    """OpenAI-style: added to these tokens' logits before penalties and sampling, each in
+    [-100, 100] (-100 bans a token, +100 all but forces it). Stored as sorted (id, bias) pairs;
+    logprobs stay those of the raw model."""
     output_kind: str = "cumulative"
     """What each streamed output holds: "cumulative" (the whole text and tokens so far, plus
     the delta fields), "delta" (only what is new: O(new tokens) per output, for streaming) or
@@ -80,6 +85,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias
+        pairs = bias.items() if isinstance(bias, dict) else (bias or ())
+        object.__setattr__(self, "logit_bias", tuple(sorted(pairs)) or None)
         self._validate()
 
     def _validate(self) -> None:
@@ -118,6 +126,11 @@ class SamplingParams:
             bad("stop_token_ids", "must be non-negative integers")
         if self.seed is not None and not isinstance(self.seed, int):
             bad("seed", "must be an integer")
+        for token, value in self.logit_bias or ():
+            if not isinstance(token, int) or token < 0:
+                bad("logit_bias", f"token {token!r} is not a non-negative integer id")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                bad("logit_bias", f"bias {value!r} of token {token} is outside [-100, 100]")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
 

@@ -346,6 +346,11 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
             raise InvalidRequestError(f"stop_token_ids {bad} are outside the vocabulary ({vocab})")
+        bad = [t for t, _ in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias tokens {bad} are outside the vocabulary ({vocab})"
+            )
         if params.structured_outputs is not None:
             self._compile_grammar(params)
         return text, token_ids

@@ -1,7 +1,8 @@
 """Turn a batch of logits into next tokens (vLLM order).
 
 1. logprobs from the raw logits (float32 ``log_softmax``), for rows that ask;
-2. penalties: repetition (prompt + output), then frequency and presence (output only);
+2. ``logit_bias`` added; then penalties: repetition (prompt + output), then frequency and
+   presence (output only);
 3. ``suppress_token_ids`` -> -inf;
 4. greedy rows: argmax;
 5. random rows: temperature, min-p, top-k, top-p, then the exponential race
@@ -66,7 +67,7 @@ class Sampler:
         params = [r.params for r in rows]
         want_logprobs = any(p.logprobs is not None for p in params)
         plain = all(
-            p.greedy and not p.uses_penalties and not r.suppress_token_ids
+            p.greedy and not p.uses_penalties and not p.logit_bias and not r.suppress_token_ids
             for p, r in zip(params, rows, strict=True)
         )
         if plain and not want_logprobs:
@@ -74,6 +75,7 @@ class Sampler:
 
         x = logits.to(torch.float32, copy=True)
         logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None
+        apply_logit_bias(x, params)
         apply_penalties(x, rows)
         _suppress(x, rows)
         tokens = x.argmax(dim=-1)
@@ -88,6 +90,19 @@ class Sampler:
         top = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
         sampled = logprobs.gather(1, tokens[:, None]).squeeze(1)
         return SamplerOutput(tokens, sampled, top.values, top.indices)
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Add each row's ``logit_bias`` in place to float32 (B, V) logits (one indexed add)."""
+    triples = [(i, t, b) for i, p in enumerate(params) for t, b in p.logit_bias or ()]
+    if not triples:
+        return logits
+    rows, tokens, bias = zip(*triples, strict=True)
+    _check_ids(torch.tensor(tokens), logits.shape[1], "logit_bias")
+    dev = logits.device
+    at = (upload(torch.tensor(rows), dev), upload(torch.tensor(tokens), dev))
+    logits.index_put_(at, upload(torch.tensor(bias, dtype=torch.float32), dev), accumulate=True)
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """OpenAI request models (pydantic) and their translation into ``SamplingParams``.
 
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; fields that change the
-result but are not supported (``logit_bias``, ``tools``, ``best_of`` > n, ...) are rejected
+result but are not supported (``tools``, ``best_of`` > n, ``suffix``, ...) are rejected
 with a 400 naming them, so a client never silently gets something other than it asked for.
 """
 
@@ -71,8 +71,6 @@ class _SamplingRequest(_Model):
     stop_token_ids: list[int] | None = None
 
     def _check_common(self) -> None:
-        if self.logit_bias:
-            raise UnsupportedParameter("logit_bias", "logit_bias is not supported")
         if self.stream_options is not None and not self.stream:
             raise UnsupportedParameter(
                 "stream_options", "stream_options is only allowed when stream is true"
@@ -97,6 +95,8 @@ class _SamplingRequest(_Model):
         }
         try:
             return self._build(max_tokens, logprobs, structured, extras)
+        except UnsupportedParameter:
+            raise
         except ValueError as e:  # SamplingParams names the field: "... parameter NAME=..."
             found = re.search(r"parameter (\w+)=", str(e))
             raise UnsupportedParameter(found.group(1) if found else None, str(e)) from None
@@ -116,9 +116,19 @@ class _SamplingRequest(_Model):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             structured_outputs=structured,
+            logit_bias=self._logit_bias(),
             output_kind="delta",  # NOTE: the server folds deltas itself (O(tokens) a request)
             **extras,
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """OpenAI's keys are token ids as strings."""
+        if not self.logit_bias:
+            return None
+        bad = [k for k in self.logit_bias if not k.strip().isdigit()]
+        if bad:
+            raise UnsupportedParameter("logit_bias", f"keys must be token ids, got {bad[:3]}")
+        return {int(k): float(v) for k, v in self.logit_bias.items()}
 
     @property
     def include_usage(self) -> bool:
