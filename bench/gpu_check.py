@@ -105,7 +105,7 @@ def hidden_syncs(out: dict, args) -> None:
         SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
         SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=48),
         SamplingParams(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.3,
-                       max_tokens=48, logprobs=3),
+                       max_tokens=48, logprobs=3, logit_bias={5: 2.0, 9: -3.0}),
         SamplingParams(temperature=0.0, max_tokens=48,
                        structured_outputs=StructuredOutputs(json=SCHEMA)),
     ]  # fmt: skip

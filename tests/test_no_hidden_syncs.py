@@ -1,7 +1,7 @@
 """The step path must not synchronise with the device. On the CPU nothing can sync, so this
 test looks for the code patterns that do on CUDA, while a pipelined engine decodes a batch
-mixing greedy, seeded top-k/top-p, penalties, logprobs, suppressed stop ids and a JSON
-schema:
+mixing greedy, seeded top-k/top-p, penalties, logprobs, logit bias, suppressed stop ids and a
+JSON schema:
 
 - a Python list (or a list inside a tuple) as the index of a tensor: a blocking copy of the
   index to the device;
@@ -78,7 +78,8 @@ def test_no_sync_patterns_in_the_step_path(path, monkeypatch):
         SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True),  # unseeded random
         SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.4,
                        frequency_penalty=0.2, logprobs=2, max_tokens=12, ignore_eos=True),
-        SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[7], max_tokens=12),
+        SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[7], max_tokens=12,
+                       logit_bias={5: 2.0, 9: -3.0}),
         SamplingParams(temperature=0.0, max_tokens=12,
                        structured_outputs=StructuredOutputs(json=schema)),
     ]  # fmt: skip
