@@ -160,7 +160,10 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
     # sort of the vocabulary unless some row asks for top-p without top-k (then K = V).
     top_p_only = any(p.top_p < 1.0 and not p.uses_top_k for p in params)
     width = vocab if top_p_only else max(k for k, p in zip(ks, params, strict=True) if p.uses_top_k)
-    cand, order = logits.topk(width, dim=-1)  # descending
+    if width == vocab:
+        cand, order = logits.sort(dim=-1, descending=True)
+    else:
+        cand, order = logits.topk(width, dim=-1)  # descending
     kth = cand.gather(1, upload(torch.tensor(ks), dev).clamp_max(width)[:, None] - 1)
     no_k = upload(torch.tensor([not p.uses_top_k for p in params]), dev)[:, None]
     kth = kth.masked_fill(no_k, float("-inf"))

@@ -1,18 +1,20 @@
-"""Cost of repetition / frequency / presence penalties per decode step, as histories grow.
+"""The sampler's cost per decode step: penalties as histories grow, and top-k / top-p.
 
-Two figures, each for the current tree and an older revision (``--compare-rev``, checked out
-in a git worktree) in the same run, alternating, median of ``--repeats``:
+Three figures, each for the current tree and an older revision (``--compare-rev``, checked
+out in a git worktree) in the same run, alternating, median of ``--repeats``:
 
-- the sampler alone: batch 64, vocab 32k, every row penalised, histories (prompt and
-  output) of 16 to 4096 tokens each, passed as the runner passes them (lists before
+- penalties, the sampler alone: batch 64, vocab 32k, every row penalised, histories (prompt
+  and output) of 16 to 4096 tokens each, passed as the runner passes them (lists before
   ``TokenHistory`` existed, its tensors after); ms per call;
+- filters, the sampler alone: batch 64, vocab 32k, temperature 0.8 with top-k 50, top-p 0.9
+  or both; ms per call;
 - the engine: a one-layer model with a 32k vocabulary (so the sampler weighs), batch 64,
   256-token prompts, 384 new tokens with penalties, greedy; output tokens per second.
 
 On the CPU the "device" is this CPU, so both figures include the device's work. Writes
-``docs/benchmarks/penalties.{json,md,png}``.
+``docs/benchmarks/sampler.{json,md,png}``.
 
-Run from the repository root: ``python -m bench.penalties --compare-rev REV``.
+Run from the repository root: ``python -m bench.sampler --compare-rev REV``.
 """
 
 from __future__ import annotations
@@ -35,6 +37,11 @@ LENGTHS = (16, 256, 1024, 4096)
 CONFIGS = {
     "freq+presence": dict(frequency_penalty=0.5, presence_penalty=0.3),
     "all three": dict(frequency_penalty=0.5, presence_penalty=0.3, repetition_penalty=1.1),
+}
+FILTERS = {
+    "top-k 50": dict(top_k=50),
+    "top-p 0.9": dict(top_p=0.9),
+    "top-k 50, top-p 0.9": dict(top_k=50, top_p=0.9),
 }
 PROMPT, NEW = 256, 384
 
@@ -66,6 +73,13 @@ def sampler_ms() -> dict[str, float]:
             for _ in range(calls):
                 S.Sampler()(logits, rows)
             out[f"{length}/{name}"] = (time.perf_counter() - t) / calls * 1e3
+    for name, kw in FILTERS.items():
+        rows = [S.SamplingRow(SamplingParams(temperature=0.8, **kw), [], [], None)] * BATCH
+        S.Sampler()(logits, rows)  # warm
+        t = time.perf_counter()
+        for _ in range(10):
+            S.Sampler()(logits, rows)
+        out[f"filter/{name}"] = (time.perf_counter() - t) / 10 * 1e3
     return out
 
 
@@ -159,12 +173,19 @@ def write_report(args, names: list[str], samples: dict) -> None:
     rows = [
         {"history": int(k.split("/")[0]), "config": k.split("/")[1]} | {n: med[n][k] for n in names}
         for k in med[new]
+        if not k.startswith("filter/")
+    ]
+    filters = [
+        {"filter": k.split("/", 1)[1]} | {n: med[n][k] for n in names}
+        for k in med[new]
+        if k.startswith("filter/")
     ]
     meta = report_meta(batch=BATCH, vocab=VOCAB, repeats=args.repeats, engine_tok_s=tok_s)
+    meta["filters"] = filters
     lines = [
-        "# Penalties per decode step",
+        "# The sampler per decode step: penalties and filters",
         "",
-        f"{meta['date']}, {meta['machine']}. `python -m bench.penalties --compare-rev {old}`,"
+        f"{meta['date']}, {meta['machine']}. `python -m bench.sampler --compare-rev {old}`,"
         f" median of {args.repeats}, both trees alternating, one torch thread.",
         "",
         f"Sampler alone, batch {BATCH}, vocab {VOCAB}, every row penalised; history = prompt"
@@ -178,6 +199,15 @@ def write_report(args, names: list[str], samples: dict) -> None:
             f"| {r['history']} | {r['config']} | {r[old]:.1f} | {r[new]:.1f}"
             f" | {r[old] / r[new]:.2f}x |"
         )
+    lines += [
+        "",
+        f"Filters, the sampler alone, batch {BATCH}, vocab {VOCAB}, temperature 0.8; ms per call:",
+        "",
+        f"| filter | {old} ms | current ms | speed-up |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for r in filters:
+        lines.append(f"| {r['filter']} | {r[old]:.1f} | {r[new]:.1f} | {r[old] / r[new]:.2f}x |")
     lines += [
         "",
         f"Engine, one-layer model, vocab {VOCAB}, batch {BATCH}, {PROMPT}-token prompts,"
@@ -194,9 +224,9 @@ def write_report(args, names: list[str], samples: dict) -> None:
     ax.set_xscale("log", base=2)
     ax.set_xlabel("history tokens per row (prompt and output each)")
     ax.set_ylabel("sampler ms per step (batch 64)")
-    ax.set_title(f"penalties, vocab {VOCAB}, {meta['date']}")
+    ax.set_title(f"penalties in the sampler, vocab {VOCAB}, {meta['date']}")
     ax.legend(fontsize=7)
-    save_report(args.out, "penalties", meta, rows, lines, fig)
+    save_report(args.out, "sampler", meta, rows, lines, fig)
 
 
 if __name__ == "__main__":
