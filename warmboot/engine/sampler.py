@@ -151,31 +151,39 @@ def apply_filters(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         probs = torch.softmax(logits, dim=-1)
         floor = _column([p.min_p for p in params], dev) * probs.amax(dim=-1, keepdim=True)
         logits = logits.masked_fill(probs < floor, float("-inf"))
-    use_k = any(p.uses_top_k for p in params)
-    use_p = any(p.top_p < 1.0 for p in params)
-    if not (use_k or use_p):
+    if not any(p.uses_top_k or p.top_p < 1.0 for p in params):
         return logits
+    cand, order = _candidates(logits, params)
     ks = [min(p.top_k, vocab) if p.uses_top_k else vocab for p in params]
-    # NOTE: the candidates are the K largest logits, K the largest k in use: top-k needs no
-    # sort of the vocabulary unless some row asks for top-p without top-k (then K = V).
-    top_p_only = any(p.top_p < 1.0 and not p.uses_top_k for p in params)
-    width = vocab if top_p_only else max(k for k, p in zip(ks, params, strict=True) if p.uses_top_k)
-    if width == vocab:
-        cand, order = logits.sort(dim=-1, descending=True)
-    else:
-        cand, order = logits.topk(width, dim=-1)  # descending
-    kth = cand.gather(1, upload(torch.tensor(ks), dev).clamp_max(width)[:, None] - 1)
+    kth = cand.gather(1, upload(torch.tensor(ks), dev).clamp_max(cand.shape[1])[:, None] - 1)
     no_k = upload(torch.tensor([not p.uses_top_k for p in params]), dev)[:, None]
     kth = kth.masked_fill(no_k, float("-inf"))
     # NOTE: ties with the k-th largest value are kept, so the kept set may exceed k.
     logits = logits.masked_fill(logits < kth, float("-inf"))
-    if not use_p:
-        return logits
-    cand = cand.masked_fill(cand < kth, float("-inf"))
+    if any(p.top_p < 1.0 for p in params):
+        logits = _top_p(logits, cand.masked_fill(cand < kth, float("-inf")), order, params)
+    return logits
+
+
+def _candidates(
+    logits: torch.Tensor, params: Sequence[SamplingParams]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) of each row's K largest logits, descending; K is the largest top-k in use,
+    so top-k sorts nothing, unless a row asks for top-p without top-k (then all, sorted)."""
+    if any(p.top_p < 1.0 and not p.uses_top_k for p in params):
+        return logits.sort(dim=-1, descending=True)
+    width = min(max(p.top_k for p in params if p.uses_top_k), logits.shape[1])
+    return logits.topk(width, dim=-1)
+
+
+def _top_p(
+    logits: torch.Tensor, cand: torch.Tensor, order: torch.Tensor, params: Sequence[SamplingParams]
+) -> torch.Tensor:
+    """Keep each top-p row's smallest set of candidates holding ``top_p`` of the mass: drop a
+    candidate once those before it hold top_p (the most likely token always survives). Rows
+    without top-p keep what they have."""
     probs = torch.softmax(cand, dim=-1)
-    top_p = _column([p.top_p for p in params], dev)
-    # Drop a candidate once the candidates before it hold top_p of the mass: the smallest set
-    # (the most likely token always survives). Rows without top-p keep their top-k set.
+    top_p = _column([p.top_p for p in params], logits.device)
     drop = ((probs.cumsum(dim=-1) - probs) >= top_p) & (top_p < 1.0)
     dropped = torch.ones_like(logits, dtype=torch.bool).scatter_(1, order, drop)
     return logits.masked_fill(dropped & (top_p < 1.0), float("-inf"))
