@@ -6,8 +6,9 @@ Each server runs as its own process on 127.0.0.1; a closed-loop load generator k
 and measures requests/s, output tokens/s, time to first token and inter-token latency
 (p50 / p99) per concurrency. The sync server shows what the pipelined loop changes under
 load, time to first token included (a new prefill must not wait behind decodes). All servers
-compute in float32 (the CPU default of warmboot;
-``--dtype float32`` for transformers). Writes ``docs/benchmarks/serve.{json,md,png}``.
+compute in float32 (the CPU default of warmboot; ``--dtype float32`` for transformers).
+Writes ``docs/benchmarks/serve.{json,md,png}``; the notes under the tables are written by
+hand after a run.
 
     python -m bench.serve [--model DIR] [--concurrency 1 8 32] [--max-tokens 32]
                           [--servers warmboot warmboot-sync transformers]
