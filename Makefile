@@ -1,9 +1,11 @@
-# Two entry points: `make demo` and `make test`. Both build .venv/ from pinned requirements.
+# Two entry points: `make demo` and `make test` (`make check` is test's fast tier). They build
+# .venv/ from pinned requirements.
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint bench clean runsc gpu-wheels
+.PHONY: check
 
 $(STAMP): requirements.txt pyproject.toml
 	@free=$$(df -Pk . | awk 'NR==2 {print int($$4 / 1048576)}'); [ "$$free" -ge 3 ] \
@@ -28,6 +30,12 @@ demo: $(STAMP) runsc
 test: $(STAMP) runsc
 	$(PY) -m ruff check warmboot tests bench
 	$(PY) -m pytest -q -ra
+
+# The fast tier for the edit-test loop (under 2 minutes on 2 cores): the suite less the tests
+# marked slow (interpreter kernels, gVisor, GPU-script smoke runs). `make test` runs everything.
+check: $(STAMP)
+	$(PY) -m ruff check warmboot tests bench
+	$(PY) -m pytest -q -ra -m "not slow"
 
 lint: $(STAMP)
 	$(PY) -m ruff format --check warmboot tests bench

@@ -85,7 +85,7 @@ def pad_forward(llm: LLM, ms: float) -> None:
 def run(llm: LLM, batch: int, prompt_len: int, new_tokens: int, schema: bool) -> dict:
     eng = llm.engine
     eng.block_manager.reset_prefix_cache()
-    eng.meter = BubbleMeter()
+    eng.loop.meter = BubbleMeter()
     g = torch.Generator().manual_seed(batch)
     prompts = [torch.randint(1, 4096, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     params = SamplingParams(
@@ -104,7 +104,7 @@ def run(llm: LLM, batch: int, prompt_len: int, new_tokens: int, schema: bool) ->
                 json.loads(o.outputs[0].text)
     return {
         "tok_s": tokens / wall,
-        "bubble": eng.meter.bubble_fraction,
+        "bubble": eng.loop.meter.bubble_fraction,
         "tokens": tokens,
         "tokens_out": [o.outputs[0].token_ids for o in outs],
     }

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import platform
+import subprocess
+import tempfile
 from pathlib import Path
 
 
@@ -44,3 +47,20 @@ def save_report(out: Path, name: str, meta: dict, rows: list, lines: list[str], 
     fig.tight_layout()
     fig.savefig(out / f"{name}.png", dpi=120)
     print("\n".join(lines))
+
+
+@contextlib.contextmanager
+def revision_trees(root: Path, revs: list[str]):
+    """``{rev: tree}`` for older revisions, each checked out in a temporary git worktree
+    (removed afterwards), then ``"current": root``."""
+    git = ["git", "-C", str(root)]
+    trees: dict[str, Path] = {}
+    try:
+        for rev in revs:
+            trees[rev] = Path(tempfile.mkdtemp(prefix="wb-rev-")) / "tree"
+            cmd = [*git, "worktree", "add", "--detach", str(trees[rev]), rev]
+            subprocess.run(cmd, check=True, capture_output=True)
+        yield trees | {"current": root}
+    finally:
+        for tree in trees.values():
+            subprocess.run([*git, "worktree", "remove", "--force", str(tree)], check=False)

@@ -1,5 +1,5 @@
 """Checkpoint a process's CUDA state into host memory and restore it in place, with the driver
-API (``warmboot.snapshot.cuda_checkpoint``), on a GPU machine (driver >= 570).
+API (``bench.cuda_checkpoint_api``), on a GPU machine (driver >= 570).
 
 A child process (this file with ``--child``) fills ``--gb`` GB of CUDA tensors with a known
 pattern and captures a small CUDA graph, then waits. For each of ``--cycles`` cycles the
@@ -258,7 +258,7 @@ def start_watchdog(seconds: float, report: Report, child_box: list) -> threading
 
 
 def parent_main(args: argparse.Namespace) -> int:
-    from warmboot.snapshot import cuda_checkpoint
+    from bench import cuda_checkpoint_api as cuda_checkpoint
 
     out = args.out or (
         Path(os.environ["OUT"]) / "cuda_checkpoint.json" if "OUT" in os.environ else None

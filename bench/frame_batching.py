@@ -91,7 +91,7 @@ def run_native(batch: int) -> dict:
 
 
 def run_gvisor(batch: int) -> dict | None:
-    from warmboot.snapshot.sandbox import Sandbox, SandboxSpec, runsc_status
+    from warmboot.launcher.sandbox import Sandbox, SandboxSpec, runsc_status
 
     version, why = runsc_status()
     if version is None:

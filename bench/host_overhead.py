@@ -30,7 +30,7 @@ def measure(context: int) -> float:
     import torch
 
     from warmboot import LLM, SamplingParams
-    from warmboot.engine.loop import BubbleMeter
+    from warmboot.engine.loop import BubbleMeter  # in every compared tree
     from warmboot.models.demo import write_random_llama
     from warmboot.tokenizer.train import train_tokenizer
 
@@ -59,7 +59,11 @@ def measure(context: int) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     llm.generate(prompts[:2], params)  # warm
     llm.engine.block_manager.reset_prefix_cache()
-    llm.engine.meter = meter = BubbleMeter()
+    meter = BubbleMeter()
+    if hasattr(llm.engine.loop, "meter"):  # NOTE: the loop owns its meter since the restructure
+        llm.engine.loop.meter = meter
+    else:
+        llm.engine.meter = meter
     llm.generate(prompts, params)
     return (meter.wall - meter.busy) / meter.steps * 1e3
 
@@ -82,15 +86,9 @@ def main() -> None:
     if args.child is not None:
         print(measure(args.child))
         return
-    git = ["git", "-C", str(ROOT)]
-    trees: dict[str, Path] = {}
-    for rev in args.compare_rev:
-        trees[rev] = Path(tempfile.mkdtemp(prefix="wb-rev-")) / "tree"
-        subprocess.run([*git, "worktree", "add", "--detach", str(trees[rev]), rev],
-                       check=True, capture_output=True)  # fmt: skip
-    worktrees = list(trees.values())
-    trees["current"] = ROOT
-    try:
+    from bench.common import revision_trees
+
+    with revision_trees(ROOT, args.compare_rev) as trees:
         rows = []
         for context in args.contexts:
             samples: dict[str, list[float]] = {name: [] for name in trees}
@@ -100,9 +98,6 @@ def main() -> None:
             row = {"context": context} | {n: statistics.median(v) for n, v in samples.items()}
             print(row, flush=True)
             rows.append(row)
-    finally:
-        for tree in worktrees:
-            subprocess.run([*git, "worktree", "remove", "--force", str(tree)], check=False)
     write_report(args, list(trees), rows)
 
 

@@ -53,7 +53,7 @@ def make_engine(max_len: int):
 def measure(engine, kind: str, lengths: list[int]) -> dict[int, tuple[float, float]]:
     """{length: (engine ms/step, wire + launcher ms/step)} over WINDOW steps ending there."""
     from warmboot import SamplingParams
-    from warmboot.engine.scheduler import TokenEvent
+    from warmboot.core.types import TokenEvent
     from warmboot.launcher.frames import OutputAccumulator, output_to_wire
 
     params = SamplingParams(max_tokens=max(lengths) + 1, ignore_eos=True, output_kind=kind)
@@ -69,7 +69,7 @@ def measure(engine, kind: str, lengths: list[int]) -> dict[int, tuple[float, flo
         if step in timed:
             start, engine_s, wire_s = step, 0.0, 0.0
         t0 = time.perf_counter()
-        events = [TokenEvent(c, [rng.randrange(4, VOCAB)], [None], False) for c in children]
+        events = [TokenEvent(c.request_id, [rng.randrange(4, VOCAB)], [None]) for c in children]
         touched, _ = engine.outputs.process(events)
         outs = engine.take_outputs(touched)
         t1 = time.perf_counter()

@@ -50,7 +50,7 @@ def sampler_ms() -> dict[str, float]:
     """{"L/config": ms per sampler call} (runs in a child: ``warmboot`` from its PYTHONPATH)."""
     import torch
 
-    from warmboot.engine import sampler as S
+    from warmboot.device import sampler as S
     from warmboot.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
@@ -65,7 +65,7 @@ def sampler_ms() -> dict[str, float]:
             for _ in range(BATCH):
                 ids = torch.randint(0, VOCAB, (2, length), generator=g).tolist()
                 if history is not None:  # what the runner passes since TokenHistory exists
-                    ids = [history().sync(h) for h in ids]
+                    ids = [_as_history(history(), h) for h in ids]
                 rows.append(S.SamplingRow(p, ids[0], ids[1], None))
             S.Sampler()(logits, rows)  # warm
             calls = max(3, int(20 * 256 / max(length, 256)))
@@ -156,6 +156,14 @@ def main() -> None:
     finally:
         subprocess.run([*git, "worktree", "remove", "--force", str(worktree)], check=False)
     write_report(args, list(trees), samples)
+
+
+def _as_history(history, ids: list[int]):
+    """``ids`` as the runner's history tensor (``extend``; older trees had ``sync``)."""
+    if hasattr(history, "extend"):
+        history.extend(ids)
+        return history.tensor
+    return history.sync(ids)
 
 
 def write_report(args, names: list[str], samples: dict) -> None:

@@ -56,7 +56,7 @@ def run_native(threads: int, batch: int) -> float:
 
 
 def run_gvisor(threads: int, batch: int) -> float | None:
-    from warmboot.snapshot.sandbox import Sandbox, SandboxSpec, runsc_status
+    from warmboot.launcher.sandbox import Sandbox, SandboxSpec, runsc_status
 
     version, why = runsc_status()
     if version is None:

@@ -43,8 +43,9 @@ def assert_engine_clean(llm) -> None:
     assert engine.block_manager.num_used_blocks == 0
     # Per-request runner state (slot, generator, penalty histories) goes at the next step.
     runner = engine.runner
-    live = set(runner._slots) | set(runner._generators) | set(runner._histories)
-    leaving = runner._parked | set(engine.scheduler._finished_since_step)
+    runner.check_invariants()
+    live = runner.request_state()
+    leaving = runner.leaving() | set(engine.scheduler.finished_since_step)
     assert live <= leaving, f"runner state kept for requests that left: {live - leaving}"
 
 
@@ -104,7 +105,7 @@ class CaptureGuard(TorchDispatchMode):
 def guard_captured_region(monkeypatch) -> CaptureGuard:
     """Run every (emulated) decode-graph forward under one ``CaptureGuard``; ``tolist`` and
     ``numpy`` (host reads that bypass the dispatcher) count as hits there too."""
-    from warmboot.engine.graphs import DecodeGraphs
+    from warmboot.device.graphs import DecodeGraphs
 
     guard, run, inside = CaptureGuard(), DecodeGraphs._run_eager, threading.local()
 

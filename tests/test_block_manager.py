@@ -5,27 +5,15 @@ Pure Python: no torch here (the module under test imports none either).
 
 from __future__ import annotations
 
-from collections import Counter
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-import warmboot.engine.kv_cache as kv_cache
-from warmboot.engine.kv_cache import BlockManager, NoFreeBlocksError
-
-
-def snapshot(bm: BlockManager):
-    """Everything that makes up the manager's state, copied."""
-    return (
-        {k: list(v) for k, v in bm._tables.items()},
-        list(bm._free),
-        list(bm._evictable),
-        dict(bm._cached),
-        Counter(bm._held),
-        [(b.ref_count, b.block_hash, b.token_ids) for b in bm.blocks],
-    )
+import warmboot.core.block_manager as kv_cache
+from warmboot.core.block_manager import Block, BlockManager, NoFreeBlocksError, PoolState
 
 
 def run_tokens(bm: BlockManager, seq_id: str, tokens: list[int]) -> list[int]:
@@ -83,19 +71,19 @@ def test_allocation_failure_leaves_state_unchanged():
     run_tokens(bm, "a", tokens)  # 3 blocks, 2 of them full and cached
     bm.free("a")  # 2 evictable + 2 free
     assert bm.allocate("x", 4)  # 1 free left, 2 evictable
-    before = snapshot(bm)
+    before = bm.state()
 
     assert not bm.allocate("b", 13)  # needs 4, only 3 takeable
-    assert snapshot(bm) == before
+    assert bm.state() == before
     assert not bm.allocate("x", 17)  # grow by 4, only 3 takeable
-    assert snapshot(bm) == before
+    assert bm.state() == before
 
     # with a prefix of 2 evictable blocks the 2 hits are not extra room: 2 + 2 new > 3
     prefix = bm.find_cached_prefix(tokens + [99, 99, 99, 99])
     assert len(prefix) == 2
-    before = snapshot(bm)
+    before = bm.state()
     assert not bm.allocate("c", 16, prefix)
-    assert snapshot(bm) == before
+    assert bm.state() == before
     bm.check_invariants()
     # ... but 2 hits + 1 new block fit exactly
     assert bm.allocate("c", 12, prefix)
@@ -109,13 +97,15 @@ def test_free_twice_is_a_noop_and_release_detects_double_free():
     assert bm.allocate("a", 3)
     blocks = bm.block_table("a")
     bm.free("a")
-    before = snapshot(bm)
+    before = bm.state()
     bm.free("a")
     bm.free("never-allocated")
-    assert snapshot(bm) == before
-    with pytest.raises(RuntimeError, match="double free"):
-        bm._release(blocks[0])
+    assert bm.state() == before
     bm.check_invariants()
+    # a table listing blocks that were already released: freeing it is a double free
+    stale = BlockManager.from_state(4, 2, replace(before, tables={"a": tuple(blocks)}))
+    with pytest.raises(RuntimeError, match="double free"):
+        stale.free("a")
 
 
 def test_prefix_only_starts_a_table():
@@ -130,11 +120,15 @@ def test_prefix_only_starts_a_table():
     bm.check_invariants()
 
 
-def test_pop_free_raises_when_exhausted():
+def test_taking_from_an_exhausted_pool_raises():
     bm = BlockManager(1, 2)
     assert bm.allocate("a", 2)
+    assert not bm.allocate("b", 1)  # allocate checks for room before taking any block
+    # a pool that counts block 0 twice (free and evictable) passes that check; taking the
+    # second block then finds the pool empty instead of handing block 0 out twice
+    bm = BlockManager.from_state(1, 2, PoolState(free=(0,), evictable=(0,)))
     with pytest.raises(NoFreeBlocksError):
-        bm._pop_free()
+        bm.allocate("a", 4)
 
 
 # -- prefix caching ---------------------------------------------------------------------------
@@ -188,7 +182,7 @@ def test_prefix_hit_is_shared_and_refcounted():
     assert bm.num_used_blocks == 4
     bm.free("b")
     assert bm.num_used_blocks == 0
-    assert set(bm._evictable) == set(table_a)  # hashed blocks stay cached
+    assert set(bm.state().evictable) == set(table_a)  # hashed blocks stay cached
     bm.check_invariants()
     assert bm.find_cached_prefix(query) == table_a
 
@@ -213,7 +207,7 @@ def test_same_content_twice_keeps_first_copy_cached():
     bm.check_invariants()
     bm.free("a")
     bm.free("b")
-    assert set(bm._evictable) == set(table_a[:2])
+    assert set(bm.state().evictable) == set(table_a[:2])
     bm.check_invariants()
 
 
@@ -224,7 +218,7 @@ def test_prefix_caching_disabled():
     assert all(b.block_hash is None for b in bm.blocks)
     assert bm.find_cached_prefix(tokens) == []
     bm.free("a")
-    assert not bm._evictable and bm.num_free_blocks == 8
+    assert not bm.state().evictable and bm.num_free_blocks == 8
     bm.check_invariants()
 
 
@@ -295,7 +289,7 @@ def test_lru_eviction_order():
     y0, y1 = run_tokens(bm, "y", y)
     bm.free("x")  # tail first: x1 then x0
     bm.free("y")
-    assert list(bm._evictable) == [x1, x0, y1, y0]
+    assert list(bm.state().evictable) == [x1, x0, y1, y0]
     assert bm.num_free_blocks == 4
     assert bm.find_cached_prefix(x + [0]) == [x0, x1]
 
@@ -334,13 +328,13 @@ def test_blocks_revived_by_a_hit_are_not_evicted():
     y0, y1 = run_tokens(bm, "y", y)
     bm.free("x")
     bm.free("y")
-    assert list(bm._evictable) == [x1, x0, y1, y0]  # x's blocks are the LRU ones
+    assert list(bm.state().evictable) == [x1, x0, y1, y0]  # x's blocks are the LRU ones
 
     prefix = bm.find_cached_prefix(x + [9])
     assert prefix == [x0, x1]
     assert bm.allocate("b", 5, prefix)  # the hit takes x0, x1; the new block evicts y1
     assert bm.block_table("b") == [x0, x1, y1]
-    assert list(bm._evictable) == [y0]
+    assert list(bm.state().evictable) == [y0]
     assert bm.blocks[x0].token_ids == (1, 2) and bm.blocks[x1].token_ids == (3, 4)
     bm.check_invariants()
 
@@ -351,7 +345,7 @@ def test_blocks_revived_by_a_hit_are_not_evicted():
     assert bm.find_cached_prefix(x + [0]) == [x0, x1]
     bm.free("b")
     # freed again they are the most recently released: tail first
-    assert list(bm._evictable) == [x1, x0]
+    assert list(bm.state().evictable) == [x1, x0]
     bm.check_invariants()
 
 
@@ -363,7 +357,7 @@ def test_reset_prefix_cache_forgets_evictable_blocks_only():
     bm.free("x")
     bm.reset_prefix_cache()
     bm.check_invariants()
-    assert not bm._evictable
+    assert not bm.state().evictable
     assert bm.find_cached_prefix(x + [0]) == []
     assert bm.find_cached_prefix(y + [0]) == [y0, y1]  # in use: still cached
     assert bm.num_used_blocks == 2
@@ -382,7 +376,8 @@ def test_hold_keeps_blocks_out_of_the_pool_until_released():
     bm.free("a")
     bm.check_invariants()
     assert bm.num_used_blocks == 3
-    assert not set(table) & (set(bm._free) | set(bm._evictable))
+    state = bm.state()
+    assert not set(table) & (set(state.free) | set(state.evictable))
     assert not bm.allocate("b", 3)  # only one block takeable
     assert bm.allocate("b", 2)
     assert bm.block_table("b")[0] not in table
@@ -391,7 +386,8 @@ def test_hold_keeps_blocks_out_of_the_pool_until_released():
     bm.unhold(table)
     bm.check_invariants()
     assert bm.num_used_blocks == 1
-    assert list(bm._evictable) == [table[1]] and table[2] in bm._free
+    state = bm.state()
+    assert list(state.evictable) == [table[1]] and table[2] in state.free
     bm.unhold(table[:1])
     bm.check_invariants()
     assert bm.num_used_blocks == 0
@@ -434,7 +430,7 @@ def test_seq_hold_keeps_a_freed_table_until_the_last_release():
     bm.unhold_seqs(["a"])
     bm.check_invariants()
     assert bm.num_used_blocks == 0
-    assert list(bm._evictable)[-2:] == [table[1], table[0]]  # tail first, as free() does
+    assert list(bm.state().evictable)[-2:] == [table[1], table[0]]  # tail first, as free() does
     assert bm.find_cached_prefix(tokens) == table[:2]
 
 
@@ -472,18 +468,18 @@ def test_cache_full_blocks_starts_at_the_first_unhashed_block():
     tokens = [1, 2, 3, 4, 5, 6, 7]
     assert bm.allocate("a", 7)
     bm.cache_full_blocks("a", tokens, 4)
-    assert bm._hashed_upto["a"] == 2
+    assert bm.state().hashed_upto["a"] == 2
     bm.cache_full_blocks("a", tokens, 7)
-    assert bm._hashed_upto["a"] == 3
+    assert bm.state().hashed_upto["a"] == 3
     # a second sequence computing the same content keeps its blocks unhashed (the first copy
     # stays canonical) and retries them on every call
     assert bm.allocate("b", 7)
     bm.cache_full_blocks("b", tokens, 7)
-    assert bm._hashed_upto["b"] == 0
+    assert bm.state().hashed_upto["b"] == 0
     bm.free("a")
     bm.reset_prefix_cache()  # the canonical copies are gone: b's blocks take over
     bm.cache_full_blocks("b", tokens, 7)
-    assert bm._hashed_upto["b"] == 3
+    assert bm.state().hashed_upto["b"] == 3
     assert bm.find_cached_prefix(tokens + [0]) == bm.block_table("b")[:3]
     bm.check_invariants()
 
@@ -504,72 +500,98 @@ def _populated() -> tuple[BlockManager, dict[str, int]]:
         "shared": shared[0],
         "held": bm.block_table("b")[1],
         "evictable": evictable,
-        "free": bm._free[0],
+        "free": bm.state().free[0],
     }
     assert bm.blocks[roles["shared"]].ref_count == 2
-    assert roles["evictable"] in bm._evictable
+    assert roles["evictable"] in bm.state().evictable
     return bm, roles
 
 
-def _corrupt_refcount_up(bm, r):
-    bm.blocks[r["shared"]].ref_count += 1
+def _block(state: PoolState, block_id: int) -> Block:
+    return state.blocks.get(block_id, Block(block_id))
 
 
-def _corrupt_refcount_down(bm, r):
-    bm.blocks[r["shared"]].ref_count -= 1
+def _with_block(state: PoolState, block_id: int, **changes) -> PoolState:
+    block = replace(_block(state, block_id), **changes)
+    return replace(state, blocks={**state.blocks, block_id: block})
 
 
-def _corrupt_held_refcount(bm, r):
-    bm.blocks[r["held"]].ref_count -= 1
+def _corrupt_refcount_up(s, r):
+    return _with_block(s, r["shared"], ref_count=_block(s, r["shared"]).ref_count + 1)
 
 
-def _corrupt_free_refcount(bm, r):
-    bm.blocks[r["free"]].ref_count = 1
+def _corrupt_refcount_down(s, r):
+    return _with_block(s, r["shared"], ref_count=_block(s, r["shared"]).ref_count - 1)
 
 
-def _corrupt_used_on_free_list(bm, r):
-    bm._free.append(r["shared"])
+def _corrupt_held_refcount(s, r):
+    return _with_block(s, r["held"], ref_count=_block(s, r["held"]).ref_count - 1)
 
 
-def _corrupt_free_list_duplicate(bm, r):
-    bm._free.append(r["free"])
+def _corrupt_free_refcount(s, r):
+    return _with_block(s, r["free"], ref_count=1)
 
 
-def _corrupt_leak_free_block(bm, r):
-    bm._free.remove(r["free"])
+def _corrupt_used_on_free_list(s, r):
+    return replace(s, free=(*s.free, r["shared"]))
 
 
-def _corrupt_leak_evictable_block(bm, r):
-    del bm._evictable[r["evictable"]]
+def _corrupt_free_list_duplicate(s, r):
+    return replace(s, free=(*s.free, r["free"]))
 
 
-def _corrupt_free_and_evictable(bm, r):
-    bm._free.append(r["evictable"])
+def _corrupt_leak_free_block(s, r):
+    return replace(s, free=tuple(b for b in s.free if b != r["free"]))
 
 
-def _corrupt_used_evictable(bm, r):
-    bm._evictable[r["held"]] = None
+def _corrupt_leak_evictable_block(s, r):
+    return replace(s, evictable=tuple(b for b in s.evictable if b != r["evictable"]))
 
 
-def _corrupt_free_block_with_hash(bm, r):
-    bm.blocks[r["free"]].block_hash = 42
+def _corrupt_free_and_evictable(s, r):
+    return replace(s, free=(*s.free, r["evictable"]))
 
 
-def _corrupt_evictable_without_hash(bm, r):
-    bm.blocks[r["evictable"]].block_hash = None
+def _corrupt_used_evictable(s, r):
+    return replace(s, evictable=(*s.evictable, r["held"]))
 
 
-def _corrupt_stale_cache_entry(bm, r):
-    bm._cached[42] = r["free"]
+def _corrupt_free_block_with_hash(s, r):
+    return _with_block(s, r["free"], block_hash=42)
 
 
-def _corrupt_table_lists_twice(bm, r):
-    bm._tables["a"].append(bm._tables["a"][0])
-    bm.blocks[bm._tables["a"][0]].ref_count += 1
+def _corrupt_evictable_without_hash(s, r):
+    return _with_block(s, r["evictable"], block_hash=None)
 
 
-def _corrupt_lost_hold(bm, r):
-    bm._held.clear()
+def _corrupt_stale_cache_entry(s, r):
+    return replace(s, cached={**s.cached, 42: r["free"]})
+
+
+def _corrupt_table_lists_twice(s, r):
+    a0 = s.tables["a"][0]
+    s = replace(s, tables={**s.tables, "a": (*s.tables["a"], a0)})
+    return _with_block(s, a0, ref_count=_block(s, a0).ref_count + 1)
+
+
+def _corrupt_lost_hold(s, r):
+    return replace(s, held={})
+
+
+def test_from_state_round_trips():
+    """A manager rebuilt from a state has that state and behaves as the original."""
+    bm, _ = _populated()
+    copy = BlockManager.from_state(bm.num_blocks, bm.block_size, bm.state())
+    assert copy.state() == bm.state()
+    copy.check_invariants()
+    for m in (bm, copy):
+        assert m.allocate("c", 5, m.find_cached_prefix([1, 2, 3, 4, 5]))
+        m.free("a")
+        m.unhold(m.block_table("b")[1:])
+        m.check_invariants()
+    assert copy.state() == bm.state()
+    with pytest.raises(ValueError, match="bad block"):
+        BlockManager.from_state(2, 2, PoolState(blocks={2: Block(2)}))
 
 
 @pytest.mark.parametrize(
@@ -595,9 +617,9 @@ def _corrupt_lost_hold(bm, r):
 def test_check_invariants_catches_corruption(corrupt):
     bm, roles = _populated()
     bm.check_invariants()
-    corrupt(bm, roles)
+    broken = BlockManager.from_state(bm.num_blocks, bm.block_size, corrupt(bm.state(), roles))
     with pytest.raises(AssertionError):
-        bm.check_invariants()
+        broken.check_invariants()
 
 
 # -- stateful model-based test ----------------------------------------------------------------
@@ -656,8 +678,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
     def _expected_new(self, k: int, prefix: list[int]) -> list[int]:
         """The blocks the next ``k`` takes must get: free ones first, then LRU evictable ones."""
-        lru = [b for b in self.bm._evictable if b not in prefix]
-        return (list(self.bm._free) + lru)[:k]
+        state = self.bm.state()
+        lru = [b for b in state.evictable if b not in prefix]
+        return (list(state.free) + lru)[:k]
 
     def _compute(self, seq_id: str, upto: int) -> None:
         seq, bs = self.seqs[seq_id], self.bm.block_size
@@ -667,7 +690,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             # writes only go to a block this sequence alone owns (holds aside) and never cached
             block = self.bm.blocks[block_id]
             assert block.block_hash is None
-            assert block.ref_count - self.bm._held[block_id] == 1
+            assert block.ref_count - self.bm.holds(block_id) == 1
             self.kv[(block_id, pos % bs)] = (seq["tokens"][pos], pos)
         seq["computed"] = max(seq["computed"], upto)
 
@@ -678,7 +701,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_id += 1
         prefix = self.bm.find_cached_prefix(tokens) if use_prefix else []
         self._check_hit(tokens, prefix)
-        before = snapshot(self.bm)
+        before = self.bm.state()
         expected = self._expected_new(self.bm.blocks_needed(len(tokens)) - len(prefix), prefix)
         if self.bm.allocate(seq_id, len(tokens), prefix):
             table = self.bm.block_table(seq_id)
@@ -689,7 +712,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 "computed": len(prefix) * self.bm.block_size,
             }
         else:
-            assert snapshot(self.bm) == before
+            assert self.bm.state() == before
             needed = self.bm.blocks_needed(len(tokens)) - len(prefix)
             revived = sum(1 for b in prefix if self.bm.blocks[b].ref_count == 0)
             assert needed > self.bm.num_free_blocks - revived
@@ -706,11 +729,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.bm.check_invariants()
             self._free(seq_id)
 
-    @precondition(lambda self: self.bm is not None and self.bm._free)
+    @precondition(lambda self: self.bm is not None and self.bm.state().free)
     @rule(token=ALPHABET, spare=st.integers(0, 2))
     def fill_free_list(self, token, spare):
         """Take (nearly) all never-cached free blocks, so the evictable ones are the only room."""
-        n = max(len(self.bm._free) - spare, 1) * self.bm.block_size
+        n = max(len(self.bm.state().free) - spare, 1) * self.bm.block_size
         self.allocate_new([token] * n, use_prefix=False)
 
     @precondition(lambda self: self.seqs)
@@ -719,7 +742,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
         seq = self.seqs[seq_id]
         new_len = len(seq["tokens"]) + len(extra)
-        before = snapshot(self.bm)
+        before = self.bm.state()
         old_table = list(self.bm.block_table(seq_id))
         expected = self._expected_new(max(self.bm.blocks_needed(new_len) - len(old_table), 0), [])
         if self.bm.allocate(seq_id, new_len):
@@ -728,7 +751,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert table == old_table + expected
             assert len(table) == self.bm.blocks_needed(new_len)
         else:
-            assert snapshot(self.bm) == before
+            assert self.bm.state() == before
             assert self.bm.blocks_needed(new_len) - len(old_table) > self.bm.num_free_blocks
 
     @precondition(lambda self: self.seqs)
@@ -768,10 +791,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         # evictable ones (tail first) and keep their hash; the others go to the free list
         released = [b for b in reversed(table) if self.bm.blocks[b].ref_count == 0]
         cached = [b for b in released if hashes[b] is not None]
-        assert list(self.bm._evictable)[len(self.bm._evictable) - len(cached) :] == cached
+        state = self.bm.state()
+        assert list(state.evictable)[len(state.evictable) - len(cached) :] == cached
         for b in released:
             assert self.bm.blocks[b].block_hash == hashes[b]
-            assert (b in self.bm._free) == (hashes[b] is None)
+            assert (b in state.free) == (hashes[b] is None)
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())
@@ -804,17 +828,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule()
     def reset_prefix_cache(self):
         self.bm.reset_prefix_cache()
-        assert not self.bm._evictable
+        assert not self.bm.state().evictable
 
     @invariant()
     def consistent(self):
         if self.bm is None:
             return
         self.bm.check_invariants()
-        used = set(self.bm._held)
+        state = self.bm.state()
+        used = set(state.held)
         for seq_id in self.seqs:
             used.update(self.bm.block_table(seq_id))
-        assert set(self.bm._tables) == set(self.seqs)
+        assert set(state.tables) == set(self.seqs)
         assert self.bm.num_used_blocks == len(used)
         for block in self.bm.blocks:
             if block.block_hash is not None:

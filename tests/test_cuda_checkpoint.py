@@ -8,8 +8,8 @@ import ctypes.util
 
 import pytest
 
-from warmboot.snapshot import cuda_checkpoint as cc
-from warmboot.snapshot.cuda_checkpoint import ProcessState as S
+from bench import cuda_checkpoint_api as cc
+from bench.cuda_checkpoint_api import ProcessState as S
 
 
 @pytest.mark.skipif(ctypes.util.find_library("cuda") is not None, reason="libcuda is present")

@@ -28,7 +28,7 @@ from tests.test_pipelined import (
 )
 from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM
-from warmboot.engine.graphs import DecodeGraphs, default_batch_sizes
+from warmboot.device.graphs import DecodeGraphs, default_batch_sizes
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -165,13 +165,13 @@ def test_a_failed_capture_falls_back_to_eager_unless_required(path, monkeypatch)
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(engine.runner, "setup_decode_graphs", broken)
-    engine._capture_graphs(required=False)
+    engine.startup.capture_graphs(engine, required=False)
     assert engine.runner.graphs is None
     assert llm.stats()["cuda_graphs"].startswith("off: capture failed: RuntimeError")
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, greedy(3, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3  # still serves, eagerly
     with pytest.raises(RuntimeError, match="stream is capturing"):
-        engine._capture_graphs(required=True)
+        engine.startup.capture_graphs(engine, required=True)
     monkeypatch.undo()
     engine.enable_decode_graphs((1, 2), emulate=True)
     assert llm.stats()["cuda_graphs"] == "emulated"
@@ -185,9 +185,11 @@ def test_a_smaller_kv_pool_leaves_no_stale_block_ids(path):
     many = random_prompts([30] * 4, VOCAB_SIZE, seed=9)
     llm.generate([{"prompt_token_ids": p} for p in many], greedy(20, ignore_eos=True))
     runner = llm.engine.runner
-    assert runner._tables[:-1].max() >= 20
+    tables = runner.inputs.host_tables
+    assert tables[:-1].max() >= 20
     llm.engine.resize_kv_cache(20)
-    assert runner._tables[:-1].max() == 0 and runner._tables[-1].min() == 20
+    tables = runner.inputs.host_tables
+    assert tables[:-1].max() == 0 and tables[-1].min() == 20
     long, short = random_prompts([30, 3], VOCAB_SIZE, seed=10)
     prompts = [{"prompt_token_ids": p} for p in (long, short)]
     out = llm.generate(prompts, greedy(5, ignore_eos=True))

@@ -460,7 +460,7 @@ def test_penalty_histories_leave_with_their_requests(llm):
     params = greedy(5, frequency_penalty=0.5, repetition_penalty=1.2)
     for _ in range(3):
         one(llm, {"prompt_token_ids": [5, 6, 7]}, params)
-    assert len(llm.engine.runner._histories) == 1  # the last request's: released next step
+    assert len(llm.engine.runner.penalised()) == 1  # the last request's: released next step
     assert_engine_clean(llm)
 
 

@@ -8,7 +8,7 @@ import torch
 from tests.helpers import assert_engine_clean, hf_greedy, hf_logits, random_prompts
 from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM, SamplingParams
-from warmboot.engine.scheduler import ScheduledRequest
+from warmboot.core.types import ScheduledRequest
 
 LENGTHS = (5, 13, 31, 47, 2, 20)
 MAX_NEW = 24
@@ -30,15 +30,10 @@ def _engine_logits(llm: LLM, token_ids: list[int], chunk: int) -> torch.Tensor:
     table = kv.block_table("probe")
     params = SamplingParams()
     logits = []
-    with torch.inference_mode():
-        for start in range(0, len(token_ids), chunk):
-            ids = token_ids[start : start + chunk]
-            s = ScheduledRequest("probe", ids, start, table, False, params, token_ids, [])
-            step = runner.prepare([s])
-            hidden = runner.model(
-                step.input_ids, step.positions, runner.kv_caches, step.meta, runner.attention
-            )
-            logits.append(runner.model.compute_logits(hidden))
+    for start in range(0, len(token_ids), chunk):
+        ids = token_ids[start : start + chunk]
+        s = ScheduledRequest("probe", ids, start, table, False, params, tuple(token_ids))
+        logits.append(runner.forward_all([s]))
     kv.free("probe")
     return torch.cat(logits)
 

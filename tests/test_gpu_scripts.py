@@ -9,6 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the GPU scripts' smoke runs on the CPU
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from warmboot.engine.grammar import (
+from warmboot.device.grammar_backend import (
     GrammarBackend,
     _apply_bitmask_torch,
     allocate_bitmask,
@@ -291,7 +291,7 @@ def test_no_transformers_import(tok_dir):
     """xgrammar loads without transformers, and transformers still imports fine afterwards."""
     code = (
         "import sys\n"
-        "from warmboot.engine.grammar import GrammarBackend\n"
+        "from warmboot.device.grammar_backend import GrammarBackend\n"
         f"GrammarBackend({str(tok_dir / 'tokenizer.json')!r}, 512, [0])\n"
         "assert 'xgrammar' in sys.modules and 'transformers' not in sys.modules\n"
         "from transformers import PreTrainedTokenizerFast\n"
@@ -364,10 +364,8 @@ def test_batched_accept_equals_one_by_one(backend, tokenizer):
 def test_requests_end_on_a_rejected_token_or_termination(tok_dir, tokenizer, caplog):
     """The engine side: a token the grammar refuses (impossible with the mask applied) ends
     its request with an error in the log; so does an accepted EOS; the others go on."""
-    from types import SimpleNamespace
-
-    from warmboot.engine.scheduler import TokenEvent
-    from warmboot.engine.structured import GrammarRequests
+    from warmboot.core.types import TokenEvent
+    from warmboot.device.grammar_requests import GrammarRequests
 
     grammars = GrammarRequests(tok_dir / "tokenizer.json", TOK_VOCAB, (EOS,))
     for rid, spec in (("bad", REGEX), ("done", None), ("fine", REGEX)):
@@ -378,7 +376,7 @@ def test_requests_end_on_a_rejected_token_or_termination(tok_dir, tokenizer, cap
 
     def event(rid, text=None, token=None):
         ids = tokenizer.encode(text) if text is not None else [token]
-        return TokenEvent(SimpleNamespace(request_id=rid), ids, [None] * len(ids), False)
+        return TokenEvent(rid, ids, [None] * len(ids))
 
     assert grammars.accept([event("bad", "ab"), event("done", "yes"), event("fine", "ab")]) == []
     ended = grammars.accept([event("bad", token=tokenizer.encode("7")[0]),

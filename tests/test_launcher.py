@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 
 from warmboot.launcher import launch as launch_mod
+from warmboot.launcher import process_image
 from warmboot.launcher.launch import LaunchConfig, launch
+from warmboot.launcher.sandbox import runsc_status
 from warmboot.sampling_params import SamplingParams
-from warmboot.snapshot import process_image
-from warmboot.snapshot.sandbox import runsc_status
+from warmboot.snapshot.canary import canary_mismatch
 from warmboot.snapshot.store import open_store
 
 RUNSC, NO_RUNSC = runsc_status()
-pytestmark = pytest.mark.skipif(RUNSC is None, reason=f"gVisor: {NO_RUNSC}")
+pytestmark = [pytest.mark.skipif(RUNSC is None, reason=f"gVisor: {NO_RUNSC}"), pytest.mark.slow]
 PARAMS = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
@@ -142,15 +143,15 @@ def test_restore_timeout_and_missing_runsc_fall_back_in_process(published, fault
     info, answer = _launch(cfg)
     assert "sandboxed boot failed" in info.reason and answer == published[1]
     monkeypatch.setattr(
-        "warmboot.snapshot.sandbox.runsc_status", lambda: (None, "runsc is not installed")
+        "warmboot.launcher.sandbox.runsc_status", lambda: (None, "runsc is not installed")
     )
     info, answer = _launch(replace(cfg, restore_timeout=60))
     assert "runsc unavailable: runsc is not installed" in info.reason
     assert info.fallbacks == ("runsc_unavailable",)
     assert info.path == "restored_image", "the in-process boot still uses tier A"
     assert answer == published[1]
-    assert launch_mod.canary_matches([[1, -0.5]], [[1, -0.50001]])
-    assert not launch_mod.canary_matches([[1, -0.5]], [[2, -0.5]])
+    assert canary_mismatch([[1, -0.5]], [[1, -0.50001]]) is None
+    assert "token 0 is 2" in canary_mismatch([[1, -0.5]], [[2, -0.5]])
 
 
 def test_a_sandboxed_worker_runs_one_torch_thread_unless_told(tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from warmboot.engine.output_processor import CompletionState
+from warmboot.core.output_processor import CompletionState
 from warmboot.sampling_params import SamplingParams
 
 

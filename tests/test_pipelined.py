@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from tests.helpers import assert_engine_clean, hf_greedy, random_prompts, stop_window
 from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM, SamplingParams
-from warmboot.engine.scheduler import SchedulerOutput
+from warmboot.core.types import SchedulerOutput
 
 TEXT_PROMPT = "Hello world, this is a test"
 MAX_STEPS = 3000
@@ -508,7 +508,7 @@ def test_zombie_after_eos_holds_blocks_until_retired(path, tmp_path):
     assert child in rows_of(engine.loop.sampled)
     assert child not in engine.scheduler.requests
     assert kv.block_table(child) == []
-    assert table and all(kv.blocks[b].ref_count > 0 and kv._held[b] > 0 for b in table)
+    assert table and all(kv.blocks[b].ref_count > 0 and kv.holds(b) > 0 for b in table)
     assert kv.num_used_blocks == len(table)
     assert engine.has_unfinished_requests(), "the zombie step is still in flight"
     # The next commit retires it: the zombie's token is dropped, the blocks come back.
@@ -516,7 +516,7 @@ def test_zombie_after_eos_holds_blocks_until_retired(path, tmp_path):
     while engine.has_unfinished_requests():
         later += step_checked(engine)
     assert later == [], "nothing is output for the finished request, not the zombie's token"
-    assert not kv._held and kv.num_used_blocks == 0
+    assert kv.num_held_blocks == 0 and kv.num_used_blocks == 0
     assert all(kv.blocks[b].ref_count == 0 for b in table)
     assert_engine_clean(llm)
 
@@ -564,28 +564,18 @@ def test_ping_pong_buffers_and_slots_never_reused_in_flight(path, monkeypatch):
     seen = Counter()
 
     def in_flight() -> list:
-        return [h for h in runner._buffers if h is not None and not h.collected]
+        return runner.in_flight()
 
     def checked(sched):
-        buf = runner._step_count % 2
-        prev = runner._buffers[buf]
-        assert prev is None or prev.collected, "the buffer of an in-flight step is reused"
+        # check_invariants: in-flight steps use distinct working sets and their inputs live
+        # in them; every row of an in-flight step owns a live slot no other request has.
+        runner.check_invariants()
         assert len(in_flight()) <= 1
         handle = prepare(sched)
+        runner.check_invariants()
         seen["steps"] += 1
         seen["two_in_flight"] += len(in_flight()) == 2
-        if handle.inputs is not None:  # inputs live in the step's preallocated working set
-            own = runner._staging[handle.buffer]._bufs["ids"].untyped_storage().data_ptr()
-            assert handle.inputs.input_ids.untyped_storage().data_ptr() == own
-            seen["staged"] += 1
-        # Every row of an in-flight step owns a live slot no other request has.
-        slots = runner._slots
-        assert len(set(slots.values())) == len(slots), "two requests share a token slot"
-        assert not set(slots.values()) & set(runner._free_slots), "a live slot is on free list"
-        for h in in_flight():
-            for s in h.inputs.rows if h.inputs else ():
-                assert s.req_id in slots, f"{s.req_id}: in flight without a slot"
-                assert runner._slot_users[s.req_id] > 0
+        seen["staged"] += handle.inputs is not None
         return handle
 
     monkeypatch.setattr(runner, "prepare_step", checked)
@@ -699,14 +689,16 @@ def test_preemption_with_token_in_flight(path, hf):
     )
     engine = llm.engine
     preempted_in_flight = []
-    preempt = engine.scheduler._preempt
+    prepare = engine.runner.prepare_step
 
-    def spy(req):
-        if req.num_inflight:
-            preempted_in_flight.append(req.request_id)
-        return preempt(req)
+    def spy(sched):  # a step's preempted requests, seen as the runner receives it
+        for rid in sched.preempted_req_ids:
+            req = engine.scheduler.requests.get(rid)
+            if req is not None and req.num_inflight:
+                preempted_in_flight.append(rid)
+        return prepare(sched)
 
-    engine.scheduler._preempt = spy
+    engine.runner.prepare_step = spy
     children = {}
     for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)

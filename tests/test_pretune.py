@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from warmboot import LLM  # noqa: E402
-from warmboot.engine import llm_engine  # noqa: E402
+from warmboot.engine import settings as llm_engine  # noqa: E402
 from warmboot.kernels import tuning  # noqa: E402
 from warmboot.kernels.torch_attention import TorchAttentionBackend  # noqa: E402
 from warmboot.kernels.triton_backend import TritonAttentionBackend  # noqa: E402

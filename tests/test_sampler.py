@@ -1,4 +1,4 @@
-"""Tests for warmboot.engine.sampler: greedy, penalties, seeding, filters, suppression, logprobs."""
+"""Tests for warmboot.device.sampler: greedy, penalties, seeding, filters, suppression, logprobs."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from warmboot.engine.sampler import (
+from warmboot.device.sampler import (
     Sampler,
     SamplingRow,
     TokenHistory,
@@ -214,7 +214,7 @@ def test_sparse_penalties_equal_the_dense_formula_bitwise(specs, key, strided):
             frequency_penalty=freq,
         )
         if as_tensor:
-            prompt, output = TokenHistory().sync(prompt), TokenHistory().sync(output)
+            prompt, output = _history(prompt), _history(output)
         rows.append(SamplingRow(p, prompt, output, None))
     g = make_generator(key)
     logits = torch.randn(len(rows), 200, generator=g) * 4
@@ -229,11 +229,19 @@ def test_sparse_penalties_equal_the_dense_formula_bitwise(specs, key, strided):
     assert torch.equal(got, want)
 
 
+def _history(ids) -> torch.Tensor:
+    history = TokenHistory()
+    history.extend(ids)
+    return history.tensor
+
+
 def test_token_history_mirrors_a_growing_list():
     history, ids, views = TokenHistory(), [], []
     for n in (0, 1, 63, 64, 65, 200, 200, 1000):
-        ids += list(range(len(ids), n))
-        view = history.sync(ids)
+        new = list(range(len(ids), n))
+        ids += new
+        history.extend(new)
+        view = history.tensor
         assert view.tolist() == ids and view.dtype == torch.int64
         views.append((view, list(ids)))
     for view, then in views:  # earlier views are never rewritten by later appends

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from warmboot.snapshot.sandbox import (
+from warmboot.launcher.sandbox import (
     Sandbox,
     SandboxError,
     SandboxSpec,
@@ -27,7 +27,10 @@ from warmboot.snapshot.sandbox import (
 )
 
 VERSION, REASON = runsc_status()
-pytestmark = pytest.mark.skipif(VERSION is None, reason=f"runsc unavailable: {REASON}")
+pytestmark = [
+    pytest.mark.skipif(VERSION is None, reason=f"runsc unavailable: {REASON}"),
+    pytest.mark.slow,  # gVisor
+]
 
 FRAME_TIMEOUT = 60.0
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.server_harness import MODEL_NAME
-from warmboot.snapshot.sandbox import runsc_status
+from warmboot.launcher.sandbox import runsc_status
 
 
 def _free_port() -> int:
@@ -63,7 +63,10 @@ RUNSC, NO_RUNSC = runsc_status()
         pytest.param(
             "auto",
             "restored_process",
-            marks=pytest.mark.skipif(RUNSC is None, reason=f"gVisor: {NO_RUNSC}"),
+            marks=[
+                pytest.mark.skipif(RUNSC is None, reason=f"gVisor: {NO_RUNSC}"),
+                pytest.mark.slow,
+            ],
         ),
     ],
 )

@@ -228,7 +228,7 @@ def test_publish_removes_stale_temporary_files(store):
 def test_process_images_share_the_store_operations(store, tmp_path):
     """A process image (tier P) next to an engine image: ls-level operations understand it,
     verify and copy it, and garbage collection neither blocks on it nor frees its chunks."""
-    from warmboot.snapshot import process_image
+    from warmboot.launcher import process_image
 
     publish(store, "k1")
     engine_bytes = store.stored_bytes()

@@ -19,6 +19,7 @@ import torch  # noqa: E402
 from warmboot.kernels.attention import flash_attn_func, flash_attn_varlen_func  # noqa: E402
 from warmboot.kernels.reference import varlen_attention_ref  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Triton kernels in the interpreter
 BOUND = {torch.float16: 2e-3, torch.float32: 2e-3, torch.bfloat16: 1e-2}
 LENS = ([5, 0, 1, 37, 20], [5, 0, 3, 37, 50])  # empty, length 1, cached context, odd sizes
 

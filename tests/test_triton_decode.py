@@ -20,6 +20,7 @@ import torch  # noqa: E402
 from warmboot.kernels.decode import paged_decode_attention  # noqa: E402
 from warmboot.kernels.reference import paged_decode_ref, varlen_attention_ref  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Triton kernels in the interpreter
 BOUND = {torch.float16: 2e-3, torch.float32: 2e-3, torch.bfloat16: 1e-2}
 LENS = [1, 37, 0, 70]  # length 1, odd, empty, several blocks
 LENS_MULTI = [3, 34, 0, 70, 1, 5]  # shorter than query_len 4, a split inside the last 3, empty

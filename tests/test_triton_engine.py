@@ -13,7 +13,7 @@ import torch  # noqa: E402
 from tests.helpers import assert_engine_clean, guard_captured_region, random_prompts  # noqa: E402
 from tests.tiny_models import VOCAB_SIZE  # noqa: E402
 from warmboot import LLM, SamplingParams  # noqa: E402
-from warmboot.engine.llm_engine import _attention_backend  # noqa: E402
+from warmboot.engine.settings import attention_backend as _attention_backend  # noqa: E402
 
 MAX_NEW = 6
 
@@ -39,6 +39,7 @@ def _greedy(path, backend: str, prompts, graphs: bool = False) -> list[list[int]
     return [o.outputs[0].token_ids for o in outs]
 
 
+@pytest.mark.slow  # the engine on Triton kernels in the interpreter
 @pytest.mark.parametrize("kind", ["llama", "mistral"])  # GQA 3 at head dim 12; window 12
 def test_greedy_matches_torch_backend(kind, tiny_model_dir):
     path = tiny_model_dir(kind)
@@ -47,6 +48,7 @@ def test_greedy_matches_torch_backend(kind, tiny_model_dir):
     assert _greedy(path, "triton", prompts) == _greedy(path, "torch", prompts)
 
 
+@pytest.mark.slow  # the engine on Triton kernels in the interpreter
 def test_decode_graph_path_matches_torch_backend(tiny_model_dir, monkeypatch):
     """The graph path's tokens equal the torch backend's, and what a graph captures (the
     Triton decode forward) has no op that would break a CUDA-graph capture."""

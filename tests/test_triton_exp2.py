@@ -6,10 +6,12 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # NOTE: before triton is first imported (jit decorations)
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from warmboot.kernels.exp2 import MAX_REL_ERR, exp2  # noqa: E402
 
+pytestmark = pytest.mark.slow  # Triton kernels in the interpreter
 REL_BOUND = 1.5e-4
 
 

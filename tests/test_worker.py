@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import hf_greedy
 from tests.server_harness import MODEL_NAME, running_server
-from warmboot.engine.errors import InvalidRequestError
+from warmboot.core.errors import InvalidRequestError
 from warmboot.launcher.frames import (
     FrameError,
     FrameWriter,

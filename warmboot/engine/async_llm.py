@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
+from warmboot.core.errors import EngineDeadError, InvalidRequestError
 from warmboot.engine.client import RequestStream, put_from_thread
-from warmboot.engine.errors import EngineDeadError, InvalidRequestError
+from warmboot.engine.inbox import Inbox
 from warmboot.engine.llm_engine import LLMEngine, Prompt
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
@@ -29,7 +29,7 @@ T = TypeVar("T")
 class AsyncLLM:
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._inbox = Inbox()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._validate_lock = threading.Lock()
@@ -59,13 +59,11 @@ class AsyncLLM:
         request_id = request_id or f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        text, token_ids = await asyncio.to_thread(self._validate, prompt, params)
+        checked = await asyncio.to_thread(self._validate, prompt, params)
         queue_: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue_)
-        self._inbox.put(
-            ("add", request_id, {"prompt": text, "prompt_token_ids": token_ids}, params)
-        )
-        return RequestStream(request_id, len(token_ids), queue_, self.abort)
+        self._inbox.put(("add", request_id, checked))
+        return RequestStream(request_id, len(checked.token_ids), queue_, self.abort)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
@@ -119,39 +117,29 @@ class AsyncLLM:
     # -- engine thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while True:
-                block = not self.engine.has_unfinished_requests()
-                if not self._drain(block):
-                    return
-                if self.engine.has_unfinished_requests():
-                    self._deliver_step(self.engine.step())
+            self._inbox.serve(self.engine, self._apply, self._deliver_step)
         except BaseException as e:  # noqa: BLE001 - every waiting caller must hear about it
             log.exception("engine loop failed")
             self._error = e
             for request_id in list(self._streams):
                 self._deliver(request_id, EngineDeadError(f"engine loop failed: {e!r}"))
 
-    def _drain(self, block: bool) -> bool:
-        """Apply queued commands; wait for one when idle. False means stop."""
-        while True:
+    def _apply(self, cmd: tuple) -> bool:
+        """One inbox command on the engine thread; False means stop."""
+        if cmd[0] == "stop":
+            return False
+        if cmd[0] == "add":
+            _, request_id, checked = cmd
             try:
-                cmd = self._inbox.get(block=block)
-            except queue.Empty:
-                return True
-            block = False
-            if cmd[0] == "stop":
-                return False
-            if cmd[0] == "add":
-                _, request_id, prompt, params = cmd
-                try:
-                    self.engine.add_request(request_id, prompt, params)
-                except ValueError as e:
-                    self._deliver(request_id, e)
-            elif cmd[0] == "abort":
-                self.engine.abort_request(cmd[1])
-                self._streams.pop(cmd[1], None)
-            elif cmd[0] == "call":
-                self._run_call(cmd[1], cmd[2])
+                self.engine.add_request(request_id, checked)
+            except ValueError as e:
+                self._deliver(request_id, e)
+        elif cmd[0] == "abort":
+            self.engine.abort_request(cmd[1])
+            self._streams.pop(cmd[1], None)
+        elif cmd[0] == "call":
+            self._run_call(cmd[1], cmd[2])
+        return True
 
     def _run_call(self, fn: Callable, future: asyncio.Future) -> None:
         try:

@@ -128,11 +128,10 @@ class LLM:
         checked = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             try:
-                text, ids = self.engine.validate(prompt, p)
+                checked.append(self.engine.validate(prompt, p))
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"prompt {i}: {e}") from None
-            checked.append(({"prompt": text, "prompt_token_ids": ids}, p))
-        return [self.engine.add_request(None, prompt, p) for prompt, p in checked]
+        return [self.engine.add_request(None, c) for c in checked]
 
 
 def _is_token_list(x) -> bool:

@@ -1,4 +1,5 @@
-"""The two engine loops over the same scheduler, runner and sampler.
+"""The two engine loops over the same parts (scheduler, runner, grammar matchers, output
+processor). A loop owns the step: launch, sample, commit.
 
 sync:       plan(t) -> forward(t) -> sample(t) -> wait -> commit(t)
 pipelined:  wait(t) -> commit(t) -> sample(t+1) -> plan(t+2) -> forward(t+2)
@@ -13,12 +14,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from warmboot.engine.runner import StepHandle
-
-if TYPE_CHECKING:
-    from warmboot.engine.llm_engine import LLMEngine
+from warmboot.core.block_manager import BlockManager
+from warmboot.core.output_processor import OutputProcessor
+from warmboot.core.request import FinishReason
+from warmboot.core.scheduler import Scheduler
+from warmboot.core.types import SchedulerOutput
+from warmboot.device.grammar_requests import GrammarRequests
+from warmboot.device.runner import ModelRunner
+from warmboot.device.staging import StepHandle
 
 
 @dataclass
@@ -50,28 +54,80 @@ class BubbleMeter:
         return max(0.0, 1.0 - self.busy / self.wall)
 
 
-class SyncLoop:
-    name = "sync"
+@dataclass
+class StepParts:
+    """What a loop is built from."""
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    scheduler: Scheduler
+    block_manager: BlockManager
+    runner: ModelRunner
+    grammars: GrammarRequests
+    outputs: OutputProcessor
+    meter: BubbleMeter = field(default_factory=BubbleMeter)
+
+
+class Loop:
+    """Launch, sample and commit one step; the two loops order these calls."""
+
+    name = ""
+
+    def __init__(self, parts: StepParts):
+        self.parts = parts
+        self.meter = parts.meter
 
     def in_flight(self) -> bool:
         return False
 
     def step(self) -> set[str]:
-        eng = self.engine
-        handle = eng.launch(eng.scheduler.schedule())
-        eng.runner.submit_forward(handle)
-        eng.launch_sample(handle)
-        return eng.commit(handle)
+        """Commit one step; return the ids of the request groups it advanced."""
+        raise NotImplementedError
+
+    def launch(self, sched: SchedulerOutput) -> StepHandle:
+        """Build the step's inputs and enqueue its forward; the step holds its sequences'
+        blocks until it retires (zombies)."""
+        p = self.parts
+        handle = p.runner.prepare_step(sched)
+        handle.held_seqs = [s.req_id for s in sched.scheduled]
+        p.block_manager.hold_seqs(handle.held_seqs)
+        self.meter.launched_rows += len(sched.scheduled)
+        p.runner.submit_forward(handle)
+        return handle
+
+    def sample(self, handle: StepHandle) -> None:
+        """Enqueue the step's sampling with the masks of the matchers as committed now."""
+        self.parts.runner.launch_sample(handle, self.parts.grammars.bitmask(handle.sample_rows))
+
+    def commit(self, handle: StepHandle) -> set[str]:
+        """Wait for a step, apply its tokens, finalize stopped requests, retire the step."""
+        p = self.parts
+        result = p.runner.collect(handle)
+        touched: set[str] = set()
+        if handle.inputs is not None:
+            events = p.scheduler.update(handle.sched, result)
+            p.runner.record_tokens(events)
+            ended = p.grammars.accept(events)
+            touched, stopped = p.outputs.process(events)
+            p.scheduler.finish_requests(stopped + ended, FinishReason.STOP)
+        p.block_manager.unhold_seqs(handle.held_seqs)
+        decode_only = handle.sched.decode_only and bool(touched)
+        self.meter.mark(p.runner.stream.busy_seconds(), decode_only)
+        return touched
 
 
-class PipelinedLoop:
+class SyncLoop(Loop):
+    name = "sync"
+
+    def step(self) -> set[str]:
+        handle = self.launch(self.parts.scheduler.schedule())
+        self.sample(handle)
+        return self.commit(handle)
+
+
+class PipelinedLoop(Loop):
     name = "pipelined"
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, parts: StepParts):
+        super().__init__(parts)
         self.sampled: StepHandle | None = None
         """Step t: forward and sample enqueued, not yet committed."""
         self.forwarded: StepHandle | None = None
@@ -81,22 +137,23 @@ class PipelinedLoop:
         return any(h is not None and h.inputs is not None for h in (self.sampled, self.forwarded))
 
     def step(self) -> set[str]:
-        eng = self.engine
+        scheduler = self.parts.scheduler
         if self.sampled is None:  # pipeline empty: start it with steps t and t+1
-            self.sampled = eng.launch(eng.scheduler.schedule())
-            eng.runner.submit_forward(self.sampled)
-            eng.launch_sample(self.sampled)
-            self.forwarded = eng.launch(eng.scheduler.schedule())
-            eng.runner.submit_forward(self.forwarded)
-        touched = eng.commit(self.sampled)
-        if self.forwarded.inputs is None and not eng.scheduler.has_unfinished():
-            eng.launch_sample(self.forwarded)  # nothing left: retire the empty step, go idle
-            eng.commit(self.forwarded)
+            self.sampled = self.launch(scheduler.schedule())
+            self.sample(self.sampled)
+            self.forwarded = self.launch(scheduler.schedule())
+        touched = self.commit(self.sampled)
+        if self.forwarded.inputs is None and not scheduler.has_unfinished():
+            self.sample(self.forwarded)  # nothing left: retire the empty step, go idle
+            self.commit(self.forwarded)
             self.sampled = self.forwarded = None
-            eng.meter.reset_clock()
+            self.meter.reset_clock()
             return touched
-        eng.launch_sample(self.forwarded)  # as soon as commit(t) allows: masks, penalties
-        upcoming = eng.launch(eng.scheduler.schedule())  # host work while sample(t+1) runs
-        eng.runner.submit_forward(upcoming)
+        self.sample(self.forwarded)  # as soon as commit(t) allows: masks, penalties
+        upcoming = self.launch(scheduler.schedule())  # host work while sample(t+1) runs
         self.sampled, self.forwarded = self.forwarded, upcoming
         return touched
+
+
+def make_loop(parts: StepParts, pipelined: bool) -> Loop:
+    return PipelinedLoop(parts) if pipelined else SyncLoop(parts)

@@ -38,6 +38,8 @@ class AttentionMetadata:
     block_size: int
     cache: dict = field(default_factory=dict)
     """Backend scratch shared by the layers of one step (e.g. masks per window size)."""
+    upload: Callable[[torch.Tensor], torch.Tensor] = field(default=lambda t: t, repr=False)
+    """Host -> device copy for tensors a backend builds per step (set by ``to``)."""
 
     def to(self, move: Callable[[torch.Tensor], torch.Tensor]) -> AttentionMetadata:
         """A copy with every tensor passed through ``move`` (the host -> device upload)."""
@@ -52,6 +54,7 @@ class AttentionMetadata:
             decode_seq_lens=opt(self.decode_seq_lens),
             prefills=[replace(p, block_table=move(p.block_table)) for p in self.prefills],
             cache={},
+            upload=move,
         )
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 import triton
 
-from warmboot.engine.device import upload
 from warmboot.kernels import tuning
 from warmboot.kernels.attention import flash_attn_varlen_func
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, write_kv
@@ -112,9 +111,9 @@ def _prefill_inputs(meta: AttentionMetadata, device: torch.device):
         table = torch.zeros(len(seqs), width, dtype=torch.int64, device=device)
         for i, s in enumerate(seqs):
             table[i, : len(s.block_table)] = s.block_table
-        cu_q = upload(torch.tensor(cu, dtype=torch.int32), device)
+        cu_q = meta.upload(torch.tensor(cu, dtype=torch.int32))
         ctx = torch.tensor([s.context_len for s in seqs], dtype=torch.int32)
         max_q = max(s.query_len for s in seqs)
         max_k = max(s.context_len for s in seqs)
-        meta.cache[key] = (cu_q, upload(ctx, device), table, max_q, max_k)
+        meta.cache[key] = (cu_q, meta.upload(ctx), table, max_q, max_k)
     return meta.cache[key]

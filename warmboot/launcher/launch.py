@@ -29,8 +29,9 @@ from dataclasses import dataclass, field, replace
 from importlib import metadata
 from pathlib import Path
 
+from warmboot.launcher import process_image
 from warmboot.launcher.remote import Channel, LaunchInfo, RemoteLLM, WorkerError
-from warmboot.snapshot import process_image
+from warmboot.snapshot.canary import canary_mismatch
 
 log = logging.getLogger("warmboot")
 
@@ -64,7 +65,7 @@ def launch(cfg: LaunchConfig):
     if _wants_gpu(cfg):
         why = "this host's runsc cannot run GPU workloads"
         return _in_process(cfg, f"{why}; tier A on the GPU", t0, ("gpu_host",))
-    from warmboot.snapshot.sandbox import runsc_status
+    from warmboot.launcher.sandbox import runsc_status
 
     version, why = runsc_status()
     if version is None:
@@ -126,7 +127,7 @@ def _create(cfg: LaunchConfig, store, key: str, fields: dict, spec, reason: str,
 
 
 def _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, phases):
-    from warmboot.snapshot.sandbox import Sandbox
+    from warmboot.launcher.sandbox import Sandbox
 
     sandbox = Sandbox(spec, work / "boot")
     try:
@@ -153,7 +154,7 @@ def _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, ph
 
 def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases: dict):
     """``runsc restore`` the image, send the fresh settings, check the canary."""
-    from warmboot.snapshot.sandbox import Sandbox
+    from warmboot.launcher.sandbox import Sandbox
     from warmboot.tokenizer import Tokenizer
 
     sandbox = Sandbox(spec, work / "serve")
@@ -167,8 +168,9 @@ def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases:
         started = channel.expect("started", cfg.restore_timeout)
         phases["start_and_canary"] = time.monotonic() - t
         phases["canary"] = started["canary_s"]
-        if not canary_matches(canary, started["canary"]):
-            raise WorkerError(f"canary mismatch: {canary[:4]}... != {started['canary'][:4]}...")
+        why = canary_mismatch(canary, started["canary"])
+        if why is not None:
+            raise WorkerError(f"canary mismatch: {why}")
     except BaseException:
         sandbox.delete()
         raise
@@ -213,7 +215,7 @@ def _reap(sandbox, proc, work: Path) -> None:
 
 # -- the worker and its key ------------------------------------------------------------------
 def worker_spec(cfg: LaunchConfig):
-    from warmboot.snapshot.sandbox import SandboxSpec
+    from warmboot.launcher.sandbox import SandboxSpec
 
     keep = ("PATH", "LANG", "WARMBOOT_CACHE", "PYTHONPATH", "OMP_NUM_THREADS")
     env = {k: os.environ[k] for k in keep if k in os.environ}
@@ -279,16 +281,6 @@ def _wants_gpu(cfg: LaunchConfig) -> bool:
     if device.startswith("cuda"):
         return True
     return device == "auto" and Path("/proc/driver/nvidia/version").exists()
-
-
-def canary_matches(recorded: list, fresh: list) -> bool:
-    """Same greedy tokens, logprobs equal to 1e-4 (bitwise on the CPU in practice)."""
-    if len(recorded) != len(fresh):
-        return False
-    return all(
-        int(a[0]) == int(b[0]) and abs(float(a[1]) - float(b[1])) <= 1e-4
-        for a, b in zip(recorded, fresh, strict=True)
-    )
 
 
 def _cpu_flags() -> str:

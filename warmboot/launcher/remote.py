@@ -11,8 +11,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
+from warmboot.core.errors import EngineDeadError, InvalidRequestError
 from warmboot.engine.client import RequestStream, put_from_thread
-from warmboot.engine.errors import EngineDeadError, InvalidRequestError
 from warmboot.launcher.frames import FrameWriter, OutputAccumulator, params_to_wire, read_frame
 from warmboot.sampling_params import SamplingParams
 from warmboot.tokenizer import Tokenizer

@@ -15,13 +15,13 @@ import gc
 import json
 import logging
 import os
-import queue
 import sys
 import threading
 import time
 from dataclasses import replace
 
-from warmboot.engine.errors import InvalidRequestError
+from warmboot.core.errors import InvalidRequestError
+from warmboot.engine.inbox import Inbox
 from warmboot.launcher.frames import (
     FrameWriter,
     output_to_wire,
@@ -38,7 +38,7 @@ class Worker:
     def __init__(self, engine, writer: FrameWriter):
         self.engine = engine
         self.writer = writer
-        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.inbox = Inbox()
         self.full_kv_blocks = engine.facts.num_kv_blocks
         self._last_stats = 0.0
 
@@ -52,40 +52,31 @@ class Worker:
         self.inbox.put({"t": "stop"})
 
     def run(self) -> None:
-        while True:
-            idle = not self.engine.has_unfinished_requests()
-            if not self._drain(block=idle):
-                return
-            if self.engine.has_unfinished_requests():
-                outs = self.engine.step()
-                if outs:  # one frame a step: under gVisor each write is a costly syscall
-                    items = [{"id": o.request_id, **output_to_wire(o)} for o in outs]
-                    self.writer.send({"t": "outs", "items": items})
-                self._send_stats(force=not self.engine.has_unfinished_requests())
+        self.inbox.serve(self.engine, self._apply, self._deliver)
 
-    def _drain(self, block: bool) -> bool:
-        while True:
-            try:
-                frame = self.inbox.get(block=block)
-            except queue.Empty:
-                return True
-            block = False
-            if frame["t"] == "stop":
-                return False
-            getattr(self, f"_on_{frame['t']}", self._on_unknown)(frame)
+    def _apply(self, frame: dict) -> bool:
+        if frame["t"] == "stop":
+            return False
+        getattr(self, f"_on_{frame['t']}", self._on_unknown)(frame)
+        return True
+
+    def _deliver(self, outs: list) -> None:
+        if outs:  # one frame a step: under gVisor each write is a costly syscall
+            items = [{"id": o.request_id, **output_to_wire(o)} for o in outs]
+            self.writer.send({"t": "outs", "items": items})
+        self._send_stats(force=not self.engine.has_unfinished_requests())
 
     # -- commands ------------------------------------------------------------------------------
     def _on_add(self, f: dict) -> None:
         try:
             params = params_from_wire(f["params"])
-            text, ids = self.engine.validate(f["prompt"], params)
-            self.engine.add_request(
-                f["id"], {"prompt": text, "prompt_token_ids": ids}, _wired(params)
-            )
+            checked = self.engine.validate(f["prompt"], _wired(params))
+            self.engine.add_request(f["id"], checked)
         except (InvalidRequestError, ValueError, TypeError) as e:
             self.writer.send({"t": "rejected", "id": f["id"], "message": str(e)})
             return
-        added = {"t": "added", "id": f["id"], "prompt": text, "prompt_token_ids": ids}
+        added = {"t": "added", "id": f["id"], "prompt": checked.text}
+        added["prompt_token_ids"] = checked.token_ids
         self.writer.send({**added, "output_kind": params.output_kind})
 
     def _on_abort(self, f: dict) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from warmboot.snapshot.canary import canary_mismatch
 from warmboot.snapshot.image import Manifest, SnapshotError, dtype_name
 from warmboot.snapshot.key import diff_fields, key_digest, key_fields
 from warmboot.snapshot.publish import publish_image, runtime_files, triton_cache_dir
@@ -19,7 +20,6 @@ from warmboot.snapshot.store import Store, open_store
 
 log = logging.getLogger("warmboot")
 MAX_MANIFESTS_COMPARED = 32
-CANARY_RTOL = 1e-3
 
 
 class SnapshotBoot:
@@ -91,19 +91,19 @@ class SnapshotBoot:
         return tensors
 
     def canary_matches(self, canary: list[tuple[int, float]]) -> bool:
-        """Whether the warm-up's greedy tokens and their logprobs (within ``CANARY_RTOL``)
-        equal the ones recorded at the cold boot: wrong weights that pass every hash (a
-        consistent but wrong manifest) still fail here."""
+        """Whether the warm-up canary reproduces the one recorded at the cold boot (see
+        ``snapshot.canary``); a snapshot without one never matches."""
         want = (self.manifest.facts if self.manifest else {}).get("canary")
-        if want is None:
-            return True
-        same = len(want) == len(canary) and all(
-            t == wt and abs(lp - wlp) <= CANARY_RTOL * max(1.0, abs(wlp))
-            for (t, lp), (wt, wlp) in zip(canary, want, strict=False)
-        )
-        if not same:
-            self.reason = f"warm-up canary gave {canary}, the snapshot recorded {want}"
-        return same
+        if not isinstance(want, list):
+            self.reason = "the snapshot records no canary"
+            return False
+        try:
+            why = canary_mismatch(want, canary)
+        except (TypeError, ValueError, IndexError):
+            why = f"the snapshot's canary is malformed: {str(want)[:80]}"
+        if why is not None:
+            self.reason = f"warm-up {why}"
+        return why is None
 
     # -- publish --------------------------------------------------------------------------------
     def publish(self, model: torch.nn.Module, facts: dict[str, Any]) -> Manifest | None:

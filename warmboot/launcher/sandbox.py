@@ -107,7 +107,6 @@ class Sandbox:
         self._write_bundle()
 
     # -- bundle -------------------------------------------------------------------------------
-
     def _write_bundle(self) -> None:
         (self.bundle_dir / "config.json").unlink(missing_ok=True)
         self._runsc("spec", "--bundle", str(self.bundle_dir), "--", *self.spec.argv)
@@ -149,7 +148,6 @@ class Sandbox:
         return None if exe.startswith(cache + os.sep) else cache
 
     # -- lifecycle ----------------------------------------------------------------------------
-
     def run(self) -> subprocess.Popen:
         """Start ``spec.argv`` in a new sandbox; stdin/stdout are binary pipes."""
         cid = self._start_id()
@@ -183,13 +181,9 @@ class Sandbox:
         if self.process is not None and self.process.poll() is None:
             raise SandboxError(f"container {self.container_id} is still running")
         cid = self._start_id()
+        image_arg = f"--image-path={Path(image_dir).resolve()}"
         cmd = self._cmd(
-            "--network=none",
-            "restore",
-            f"--image-path={Path(image_dir).resolve()}",
-            "--bundle",
-            str(self.bundle_dir),
-            cid,
+            "--network=none", "restore", image_arg, "--bundle", str(self.bundle_dir), cid
         )
         self.process = self._popen(cmd, cid)
         if timeout is not None:
@@ -234,7 +228,6 @@ class Sandbox:
         return None if self.container_id is None else self.log_dir / f"{self.container_id}.log"
 
     # -- helpers ------------------------------------------------------------------------------
-
     def _cmd(self, *args: str) -> list[str]:
         return [self.runsc, "--root", str(self.state_dir), *args]
 
@@ -243,10 +236,10 @@ class Sandbox:
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as e:
-            raise SandboxError(f"{_show(cmd)} timed out after {timeout:.0f} s") from e
+            raise SandboxError(f"{' '.join(cmd)} timed out after {timeout:.0f} s") from e
         if out.returncode != 0:
             tail = (out.stdout + out.stderr)[-LOG_TAIL_BYTES:]
-            raise SandboxError(f"{_show(cmd)} failed with exit {out.returncode}:\n{tail}")
+            raise SandboxError(f"{' '.join(cmd)} failed with exit {out.returncode}:\n{tail}")
         return out.stdout
 
     def _start_id(self) -> str:
@@ -347,10 +340,6 @@ def _check_visible(spec: SandboxSpec) -> None:
 def _under(path: str, top: str) -> bool:
     top = os.path.realpath(top)
     return path == top or path.startswith(top.rstrip(os.sep) + os.sep)
-
-
-def _show(cmd: list[str]) -> str:
-    return " ".join(cmd)
 
 
 def _nofile_rlimit() -> dict:

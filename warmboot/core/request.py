@@ -33,7 +33,8 @@ class Request:
     """
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...]
+    """Immutable: the scheduled rows share it with the runner (penalties)."""
     params: SamplingParams
     max_tokens: int
     """Resolved output limit: params.max_tokens capped by the context length."""
@@ -54,6 +55,7 @@ class Request:
     stop_reason: int | str | None = None
 
     def __post_init__(self) -> None:
+        self.prompt_token_ids = tuple(self.prompt_token_ids)
         if not self.all_token_ids:
             self.all_token_ids = list(self.prompt_token_ids)
 

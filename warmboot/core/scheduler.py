@@ -5,77 +5,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from warmboot.config import SchedulerConfig
-from warmboot.engine.kv_cache import BlockManager
-from warmboot.engine.request import FinishReason, Request, RequestStatus
-from warmboot.sampling_params import SamplingParams
-
-
-@dataclass
-class ScheduledRequest:
-    """One row group of a step: compute ``token_ids`` at positions ``start_pos..``."""
-
-    req_id: str
-    token_ids: list[int]
-    """Token ids to compute; the last is a placeholder (-1) when ``device_fed``."""
-    start_pos: int
-    block_table: list[int]
-    sample: bool
-    """True when this chunk reaches the end of the context: the runner samples one token."""
-    params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    """The request's output so far (for penalties). NOTE: read-only for the runner."""
-    suppress_token_ids: tuple[int, ...] = ()
-    device_fed: bool = False
-    """The last input token was sampled by the previous, still running step: the runner reads
-    it on the device from the request's token slot."""
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_req_ids: list[str] = field(default_factory=list)
-    finished_req_ids: list[str] = field(default_factory=list)
-    """Requests finished since the previous step: the runner drops their per-request state."""
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class TokenLogprobs:
-    token_logprob: float
-    top: list[tuple[int, float]]
-
-
-@dataclass
-class RunnerOutput:
-    req_ids: list[str]
-    """Rows that sampled, in order."""
-    sampled_token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] | None = None
-
-
-@dataclass
-class TokenEvent:
-    """What one step did to one request, for the output processor."""
-
-    request: Request
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprobs | None]
-    finished: bool
+from warmboot.core.block_manager import BlockManager
+from warmboot.core.request import FinishReason, Request, RequestStatus
+from warmboot.core.types import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenEvent
 
 
 class Scheduler:
@@ -94,6 +28,11 @@ class Scheduler:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
         self.waiting.append(req)
+
+    @property
+    def finished_since_step(self) -> tuple[str, ...]:
+        """Requests finished since the last ``schedule()`` (the next one tells the runner)."""
+        return tuple(self._finished_since_step)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -219,7 +158,6 @@ class Scheduler:
             sample=sample,
             params=req.params,
             prompt_token_ids=req.prompt_token_ids,
-            output_token_ids=req.output_token_ids,
             suppress_token_ids=suppress,
             device_fed=device_fed,
         )
@@ -250,7 +188,9 @@ class Scheduler:
                     self._remove(req)
                     self._finish(req, reason)
                 logprobs = result.logprobs[row] if result.logprobs else None
-                events.append(TokenEvent(req, [token], [logprobs], reason is not None))
+                events.append(
+                    TokenEvent(req.request_id, [token], [logprobs], reason, req.stop_reason)
+                )
             if req.status is RequestStatus.RUNNING:
                 known = min(req.num_computed_tokens, req.num_known_tokens)
                 self.kv.cache_full_blocks(req.request_id, req.all_token_ids, known)

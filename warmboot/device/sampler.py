@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from warmboot.engine.device import upload
+from warmboot.core.types import RunnerOutput, ScheduledRequest, TokenLogprobs
+from warmboot.device.staging import upload
 from warmboot.sampling_params import SamplingParams
 
 _SEED_MASK = (1 << 64) - 1
@@ -49,6 +50,35 @@ class SamplerOutput:
     """(B, K) float32, K = max ``params.logprobs`` over the rows that asked (K may be 0)."""
     top_token_ids: torch.Tensor | None
     """(B, K) int64."""
+
+    def to_host(self) -> SamplerOutput:
+        """The tensors copied to host memory (non-blocking on CUDA: valid once an event
+        recorded after this call has completed)."""
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None or t.device.type == "cpu":
+                return t
+            return t.to("cpu", non_blocking=True)
+
+        fields = (self.token_ids, self.sampled_logprobs, self.top_logprobs, self.top_token_ids)
+        return SamplerOutput(*(host(t) for t in fields))
+
+    def runner_output(self, rows: Sequence[ScheduledRequest]) -> RunnerOutput:
+        """Host tensors -> plain lists, each row's logprobs cut to what it asked for."""
+        token_ids = self.token_ids.tolist()
+        logprobs = None
+        if self.sampled_logprobs is not None:
+            sampled = self.sampled_logprobs.tolist()
+            top_ids, top_lps = self.top_token_ids.tolist(), self.top_logprobs.tolist()
+            logprobs = []
+            for i, s in enumerate(rows):
+                k = s.params.logprobs
+                if k is None:
+                    logprobs.append(None)
+                    continue
+                top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
+                logprobs.append(TokenLogprobs(sampled[i], top))
+        return RunnerOutput([s.req_id for s in rows], token_ids, logprobs)
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
@@ -242,26 +272,28 @@ def _occurrences(
 
 
 class TokenHistory:
-    """A host int64 tensor that mirrors a growing list of token ids, appended in amortised
-    O(new ids): the penalties read a request's history without converting it every step."""
+    """A growing host int64 tensor of token ids, appended in amortised O(new ids): the
+    penalties read a request's history without converting a list every step."""
 
     def __init__(self) -> None:
         self._buf = torch.empty(64, dtype=torch.int64)
         self._len = 0
 
-    def sync(self, ids: Sequence[int]) -> torch.Tensor:
-        """``ids`` (a list that only grows) as a tensor view."""
-        n = len(ids)
-        if n < self._len:  # NOTE: not expected (outputs only grow): start over
-            self._len = 0
+    @property
+    def tensor(self) -> torch.Tensor:
+        """The ids so far, as a view that later ``extend`` calls never change."""
+        return self._buf[: self._len]
+
+    def extend(self, ids: Sequence[int]) -> None:
+        """Append ``ids``."""
+        n = self._len + len(ids)
         if n > self._buf.shape[0]:
             grown = torch.empty(max(n, 2 * self._buf.shape[0]), dtype=torch.int64)
             grown[: self._len] = self._buf[: self._len]
             self._buf = grown
-        if n > self._len:
-            self._buf[self._len : n] = torch.tensor(ids[self._len : n], dtype=torch.int64)
-            self._len = n
-        return self._buf[:n]
+        if ids:
+            self._buf[self._len : n] = torch.tensor(list(ids), dtype=torch.int64)
+        self._len = n
 
 
 def _check_ids(ids: torch.Tensor, vocab: int, what: str) -> None:

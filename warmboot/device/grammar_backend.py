@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from warmboot.engine.device import upload
+from warmboot.device.staging import upload
 from warmboot.sampling_params import StructuredOutputs
 
 _xgr: Any = None

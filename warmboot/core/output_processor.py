@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from warmboot.engine.request import FinishReason, Request
-from warmboot.engine.scheduler import TokenEvent, TokenLogprobs
+from warmboot.core.request import FinishReason, Request
+from warmboot.core.types import TokenEvent, TokenLogprobs
 from warmboot.outputs import CompletionOutput, Logprob, RequestOutput
 from warmboot.sampling_params import SamplingParams
 from warmboot.tokenizer import Detokenizer, Tokenizer
@@ -147,12 +147,12 @@ class OutputProcessor:
         touched: set[str] = set()
         stopped: list[str] = []
         for ev in events:
-            group, state = self._child[ev.request.request_id]
+            group, state = self._child[ev.req_id]
             touched.add(group.request_id)
             if state.finish_reason is not None:
                 continue
             if self._apply(ev, state):
-                stopped.append(ev.request.request_id)
+                stopped.append(ev.req_id)
             if state.finish_reason is not None:
                 self._ended(group)
         return touched, stopped
@@ -163,8 +163,7 @@ class OutputProcessor:
             self.finished.add(group.request_id)
 
     def _apply(self, ev: TokenEvent, state: CompletionState) -> bool:
-        req = ev.request
-        stopped_by_token = ev.finished and req.finish_reason is FinishReason.STOP
+        stopped_by_token = ev.finish_reason is FinishReason.STOP
         for i, (token, lp) in enumerate(zip(ev.new_token_ids, ev.new_logprobs, strict=True)):
             state.token_ids.append(token)
             if state.logprobs is not None and lp is not None:
@@ -181,8 +180,8 @@ class OutputProcessor:
             if stop is not None:
                 state.finish_reason, state.stop_reason = FinishReason.STOP.value, stop
                 return False
-            state.finish_reason = req.finish_reason.value
-            state.stop_reason = req.stop_reason
+            state.finish_reason = ev.finish_reason.value
+            state.stop_reason = ev.stop_reason
         return False
 
     def _logprob_dict(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:

@@ -14,67 +14,13 @@ last step holding the sequence retires.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import Counter, OrderedDict, deque
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import replace
 
+from warmboot.core.blocks import Block, Blocks, NoFreeBlocksError, PoolState, chain_hash
 
-@dataclass(slots=True)
-class Block:
-    block_id: int
-    ref_count: int = 0
-    block_hash: bytes | None = None
-    parent_hash: bytes | None = None
-    parent_ref: tuple[int, int] | None = None
-    token_ids: tuple[int, ...] = ()
-    """Tokens, parent hash and parent (block id, generation) of a hashed block: a hit is
-    verified against all three, so even a hash collision cannot hand out KV that was computed
-    after another prefix."""
-    generation: int = 0
-    """Bumped whenever the block loses its cache entry (its content may change)."""
-
-    @property
-    def ref(self) -> tuple[int, int]:
-        return (self.block_id, self.generation)
-
-
-class _Blocks:
-    """The pool's ``Block`` objects, each made on first use: a GPU pool of 100k+ blocks then
-    costs nothing at start-up (a list of them took 0.2-0.4 s per 350k)."""
-
-    __slots__ = ("_made", "_size")
-
-    def __init__(self, size: int):
-        self._made: dict[int, Block] = {}
-        self._size = size
-
-    def __getitem__(self, block_id: int) -> Block:
-        block = self._made.get(block_id)
-        if block is None:
-            if not 0 <= block_id < self._size:
-                raise IndexError(f"block {block_id} is outside the pool of {self._size}")
-            block = self._made[block_id] = Block(block_id)
-        return block
-
-    def __len__(self) -> int:
-        return self._size
-
-    def __iter__(self) -> Iterator[Block]:
-        return (self[i] for i in range(self._size))
-
-
-def chain_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
-    """Collision-resistant hash of a full block given its parent's: equal prefixes give equal
-    chains, and a crafted prompt cannot make two different prefixes share KV."""
-    h = hashlib.blake2b(parent or b"", digest_size=16)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
-
-
-class NoFreeBlocksError(RuntimeError):
-    pass
+__all__ = ["Block", "BlockManager", "NoFreeBlocksError", "PoolState", "chain_hash"]
 
 
 class BlockManager:
@@ -88,7 +34,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = _Blocks(num_blocks)
+        self.blocks = Blocks(num_blocks)
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[bytes, int] = {}  # block hash -> block id
@@ -99,6 +45,44 @@ class BlockManager:
         self._hashed_upto: dict[str, int] = {}  # per table: its leading run of hashed blocks
         self.prefix_hits = 0
         self.prefix_queries = 0
+
+    @classmethod
+    def from_state(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        state: PoolState,
+        enable_prefix_caching: bool = True,
+    ) -> BlockManager:
+        """A manager with exactly ``state`` (copied, not checked: see ``check_invariants``)."""
+        bm = cls(num_blocks, block_size, enable_prefix_caching)
+        for block_id, block in state.blocks.items():
+            if block_id != block.block_id or not 0 <= block_id < num_blocks:
+                raise ValueError(f"bad block {block_id} for a pool of {num_blocks}")
+        bm.blocks = Blocks(num_blocks, {i: replace(b) for i, b in state.blocks.items()})
+        bm._free = deque(state.free)
+        bm._evictable = OrderedDict.fromkeys(state.evictable)
+        bm._cached = dict(state.cached)
+        bm._tables = {seq_id: list(table) for seq_id, table in state.tables.items()}
+        bm._held = Counter(state.held)
+        bm._seq_holds = Counter(state.seq_holds)
+        bm._zombies = {s: [list(t) for t in tables] for s, tables in state.zombies.items()}
+        bm._hashed_upto = dict(state.hashed_upto)
+        return bm
+
+    def state(self) -> PoolState:
+        """A copy of the pool's bookkeeping, for tests and debugging."""
+        return PoolState(
+            free=tuple(self._free),
+            evictable=tuple(self._evictable),
+            cached=dict(self._cached),
+            tables={seq_id: tuple(table) for seq_id, table in self._tables.items()},
+            held=dict(self._held),
+            seq_holds=dict(self._seq_holds),
+            zombies={s: tuple(map(tuple, tables)) for s, tables in self._zombies.items()},
+            hashed_upto=dict(self._hashed_upto),
+            blocks=self.blocks.changed(),
+        )
 
     # -- queries -------------------------------------------------------------------------------
     @property
@@ -118,6 +102,15 @@ class BlockManager:
     def num_held_only_blocks(self) -> int:
         """Blocks referenced only by external holds: free once those steps retire."""
         return sum(1 for b, n in self._held.items() if self.blocks[b].ref_count == n)
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Blocks with at least one external hold (an in-flight step references them)."""
+        return len(+self._held)
+
+    def holds(self, block_id: int) -> int:
+        """External holds on ``block_id``."""
+        return self._held[block_id]
 
     def block_table(self, seq_id: str) -> list[int]:
         return self._tables.get(seq_id, [])

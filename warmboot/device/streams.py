@@ -143,14 +143,5 @@ class CudaStream:
         self.stream.synchronize()
 
 
-def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on ``device`` without a host sync: pinned and non-blocking on CUDA (a copy
-    from pageable memory, as ``torch.tensor(..., device=cuda)`` makes, waits for the stream);
-    the tensor itself on the CPU. Call it inside the stream that uses the result."""
-    if device.type != "cuda":
-        return t
-    return t.pin_memory().to(device, non_blocking=True)
-
-
 def make_stream(device: torch.device, cpu_threads: int | None = None) -> CpuStream | CudaStream:
     return CudaStream(device) if device.type == "cuda" else CpuStream(cpu_threads)

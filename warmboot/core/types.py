@@ -1,0 +1,88 @@
+"""The hand-offs between the torch-free core and the device side: plain data, no callbacks.
+
+``Scheduler.schedule()`` -> ``SchedulerOutput`` -> runner -> ``RunnerOutput`` ->
+``Scheduler.update()`` -> ``TokenEvent``s -> output processor and grammar matchers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from warmboot.core.request import FinishReason
+from warmboot.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One row group of a step: compute ``token_ids`` at positions ``start_pos..``."""
+
+    req_id: str
+    token_ids: list[int]
+    """Token ids to compute; the last is a placeholder (-1) when ``device_fed``."""
+    start_pos: int
+    block_table: list[int]
+    sample: bool
+    """True when this chunk reaches the end of the context: the runner samples one token."""
+    params: SamplingParams
+    prompt_token_ids: tuple[int, ...]
+    """The request's prompt (penalties); its output history reaches the runner through
+    ``TokenEvent``s, never through a shared list."""
+    suppress_token_ids: tuple[int, ...] = ()
+    device_fed: bool = False
+    """The last input token was sampled by the previous, still running step: the runner reads
+    it on the device from the request's token slot."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_req_ids: list[str] = field(default_factory=list)
+    finished_req_ids: list[str] = field(default_factory=list)
+    """Requests finished since the previous step: the runner drops their per-request state."""
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    @property
+    def decode_only(self) -> bool:
+        return all(s.num_tokens == 1 for s in self.scheduled)
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
+class RunnerOutput:
+    req_ids: list[str]
+    """Rows that sampled, in order."""
+    sampled_token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What one step did to one request, for the output processor, the grammar matchers and
+    the runner's penalty histories."""
+
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs | None]
+    finish_reason: FinishReason | None = None
+    """Set when the step ended the request (a stop token, EOS or the length limit)."""
+    stop_reason: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,329 @@
+"""The model runner owns every device tensor (weights, KV cache, per-request token slots and
+generators) and turns a ``SchedulerOutput`` into a ``RunnerOutput`` in calls that the loops
+order: ``prepare_step`` + ``submit_forward``, ``launch_sample``, ``collect``; committed tokens
+come back through ``record_tokens`` (the penalty histories)."""
+
+from __future__ import annotations
+
+import mmap
+import weakref
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from warmboot.config import ModelConfig
+from warmboot.core.types import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenEvent
+from warmboot.device.graphs import DecodeGraphs
+from warmboot.device.inputs import InputBuilder
+from warmboot.device.sampler import Sampler, SamplingRow, TokenHistory, make_generator
+from warmboot.device.slots import RequestSlots
+from warmboot.device.staging import StepHandle, upload
+from warmboot.device.streams import make_stream
+from warmboot.kernels.backend import AttentionBackend
+from warmboot.models.decoder import DecoderModel
+from warmboot.models.loader import assemble_model, load_model
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        attention: AttentionBackend,
+        block_size: int,
+        num_request_slots: int,
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        cpu_threads: int | None = None,
+    ):
+        self.model_cfg = model_cfg
+        self.dtype = dtype
+        self.device = device
+        self.attention = attention
+        self.block_size = block_size
+        self.model: DecoderModel | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.sampler = Sampler()
+        self.stream = make_stream(device, cpu_threads)
+        weakref.finalize(self, self.stream.close)
+        self._generators: dict[str, torch.Generator] = {}
+        self._histories: dict[str, tuple[TokenHistory, TokenHistory]] = {}
+        """Per penalised request: its prompt and committed output as host tensors."""
+        self._handles: list[StepHandle | None] = [None, None]
+        """The step that last used each ping-pong working set."""
+        self._step_count = 0
+        self.token_buffer = torch.zeros(num_request_slots, dtype=torch.int64, device=device)
+        """Per request slot: the last sampled token (written by sample, read by forward)."""
+        self.slots = RequestSlots(num_request_slots)
+        self._finished: set[str] = set()
+        """Finished requests whose slot is still used by an in-flight (zombie) row."""
+        tokens = max(max_num_batched_tokens, max_num_seqs)
+        self.inputs = InputBuilder(
+            block_size, num_request_slots, max_model_len, tokens, max_num_seqs, device
+        )
+        self.graphs: DecodeGraphs | None = None
+
+    # -- start-up phases -----------------------------------------------------------------------
+    def load_model(self, model_dir: str | Path) -> None:
+        self.model = load_model(model_dir, self.model_cfg, self.dtype, self.device)
+        self._settle()
+
+    def install_weights(self, tensors: dict[str, torch.Tensor], source: str) -> None:
+        """Use weights that are already transformed (a snapshot's ``named_parameters``)."""
+        self.model = assemble_model(
+            self.model_cfg, tensors.items(), self.dtype, self.device, source
+        )
+        self._settle()
+
+    def kv_bytes_per_block(self) -> int:
+        cfg = self.model_cfg
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * cfg.num_layers * self.block_size * cfg.kv_size * elem
+
+    def pretune_attention(self, max_q: int, max_k: int) -> int:
+        """Tune the attention backend's prefill for every shape bucket (start-up, idle)."""
+        cfg = self.model_cfg
+        k_cache, v_cache = self.kv_caches[0]
+        windows = set(cfg.sliding_windows)
+        scale = cfg.head_dim**-0.5
+        return self.attention.pretune(k_cache, v_cache, cfg.num_heads, scale, windows, max_q, max_k)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """``num_blocks`` for the block manager plus the scratch block (idle runner only)."""
+        cfg = self.model_cfg
+        self.kv_caches = []  # NOTE: drop the old pool before allocating the new one
+        self.inputs.reset_tables(scratch_block=num_blocks)
+        num_blocks += 1
+        shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        if self.device.type == "cpu":
+            # NOTE: a fresh anonymous mapping reads as zeros without touching its pages, so the
+            # pool costs nothing until blocks are written (and nothing in a process image).
+            nbytes = num_blocks * self.kv_bytes_per_block()
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            self._kv_buffer = mmap.mmap(-1, nbytes, flags=flags)
+            cache = torch.frombuffer(self._kv_buffer, dtype=self.dtype).view(shape)
+        else:
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
+        self._settle()
+
+    def _settle(self) -> None:
+        """Wait for start-up work queued on the default stream (weight copies, zero fills):
+        the loops run on their own stream, which does not wait for it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def setup_decode_graphs(self, batch_sizes: tuple[int, ...], emulate: bool = False) -> None:
+        """Capture decode steps as CUDA graphs, block tables as wide as ``max_model_len``
+        (``emulate``: static buffers and padding only, run eagerly; for CPU tests). Call again
+        after the weights or the KV pool change."""
+        self.graphs = None  # NOTE: frees the old graphs' pool before capturing anew
+        model, attention = self.model, self.attention
+
+        def forward(ids, positions, meta):
+            hidden = model(ids, positions, self.kv_caches, meta, attention)
+            return model.compute_logits(hidden)
+
+        width, scratch = self.inputs.table_width, self.inputs.scratch_block
+        graphs = DecodeGraphs(
+            forward, self.device, batch_sizes, width, self.block_size, scratch, emulate
+        )
+        graphs.capture(getattr(self.stream, "stream", None))
+        self.graphs = graphs
+
+    @property
+    def scratch_block(self) -> int:
+        """KV block past the managed pool, written only by graph padding rows."""
+        return self.inputs.scratch_block
+
+    # -- per-request state ---------------------------------------------------------------------
+    def _park(self, req_id: str, finished: bool) -> None:
+        """A request left the running set: free its slot once no in-flight step uses it."""
+        if finished:
+            self._finished.add(req_id)
+        self.inputs.forget_table(req_id)  # NOTE: a preempted request comes back with a new table
+        if self.slots.park(req_id):
+            self._released(req_id)
+
+    def _released(self, req_id: str) -> None:
+        if req_id in self._finished:  # NOTE: a preempted request keeps its generator
+            self._finished.discard(req_id)
+            self._generators.pop(req_id, None)
+            self._histories.pop(req_id, None)
+
+    def record_tokens(self, events: list[TokenEvent]) -> None:
+        """Committed tokens, appended to the penalty histories before the next sample."""
+        for ev in events:
+            histories = self._histories.get(ev.req_id)
+            if histories is not None:
+                histories[1].extend(ev.new_token_ids)
+
+    def _track(self, s: ScheduledRequest) -> None:
+        self.slots.use(s.req_id)
+        if s.params.uses_penalties and s.req_id not in self._histories:
+            prompt = TokenHistory()
+            prompt.extend(s.prompt_token_ids)
+            self._histories[s.req_id] = (prompt, TokenHistory())
+
+    # -- step ----------------------------------------------------------------------------------
+    def prepare_step(self, sched: SchedulerOutput) -> StepHandle:
+        """Host half of a launch: build the step's inputs and take its request slots."""
+        for req_id in sched.finished_req_ids:
+            self._park(req_id, finished=True)
+        for req_id in sched.preempted_req_ids:
+            self._park(req_id, finished=False)
+        buf = self._step_count % 2
+        previous = self._handles[buf]
+        assert previous is None or previous.collected, "ping-pong slot reused while in flight"
+        self._step_count += 1
+        handle = StepHandle(sched=sched, buffer=buf)
+        self._handles[buf] = handle
+        if sched.is_empty:
+            return handle
+        for s in sched.scheduled:
+            self._track(s)
+        handle.inputs = self.inputs.build(sched.scheduled, buf, self.slots, self.graphs)
+        return handle
+
+    def submit_forward(self, handle: StepHandle) -> None:
+        """Enqueue the forward; returns at once. Rows whose input token is still on the device
+        read it from their request slot (no host round trip)."""
+        step = handle.inputs
+        if step is None:
+            return
+        rows = zip(step.last_index, step.rows, strict=True)
+        fed = [(i, self.slots[s.req_id]) for i, s in rows if s.device_fed]
+        staging = self.inputs.staging[handle.buffer]
+        fed_index = staging.put("fed_index", [i for i, _ in fed])
+        fed_slots = staging.put("fed_slots", [slot for _, slot in fed])
+        up = self._upload
+
+        def patch(input_ids: torch.Tensor) -> None:
+            if fed:
+                input_ids[up(fed_index)] = self.token_buffer[up(fed_slots)]
+
+        def forward() -> None:
+            if step.graph_batch:
+                logits = self.graphs.run(
+                    step.graph_batch, step.input_ids, step.positions, step.meta, patch
+                )
+                handle.logits = logits[up(step.sample_index)]  # a copy: outlives the replay
+                return
+            input_ids = up(step.input_ids)
+            patch(input_ids)
+            meta = step.meta.to(up)
+            hidden = self.model(input_ids, up(step.positions), self.kv_caches, meta, self.attention)
+            if step.sample_rows:
+                handle.logits = self.model.compute_logits(hidden[up(step.sample_index)])
+
+        self.stream.submit(forward)
+
+    def launch_sample(self, handle: StepHandle, bitmask: torch.Tensor | None = None) -> None:
+        """Enqueue sampling with host state as committed now (penalty histories, grammar
+        masks); the sampled ids go to the request slots and to host memory, then an event."""
+        step = handle.inputs
+        if step is None or not step.sample_rows:
+            handle.event = self.stream.record()
+            return
+        rows = [self._sampling_row(s) for s in step.sample_rows]
+        slots = self.inputs.staging[handle.buffer].put(
+            "sample_slots", [self.slots[s.req_id] for s in step.sample_rows]
+        )
+        masked = [i for i, s in enumerate(step.sample_rows) if s.params.structured_outputs]
+        if bitmask is not None and self.device.type == "cuda":
+            bitmask = bitmask.pin_memory()  # NOTE: so the upload below does not block the host
+
+        def sample() -> None:
+            logits = handle.logits
+            if bitmask is not None:  # uploaded in the stream: ordered before its use
+                from warmboot.device.grammar_backend import apply_bitmask
+
+                apply_bitmask(logits, self._upload(bitmask), masked)
+            out = self.sampler(logits, rows)
+            self.token_buffer[self._upload(slots)] = out.token_ids
+            handle.result = out.to_host()
+
+        self.stream.submit(sample)
+        handle.event = self.stream.record()
+
+    def collect(self, handle: StepHandle) -> RunnerOutput:
+        """Wait for the step and return its sampled tokens; the step's slots are released."""
+        handle.event.wait()
+        handle.collected = True
+        for s in handle.inputs.rows if handle.inputs else ():
+            if self.slots.unuse(s.req_id):
+                self._released(s.req_id)
+        if handle.result is None:
+            return RunnerOutput([], [])
+        return handle.result.runner_output(handle.inputs.sample_rows)
+
+    def _upload(self, t: torch.Tensor) -> torch.Tensor:
+        return upload(t, self.device)
+
+    def _sampling_row(self, s: ScheduledRequest) -> SamplingRow:
+        gen = None
+        if s.params.seed is not None:
+            gen = self._generators.get(s.req_id)
+            if gen is None:
+                gen = self._generators[s.req_id] = make_generator(s.params.seed, self.device)
+        prompt, output = s.prompt_token_ids, ()
+        histories = self._histories.get(s.req_id)
+        if histories is not None:  # NOTE: tensors, so the sampler converts no list per step
+            prompt, output = histories[0].tensor, histories[1].tensor
+        return SamplingRow(
+            params=s.params,
+            prompt_token_ids=prompt,
+            output_token_ids=output,
+            generator=gen,
+            suppress_token_ids=s.suppress_token_ids,
+        )
+
+    def forward_all(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
+        """(tokens, vocab) logits of every token of ``scheduled``, outside the loops, on the
+        host thread (tests and probes; idle runner only)."""
+        assert not self.in_flight(), "forward_all needs an idle runner"
+        step = self.inputs.build(scheduled, 0, self.slots, None)
+        for s in scheduled:
+            self.slots.park(s.req_id)
+        with torch.inference_mode():
+            up = self._upload
+            hidden = self.model(up(step.input_ids), up(step.positions), self.kv_caches,
+                                step.meta.to(up), self.attention)  # fmt: skip
+            return self.model.compute_logits(hidden)
+
+    # -- checks --------------------------------------------------------------------------------
+    def in_flight(self) -> list[StepHandle]:
+        """Launched steps not yet collected, oldest first."""
+        live = [h for h in self._handles if h is not None and not h.collected]
+        return sorted(live, key=lambda h: h.buffer != (self._step_count % 2))
+
+    def check_invariants(self) -> None:
+        """Slots, staging sets and per-request state agree with the steps in flight: raise
+        ``AssertionError`` naming the first broken rule."""
+        in_flight = self.in_flight()
+        assert len(in_flight) <= 2, "more than two steps in flight"
+        assert len({h.buffer for h in in_flight}) == len(in_flight), "two steps share a set"
+        rows: Counter[str] = Counter()
+        for h in in_flight:
+            if h.inputs is None:
+                continue
+            staging = self.inputs.staging[h.buffer]
+            assert staging.owns(h.inputs.input_ids), "a step's ids live outside its set"
+            rows.update(s.req_id for s in h.inputs.rows)
+        self.slots.check_invariants(rows)
+        assert self._finished <= self.slots.live, "a finished request's state outlived its slot"
+
+    def request_state(self) -> set[str]:
+        """Requests the runner holds anything for (a slot, a generator, penalty histories)."""
+        return self.slots.live | set(self._generators) | set(self._histories)
+
+    def penalised(self) -> set[str]:
+        """Requests the runner keeps penalty histories for."""
+        return set(self._histories)
+
+    def leaving(self) -> set[str]:
+        """Requests whose state goes once no in-flight step uses them (parked or finished)."""
+        return self.slots.parked | self._finished

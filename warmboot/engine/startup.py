@@ -1,0 +1,300 @@
+"""Start-up as explicit, timed phases, and the idle-engine operations that redo some of them.
+
+    config -> tokenizer -> [snapshot_key -> snapshot_lookup -> restore_weights] | load_weights
+    -> allocate_kv -> warmup (the canary; a restored image whose canary differs boots cold)
+    -> [autotune] -> [cuda_graphs] -> [snapshot_publish] -> ready
+
+Every phase is timed into ``Startup.times`` (``stats()["startup_times"]``), and the engine's
+``start_info`` says which path it took and why.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from warmboot.config import EngineConfig, ModelConfig, ModelFilesError, SchedulerConfig
+from warmboot.core.block_manager import BlockManager
+from warmboot.device.graphs import default_batch_sizes
+from warmboot.device.runner import ModelRunner
+from warmboot.engine import settings as resolve
+from warmboot.engine.settings import RuntimeFacts, Settings
+from warmboot.sampling_params import SamplingParams
+from warmboot.snapshot.canary import CANARY_PROMPT, CANARY_TOKENS
+from warmboot.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from warmboot.snapshot.boot import SnapshotBoot
+
+log = logging.getLogger("warmboot")
+CPU_DEFAULT_KV_BYTES = 512 << 20
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass(frozen=True)
+class StartInfo:
+    """How the engine started: ``path`` is "cold" or "restored_image" (a tier-A snapshot)."""
+
+    path: str
+    reason: str
+    """Why that path: the matching snapshot, or why none was used."""
+    ready_s: float
+    """Seconds from the start of ``LLMEngine.__init__`` to ready (publishing included)."""
+    phase_times: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Booted:
+    """What the first phases hand to the engine."""
+
+    model_config: ModelConfig
+    settings: Settings
+    tokenizer: Tokenizer
+    runner: ModelRunner
+    facts: RuntimeFacts
+
+
+class BootingEngine(Protocol):
+    """What the late phases need of the engine they finish (an ``LLMEngine``)."""
+
+    runner: ModelRunner
+    block_manager: BlockManager
+    facts: RuntimeFacts
+    settings: Settings
+    sched_config: SchedulerConfig
+
+    def add_request(self, request_id: str | None, prompt: Any, params: Any = None) -> str: ...
+
+    def step(self) -> list: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+
+class Startup:
+    """One engine's start-up: runs the phases, keeps their times and the snapshot decision."""
+
+    def __init__(self, config: EngineConfig, max_model_len: int | None = None):
+        self.t0 = time.perf_counter()
+        self.config = config
+        self.model_dir = Path(config.model)
+        self.max_model_len = max_model_len
+        self.times: dict[str, float] = {}
+        self.snapshot: SnapshotBoot | None = None
+        self.restored = False
+        self.graphs_note = "off"
+        """CUDA graphs: on, off, emulated (CPU tests), or off with the capture's error."""
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        yield
+        self.times[name] = time.perf_counter() - t0
+        log.info("start-up phase %-12s %.3fs", name, self.times[name])
+
+    # -- up to an engine with weights and a KV pool ---------------------------------------------
+    def boot(self) -> Booted:
+        config = self.config
+        with self.phase("config"):
+            if not self.model_dir.is_dir():
+                raise ModelFilesError(f"model directory {self.model_dir} does not exist")
+            model_config = ModelConfig.from_dir(self.model_dir)
+            settings = resolve.resolve(config, model_config, self.max_model_len)
+        with self.phase("tokenizer"):
+            tokenizer = Tokenizer.from_dir(self.model_dir)
+            eos = resolve.eos_ids(self.model_dir, model_config, tokenizer)
+        torch.manual_seed(config.seed)
+        attention = resolve.attention_backend(config.attention_backend, settings.device)
+        runner = self._runner(model_config, settings, attention)
+        self.snapshot = self._open_snapshot(settings, attention.name)
+        self.restored = self.restore_weights(runner)
+        if not self.restored:
+            with self.phase("load_weights"):
+                runner.load_model(self.model_dir)
+        with self.phase("allocate_kv"):
+            num_blocks = self._num_kv_blocks(runner, settings)
+            runner.allocate_kv_cache(num_blocks)
+        facts = RuntimeFacts(
+            device=str(settings.device),
+            dtype=str(settings.dtype).removeprefix("torch."),
+            num_kv_blocks=num_blocks,
+            max_model_len=settings.scheduler.max_model_len,
+            eos_token_ids=eos,
+            attention_backend=attention.name,
+        )
+        return Booted(model_config, settings, tokenizer, runner, facts)
+
+    def _runner(self, model_config: ModelConfig, settings: Settings, attention) -> ModelRunner:
+        sched = settings.scheduler
+        return ModelRunner(
+            model_config,
+            settings.dtype,
+            settings.device,
+            attention,
+            self.config.cache.block_size,
+            num_request_slots=2 * sched.max_num_seqs + 2,
+            max_model_len=sched.max_model_len,
+            max_num_seqs=sched.max_num_seqs,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            cpu_threads=settings.cpu_threads,
+        )
+
+    def _open_snapshot(self, settings: Settings, attention: str) -> SnapshotBoot | None:
+        if self.config.snapshot_store is None:
+            return None
+        from warmboot.snapshot.boot import SnapshotBoot
+
+        sched = settings.scheduler
+        key_settings = {
+            "dtype": str(settings.dtype).removeprefix("torch."),
+            "device_type": settings.device.type,
+            "block_size": self.config.cache.block_size,
+            "max_model_len": sched.max_model_len,
+            "max_num_seqs": sched.max_num_seqs,
+            "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "attention_backend": attention,
+        }
+        with self.phase("snapshot_key"):
+            return SnapshotBoot(self.config.snapshot_store, self.model_dir, key_settings,
+                                settings.device)  # fmt: skip
+
+    def restore_weights(self, runner: ModelRunner) -> bool:
+        """Restore the runner's weights from a matching snapshot; False (reason logged) if none."""
+        snap = self.snapshot
+        if snap is None:
+            return False
+        with self.phase("snapshot_lookup"):
+            manifest = snap.lookup()
+        if manifest is not None:
+            with self.phase("restore_weights"):
+                tensors = snap.restore(manifest, runner.dtype)
+                if tensors is not None:
+                    try:
+                        runner.install_weights(tensors, f"snapshot {manifest.key}")
+                    except ValueError as e:
+                        snap.reason = f"snapshot {manifest.key} does not fit: {e}"
+                        tensors = None
+            if tensors is not None:
+                return True
+        log.info("snapshot not used, booting cold: %s", snap.reason)
+        return False
+
+    def _num_kv_blocks(self, runner: ModelRunner, settings: Settings) -> int:
+        cache, per_block = self.config.cache, runner.kv_bytes_per_block()
+        sched = settings.scheduler
+        if cache.num_blocks is not None:
+            blocks = cache.num_blocks
+        elif cache.kv_cache_memory_bytes is not None:
+            blocks = cache.kv_cache_memory_bytes // per_block
+        elif settings.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(settings.device)
+            blocks = int(free - (1 - GPU_MEMORY_UTILIZATION) * total) // per_block
+        else:
+            full = sched.max_num_seqs * sched.max_model_len
+            blocks = min(-(-full // cache.block_size), CPU_DEFAULT_KV_BYTES // per_block)
+        capacity = blocks * cache.block_size
+        if capacity < sched.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({blocks} blocks), fewer than "
+                f"max_model_len={sched.max_model_len}; raise the KV memory budget "
+                "or lower max_model_len"
+            )
+        return blocks
+
+    # -- from a booted engine to ready ---------------------------------------------------------
+    def finish(self, engine: BootingEngine) -> StartInfo:
+        """Warm up (checking a restored image's canary), tune, capture, publish."""
+        with self.phase("warmup"):
+            canary = run_canary(engine)
+            engine.block_manager.check_invariants()
+        if self.restored and not self.snapshot.canary_matches(canary):
+            self.restored = False
+            log.warning("snapshot canary failed (%s); booting cold", self.snapshot.reason)
+            with self.phase("load_weights"):
+                engine.runner.load_model(self.model_dir)
+            with self.phase("warmup"):
+                canary = run_canary(engine)
+        publishing = bool(self.snapshot and not self.restored and self.config.snapshot_publish)
+        self._pretune(engine, publishing)
+        if engine.settings.cuda_graphs:
+            with self.phase("cuda_graphs"):
+                self.capture_graphs(engine, required=bool(self.config.cuda_graphs))
+        if publishing:
+            with self.phase("snapshot_publish"):
+                facts = asdict(engine.facts) | {"canary": canary, "cold_boot": dict(self.times)}
+                self.snapshot.publish(engine.runner.model, facts)
+        return self._ready()
+
+    def _pretune(self, engine: BootingEngine, publishing: bool) -> None:
+        runner = engine.runner
+        device, backend = runner.device, runner.attention.name
+        if resolve.wants_pretune(self.config.pretune_attention, device, backend, publishing):
+            with self.phase("autotune"):
+                sched = engine.sched_config
+                shapes = runner.pretune_attention(sched.max_num_batched_tokens, sched.max_model_len)
+            log.info("attention tuned for %d prefill shapes", shapes)
+
+    def _ready(self) -> StartInfo:
+        reason = self.snapshot.reason if self.snapshot else "no snapshot store configured"
+        info = StartInfo(
+            path="restored_image" if self.restored else "cold",
+            reason=reason,
+            ready_s=time.perf_counter() - self.t0,
+            phase_times=dict(self.times),
+        )
+        phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.times.items())
+        log.info("engine ready in %.2fs via %s (%s): %s", info.ready_s, info.path, reason, phases)
+        return info
+
+    # -- CUDA graphs ----------------------------------------------------------------------------
+    def enable_graphs(
+        self, engine: BootingEngine, batch_sizes: tuple[int, ...] | None, emulate: bool
+    ) -> None:
+        if engine.has_unfinished_requests():
+            raise RuntimeError("enable_decode_graphs needs an idle engine")
+        sizes = batch_sizes or default_batch_sizes(engine.sched_config.max_num_seqs)
+        engine.runner.setup_decode_graphs(sizes, emulate)
+        self.graphs_note = "emulated" if emulate else "on"
+
+    def capture_graphs(self, engine: BootingEngine, required: bool) -> None:
+        """Capture at start-up. A capture that fails runs decode eagerly (with the reason in
+        the log and ``stats()``) unless graphs were asked for explicitly."""
+        try:
+            self.enable_graphs(engine, None, emulate=False)
+        except Exception as e:
+            if required:
+                raise
+            engine.runner.graphs = None
+            self.graphs_note = f"off: capture failed: {type(e).__name__}: {e}"
+            log.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
+
+    def recapture_graphs(self, engine: BootingEngine) -> None:
+        """Captured graphs hold the old weights' and KV pool's addresses: capture anew."""
+        graphs = engine.runner.graphs
+        if graphs is not None:
+            self.enable_graphs(engine, graphs.batch_sizes, graphs.emulate)
+
+
+def run_canary(engine: BootingEngine) -> list[tuple[int, float]]:
+    """Greedy tokens with logprobs of the canary prompt, run alone on an idle engine and then
+    forgotten. It is also the warm-up: one real request through every part."""
+    params = SamplingParams(
+        max_tokens=CANARY_TOKENS,
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=1,
+        output_kind="final",
+    )
+    engine.add_request("canary", {"prompt_token_ids": list(CANARY_PROMPT)}, params)
+    out = None
+    while engine.has_unfinished_requests():
+        out = next(iter(engine.step()), out)
+    engine.block_manager.reset_prefix_cache()
+    c = out.outputs[0]
+    return [(t, lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs, strict=True)]

@@ -1,0 +1,103 @@
+"""Request validation, done once on the way in: tokenize, check the ids and lengths against
+the model, and compile any grammar. The result, a ``ValidatedRequest``, is what the engine
+queues; a bad request raises ``InvalidRequestError`` naming the problem."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from warmboot.core.errors import InvalidRequestError
+from warmboot.device.grammar_requests import GrammarRequests
+from warmboot.sampling_params import SamplingParams
+from warmboot.tokenizer import Tokenizer
+
+Prompt = str | list[int] | dict
+
+
+@dataclass(frozen=True)
+class ValidatedRequest:
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    """``params.max_tokens`` or, when unset, what the context leaves."""
+
+
+class RequestValidator:
+    def __init__(
+        self, tokenizer: Tokenizer, vocab_size: int, max_model_len: int, grammars: GrammarRequests
+    ):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.grammars = grammars
+
+    def validate(self, prompt: Prompt, params: SamplingParams) -> ValidatedRequest:
+        text, token_ids = self._tokenize(prompt)
+        max_tokens = self._max_tokens(token_ids, params)
+        vocab = self.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids {bad} are outside the vocabulary ({vocab})")
+        bad = [t for t, _ in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias tokens {bad} are outside the vocabulary ({vocab})"
+            )
+        if params.structured_outputs is not None:
+            try:
+                self.grammars.compile(params.structured_outputs)
+            except ValueError as e:
+                raise InvalidRequestError(f"invalid structured_outputs: {e}") from None
+        return ValidatedRequest(text, token_ids, params, max_tokens)
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = prompt["prompt_token_ids"]
+                return prompt.get("prompt"), self._check_ids(ids)
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt is empty")
+            return prompt, self._check_ids(self.tokenizer.encode(prompt))
+        if isinstance(prompt, list):
+            return None, self._check_ids(prompt)
+        raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def _check_ids(self, ids: list[int]) -> list[int]:
+        if not ids:
+            raise InvalidRequestError("the prompt is empty (no tokens)")
+        vocab = self.vocab_size
+        try:  # NOTE: numpy checks a 4k-token prompt in ~0.1 ms; a Python loop took ~3 ms
+            arr = np.asarray(ids)
+        except (ValueError, TypeError, OverflowError):
+            arr = None
+        if (
+            arr is None
+            or arr.ndim != 1
+            or arr.dtype.kind not in "iu"
+            or not (0 <= arr.min() and arr.max() < vocab)
+        ):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        return arr.tolist()
+
+    def _max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
+        limit = self.max_model_len
+        room = limit - len(token_ids)
+        if room < 1:
+            raise InvalidRequestError(
+                f"the prompt has {len(token_ids)} tokens; max_model_len is {limit}, which leaves "
+                "no room for output"
+            )
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len={limit}"
+            )
+        return params.max_tokens or room

@@ -1,0 +1,61 @@
+"""Getting a handler's result to the client: a stream of chunks as server-sent events
+(``sse``, which ends an errored stream with an error event and always sends ``[DONE]``), and
+a non-streaming result raced against the client's disconnect (``until_disconnect``, which
+cancels the work, and so aborts its requests, when the client goes away first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from warmboot.core.errors import EngineDeadError, InvalidRequestError
+from warmboot.server.errors import ApiError
+from warmboot.server.protocol import error_body
+
+log = logging.getLogger("warmboot")
+
+
+def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+    async def events():
+        try:
+            async for chunk in chunks:
+                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+        except (EngineDeadError, InvalidRequestError, ValueError) as e:
+            error = error_body(
+                str(e),
+                "server_error" if isinstance(e, EngineDeadError) else "invalid_request_error",
+            )
+            yield f"data: {json.dumps(error)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+async def until_disconnect(request: Request, work):
+    """Run ``work``; if the client disconnects first, cancel it (which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        log.info("client disconnected; request aborted")
+        raise ApiError(499, "client disconnected", "invalid_request_error")
+    finally:
+        watcher.cancel()
+        task.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

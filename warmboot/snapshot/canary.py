@@ -1,0 +1,31 @@
+"""The canary: greedy tokens, with their logprobs, of a fixed prompt. A snapshot records it
+at the boot that made it; a restore (tier A: the image's weights; tier P: the whole process)
+must reproduce it, or it is not used. Wrong weights that pass every hash (a consistent but
+wrong manifest) still fail here. Torch-free: the launcher compares canaries too."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+CANARY_PROMPT = (1, 2, 3, 4, 5, 6, 7)
+"""NOTE: not token 0, often a padding token whose zero embedding would make the canary blind."""
+CANARY_TOKENS = 2
+"""One prefill (every weight) and one decode step (the paged path); each more token cost a
+tier-P start ~0.14 s under gVisor for the 0.49B model."""
+CANARY_RTOL = 1e-3
+"""Logprobs agree to this, relative (absolute below 1). Bitwise on the same host in practice;
+the slack covers a kernel that picks another reduction order after a restore."""
+
+
+def canary_mismatch(recorded: Sequence, fresh: Sequence) -> str | None:
+    """None when ``fresh`` reproduces ``recorded`` (same tokens, logprobs within
+    ``CANARY_RTOL``); otherwise what differs."""
+    if len(recorded) != len(fresh):
+        return f"canary has {len(fresh)} tokens, {len(recorded)} were recorded"
+    for i, (want, got) in enumerate(zip(recorded, fresh, strict=True)):
+        (wt, wlp), (t, lp) = (int(want[0]), float(want[1])), (int(got[0]), float(got[1]))
+        if t != wt:
+            return f"canary token {i} is {t}, {wt} was recorded"
+        if abs(lp - wlp) > CANARY_RTOL * max(1.0, abs(wlp)):
+            return f"canary logprob {i} is {lp:.6g}, {wlp:.6g} was recorded"
+    return None
