@@ -290,8 +290,8 @@ class ModelRunner:
             self.slots.park(s.req_id)
         with torch.inference_mode():
             up = self._upload
-            hidden = self.model(up(step.input_ids), up(step.positions), self.kv_caches,
-                                step.meta.to(up), self.attention)  # fmt: skip
+            ids, positions, meta = up(step.input_ids), up(step.positions), step.meta.to(up)
+            hidden = self.model(ids, positions, self.kv_caches, meta, self.attention)
             return self.model.compute_logits(hidden)
 
     # -- checks --------------------------------------------------------------------------------

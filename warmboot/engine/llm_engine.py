@@ -50,8 +50,9 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(self.sched_config, self.block_manager)
         self.outputs = OutputProcessor(self.tokenizer)
-        parts = StepParts(self.scheduler, self.block_manager, self.runner, self.grammars,
-                          self.outputs)  # fmt: skip
+        parts = StepParts(
+            self.scheduler, self.block_manager, self.runner, self.grammars, self.outputs
+        )
         self.loop = make_loop(parts, self.pipelined)
 
     # -- requests ------------------------------------------------------------------------------
@@ -95,10 +96,16 @@ class LLMEngine:
         states = []
         for i in range(params.n):
             child_params = params if params.seed is None else replace(params, seed=params.seed + i)
-            leader = children[0] if children else None
-            children.append(Request(f"{request_id}#{i}@{submission}", prompt, child_params,
-                                    checked.max_tokens, eos, leader=leader,
-                                    completion_index=i))  # fmt: skip
+            child = Request(
+                request_id=f"{request_id}#{i}@{submission}",
+                prompt_token_ids=prompt,
+                params=child_params,
+                max_tokens=checked.max_tokens,
+                eos_token_ids=eos,
+                leader=children[0] if children else None,
+                completion_index=i,
+            )
+            children.append(child)
             logprobs = [] if params.logprobs is not None else None
             detok = self.tokenizer.detokenizer(params.skip_special_tokens)
             states.append(CompletionState(i, child_params, detok, logprobs=logprobs))

@@ -160,9 +160,9 @@ class Startup:
             "max_num_batched_tokens": sched.max_num_batched_tokens,
             "attention_backend": attention,
         }
+        store, device = self.config.snapshot_store, settings.device
         with self.phase("snapshot_key"):
-            return SnapshotBoot(self.config.snapshot_store, self.model_dir, key_settings,
-                                settings.device)  # fmt: skip
+            return SnapshotBoot(store, self.model_dir, key_settings, device)
 
     def restore_weights(self, runner: ModelRunner) -> bool:
         """Restore the runner's weights from a matching snapshot; False (reason logged) if none."""
