@@ -785,3 +785,22 @@ def test_trailing_partial_character_is_kept(llm):
     assert tok.decode(out.token_ids).endswith(REPLACEMENT), "precondition"
     assert out.text == tok.decode(out.token_ids)
     assert_engine_clean(llm)
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ],  # fmt: skip
+)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_sampling_values_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"{field}=.*finite"):
+        SamplingParams(**{field: value})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: value})

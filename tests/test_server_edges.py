@@ -285,9 +285,10 @@ def test_echo_streamed_and_not(url):
     assert texts == {0: body["prompt"] + plain, 1: body["prompt"] + plain}
 
 
-def test_echo_with_logprobs_is_refused_not_half_answered(url):
-    """Prompt log-probabilities are not computed, so echo + logprobs is a clear 400 rather
-    than logprobs that skip the echoed prompt (found by this review)."""
+def test_echo_with_logprobs_covers_prompt_and_output_streamed_or_not(url):
+    """The logprobs columns hold the echoed prompt's tokens (the first unscored) and then the
+    output's; a stream sends the same columns over its chunks (values: test_server_prompt_
+    logprobs)."""
     body = {
         "model": MODEL_NAME,
         "prompt": "hello world",
@@ -297,12 +298,18 @@ def test_echo_with_logprobs_is_refused_not_half_answered(url):
         "logprobs": 1,
         **NO_EOS,
     }
-    resp = _post(url, "/v1/completions", body)
-    assert resp.status_code == 400
-    error = resp.json()["error"]
-    assert error["param"] == "echo" and "not supported" in error["message"]
-    plain = _post(url, "/v1/completions", {**body, "logprobs": None}).json()["choices"][0]
-    assert plain["text"].startswith("hello world")
+    whole = _post(url, "/v1/completions", body).json()["choices"][0]
+    lp = whole["logprobs"]
+    assert whole["text"].startswith("hello world")
+    assert lp["token_logprobs"][0] is None and None not in lp["token_logprobs"][1:]
+    assert "".join(lp["tokens"]) == whole["text"]
+    assert lp["text_offset"] == sorted(lp["text_offset"])
+    chunks = _sse_chunks(url, "/v1/completions", {**body, "n": 2})
+    for i in (0, 1):
+        columns = [ch["logprobs"] for c in chunks for ch in c["choices"] if ch["index"] == i]
+        assert [t for col in columns for t in col["tokens"]] == lp["tokens"]
+        offsets = [o for col in columns for o in col["text_offset"]]
+        assert offsets == lp["text_offset"]
 
 
 def test_chat_without_max_tokens_runs_to_the_context_limit(url):
@@ -472,11 +479,17 @@ def test_non_object_bodies_are_400(url, body):
     _error(resp)
 
 
-@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", None])
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded"])
 def test_wrong_content_type_is_4xx(url, ctype):
-    headers = {} if ctype is None else {"content-type": ctype}
+    headers = {"content-type": ctype}
     resp = httpx.post(url + "/v1/completions", content=json.dumps(GOOD).encode(), headers=headers)
     _error(resp)
+
+
+def test_a_body_without_content_type_is_read_as_json(url):
+    """As vLLM and OpenAI do (``curl -d`` sends none)."""
+    resp = httpx.post(url + "/v1/completions", content=json.dumps(GOOD).encode())
+    assert resp.status_code == 200, resp.text
 
 
 @pytest.mark.parametrize(

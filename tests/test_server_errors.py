@@ -42,7 +42,7 @@ def _still_serves(url: str) -> None:
     [
         ({"temperature": 5}, "temperature", "less than or equal to 2"),
         ({"top_p": 0}, "top_p", "greater than 0"),
-        ({"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+        ({"max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
         ({"n": 0}, "n", "greater than or equal to 1"),
         ({"logprobs": 9}, "logprobs", "less than or equal to 5"),
         ({"presence_penalty": 3}, "presence_penalty", "less than or equal to 2"),

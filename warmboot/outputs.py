@@ -40,6 +40,9 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    """With ``SamplingParams.prompt_logprobs``: per prompt token {token id: Logprob} for the
+    top-n and the prompt token (None for the first token). "delta" outputs carry it once."""
 
 
 class OutputFolder:
@@ -57,6 +60,8 @@ class OutputFolder:
         self._out: RequestOutput | None = None
 
     def add(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is None and self._out is not None:
+            out = replace(out, prompt_logprobs=self._out.prompt_logprobs)
         self._out = out
         for c in out.outputs:
             i = c.index

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20
+FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty")  # fmt: skip
 MAX_LOGIT_BIAS = 100.0
 OUTPUT_KINDS = ("cumulative", "delta", "final")
 
@@ -67,6 +70,10 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     """Return this many top log-probabilities per output token (plus the sampled one's)."""
+    prompt_logprobs: int | None = None
+    """Return this many top log-probabilities per prompt token (plus the prompt token's own),
+    computed in the prefill; the first prompt token has none. Such a request does not start
+    from a cached prefix (a cached block's logits are not kept)."""
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
     """Grammar-constrained decoding; the output ends when the grammar is complete."""
@@ -96,6 +103,10 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be an integer >= 1")
+        for name in FLOAT_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                bad(name, "must be a finite number")
         if self.temperature < 0:
             bad("temperature", "must be >= 0")
         if not 0.0 < self.top_p <= 1.0:
@@ -118,8 +129,10 @@ class SamplingParams:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            bad("logprobs", f"must be in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or not 0 <= value <= MAX_LOGPROBS):
+                bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -129,7 +142,10 @@ class SamplingParams:
         for token, value in self.logit_bias or ():
             if not isinstance(token, int) or token < 0:
                 bad("logit_bias", f"token {token!r} is not a non-negative integer id")
-            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            if (
+                not isinstance(value, (int, float))
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS
+            ):
                 bad("logit_bias", f"bias {value!r} of token {token} is outside [-100, 100]")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")

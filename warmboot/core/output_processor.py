@@ -102,9 +102,15 @@ class RequestGroup:
     completions: list[CompletionState]
     children: list[Request]
     unfinished: int = field(init=False)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(init=False)
+    """Per prompt token (None for the first), when asked for; complete before the first
+    output token, which is when outputs start to carry it."""
+    _prompt_logprobs_sent: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.unfinished = sum(c.finish_reason is None for c in self.completions)
+        wants = self.completions[0].params.prompt_logprobs is not None
+        self.prompt_logprobs = [None] if wants else None
 
     @property
     def finished(self) -> bool:
@@ -122,7 +128,20 @@ class RequestGroup:
             outputs=[c.output() for c in self.completions],
             finished=self.finished,
             num_cached_tokens=self.children[0].num_cached_tokens,
+            prompt_logprobs=self._prompt_logprobs_due(),
         )
+
+    def _prompt_logprobs_due(self) -> list[dict[int, Logprob] | None] | None:
+        """The prompt logprobs once complete: in every output, or in the first one only for
+        "delta" outputs."""
+        lps = self.prompt_logprobs
+        if lps is None or len(lps) < len(self.prompt_token_ids):
+            return None
+        if self.output_kind == "delta":
+            if self._prompt_logprobs_sent:
+                return None
+            self._prompt_logprobs_sent = True
+        return lps
 
 
 class OutputProcessor:
@@ -148,6 +167,10 @@ class OutputProcessor:
         stopped: list[str] = []
         for ev in events:
             group, state = self._child[ev.req_id]
+            if ev.prompt_logprobs and group.prompt_logprobs is not None:
+                group.prompt_logprobs += self._prompt_logprob_dicts(group, ev.prompt_logprobs)
+            if not ev.new_token_ids and not ev.finished:
+                continue  # a prefill chunk's prompt logprobs: nothing to output yet
             touched.add(group.request_id)
             if state.finish_reason is not None:
                 continue
@@ -183,6 +206,11 @@ class OutputProcessor:
             state.finish_reason = ev.finish_reason.value
             state.stop_reason = ev.stop_reason
         return False
+
+    def _prompt_logprob_dicts(self, group: RequestGroup, lps: list[TokenLogprobs]) -> list:
+        start = len(group.prompt_logprobs)
+        tokens = group.prompt_token_ids[start : start + len(lps)]
+        return [self._logprob_dict(t, lp) for t, lp in zip(tokens, lps, strict=True)]
 
     def _logprob_dict(self, token: int, lp: TokenLogprobs) -> dict[int, Logprob]:
         text = self.tokenizer.token_text

@@ -50,6 +50,8 @@ class Request:
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at the first admission."""
     num_preemptions: int = 0
+    num_prompt_logprobs: int = 0
+    """Prompt tokens (after the first) whose logprobs a step has been asked for."""
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
@@ -79,6 +81,15 @@ class Request:
     @property
     def num_planned_outputs(self) -> int:
         return len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to compute (the first completion of a group computes them)."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.completion_index == 0
+            and self.num_prompt_logprobs < self.num_prompt_tokens - 1
+        )
 
     @property
     def is_finished(self) -> bool:

@@ -108,9 +108,8 @@ class Scheduler:
             if self._waits_for_leader(req):
                 skipped.append(req)
                 continue
-            prefix = (
-                [] if req.num_computed_tokens else self.kv.find_cached_prefix(req.all_token_ids)
-            )
+            cold = req.num_computed_tokens or req.wants_prompt_logprobs
+            prefix = [] if cold else self.kv.find_cached_prefix(req.all_token_ids)
             start = len(prefix) * self.kv.block_size
             n = min(req.num_tokens - start, budget)
             if not self.kv.allocate(req.request_id, start + n, prefix):
@@ -148,6 +147,7 @@ class Scheduler:
         if sample and req.num_planned_outputs < req.params.min_tokens:
             eos = () if req.params.ignore_eos else tuple(req.eos_token_ids)
             suppress = eos + req.params.stop_token_ids
+        lp_from, targets = self._prompt_logprob_targets(req, start, n)
         req.num_computed_tokens += n
         req.num_inflight += sample
         return ScheduledRequest(
@@ -160,7 +160,22 @@ class Scheduler:
             prompt_token_ids=req.prompt_token_ids,
             suppress_token_ids=suppress,
             device_fed=device_fed,
+            prompt_logprobs_from=lp_from,
+            prompt_logprob_targets=targets,
         )
+
+    @staticmethod
+    def _prompt_logprob_targets(req: Request, start: int, n: int) -> tuple[int, tuple[int, ...]]:
+        """The prompt tokens a chunk at ``start..start+n`` predicts that no earlier step was
+        asked for: position ``p`` predicts prompt token ``p + 1``."""
+        if not req.wants_prompt_logprobs:
+            return 0, ()
+        first = max(start + 1, req.num_prompt_logprobs + 1)  # the first target token's index
+        last = min(start + n, req.num_prompt_tokens - 1)
+        if last < first:
+            return 0, ()
+        req.num_prompt_logprobs = last
+        return first - 1 - start, tuple(req.prompt_token_ids[first : last + 1])
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
@@ -179,6 +194,9 @@ class Scheduler:
             req = self.requests.get(s.req_id)
             if req is None:
                 continue  # finished while the step ran: a zombie row, its token is dropped
+            prompt_lps = result.prompt_logprobs.get(s.req_id)
+            if prompt_lps is not None and not s.sample:
+                events.append(TokenEvent(req.request_id, [], [], prompt_logprobs=prompt_lps))
             if s.sample:
                 row = rows[s.req_id]
                 token = result.sampled_token_ids[row]
@@ -189,8 +207,9 @@ class Scheduler:
                     self._finish(req, reason)
                 logprobs = result.logprobs[row] if result.logprobs else None
                 events.append(
-                    TokenEvent(req.request_id, [token], [logprobs], reason, req.stop_reason)
-                )
+                    TokenEvent(req.request_id, [token], [logprobs], reason, req.stop_reason,
+                               prompt_logprobs=prompt_lps)
+                )  # fmt: skip
             if req.status is RequestStatus.RUNNING:
                 known = min(req.num_computed_tokens, req.num_known_tokens)
                 self.kv.cache_full_blocks(req.request_id, req.all_token_ids, known)

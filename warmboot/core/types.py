@@ -35,6 +35,11 @@ class ScheduledRequest:
     device_fed: bool = False
     """The last input token was sampled by the previous, still running step: the runner reads
     it on the device from the request's token slot."""
+    prompt_logprobs_from: int = 0
+    """Index in ``token_ids`` of the first position whose next-token logprob is wanted."""
+    prompt_logprob_targets: tuple[int, ...] = ()
+    """The prompt tokens those positions predict (one per position, in order); empty when the
+    request asked for no prompt logprobs or has them all."""
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +78,8 @@ class RunnerOutput:
     """Rows that sampled, in order."""
     sampled_token_ids: list[int]
     logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    """Per request: the logprobs of the prompt tokens this step's chunk predicted."""
 
 
 @dataclass(slots=True)
@@ -86,6 +93,8 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     """Set when the step ended the request (a stop token, EOS or the length limit)."""
     stop_reason: int | str | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    """Logprobs of the next prompt tokens (in order), when the request asked for them."""
 
     @property
     def finished(self) -> bool:

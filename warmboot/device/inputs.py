@@ -88,7 +88,7 @@ class InputBuilder:
             lens = [s.start_pos + 1 for s in decodes] + [1] * pad
             meta.decode_seq_lens = staging.put("seq_lens", lens)
         sampling = [i for i, s in enumerate(rows) if s.sample]
-        return StepInputs(
+        step = StepInputs(
             rows=rows,
             input_ids=staging.put("ids", ids),
             positions=staging.put("positions", positions),
@@ -98,6 +98,24 @@ class InputBuilder:
             last_index=last_index,
             graph_batch=graph_batch,
         )
+        if any(s.prompt_logprob_targets for s in rows):
+            self._prompt_rows(step)
+        return step
+
+    def _prompt_rows(self, step: StepInputs) -> None:
+        """Where in the batch the rows that want prompt logprobs predict which tokens."""
+        index: list[int] = []
+        targets: list[int] = []
+        for s, last in zip(step.rows, step.last_index, strict=True):
+            if not s.prompt_logprob_targets:
+                continue
+            first = last - s.num_tokens + 1 + s.prompt_logprobs_from
+            count = len(s.prompt_logprob_targets)
+            index.extend(range(first, first + count))
+            targets.extend(s.prompt_logprob_targets)
+            step.prompt_rows.append((s.req_id, count, s.params.prompt_logprobs))
+        step.prompt_index = host_tensor(index, self._pin)
+        step.prompt_targets = host_tensor(targets, self._pin)
 
     def _tokens(self, rows: list[ScheduledRequest]):
         """(ids, positions, KV slots, per row the index of its last token)."""

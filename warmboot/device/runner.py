@@ -13,10 +13,22 @@ from pathlib import Path
 import torch
 
 from warmboot.config import ModelConfig
-from warmboot.core.types import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenEvent
+from warmboot.core.types import (
+    RunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    TokenEvent,
+    TokenLogprobs,
+)
 from warmboot.device.graphs import DecodeGraphs
 from warmboot.device.inputs import InputBuilder
-from warmboot.device.sampler import Sampler, SamplingRow, TokenHistory, make_generator
+from warmboot.device.sampler import (
+    Sampler,
+    SamplingRow,
+    TokenHistory,
+    make_generator,
+    prompt_logprobs,
+)
 from warmboot.device.slots import RequestSlots
 from warmboot.device.staging import StepHandle, upload
 from warmboot.device.streams import make_stream
@@ -218,6 +230,11 @@ class ModelRunner:
             hidden = self.model(input_ids, up(step.positions), self.kv_caches, meta, self.attention)
             if step.sample_rows:
                 handle.logits = self.model.compute_logits(hidden[up(step.sample_index)])
+            if step.prompt_rows:
+                k = max(top for _, _, top in step.prompt_rows)
+                index, targets = up(step.prompt_index), up(step.prompt_targets)
+                lps = prompt_logprobs(hidden, self.model.compute_logits, index, targets, k)
+                handle.prompt_result = lps.to_host()
 
         self.stream.submit(forward)
 
@@ -256,9 +273,12 @@ class ModelRunner:
         for s in handle.inputs.rows if handle.inputs else ():
             if self.slots.unuse(s.req_id):
                 self._released(s.req_id)
-        if handle.result is None:
-            return RunnerOutput([], [])
-        return handle.result.runner_output(handle.inputs.sample_rows)
+        out = RunnerOutput([], [])
+        if handle.result is not None:
+            out = handle.result.runner_output(handle.inputs.sample_rows)
+        if handle.prompt_result is not None:
+            out.prompt_logprobs = _split_prompt_logprobs(handle)
+        return out
 
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
         return upload(t, self.device)
@@ -327,3 +347,21 @@ class ModelRunner:
     def leaving(self) -> set[str]:
         """Requests whose state goes once no in-flight step uses them (parked or finished)."""
         return self.slots.parked | self._finished
+
+
+def _split_prompt_logprobs(handle: StepHandle) -> dict[str, list[TokenLogprobs]]:
+    """A step's prompt logprobs (host tensors) per request, each row's top cut to its k."""
+    res = handle.prompt_result
+    target, top_lps, top_ids = (
+        res.target.tolist(),
+        res.top_logprobs.tolist(),
+        res.top_token_ids.tolist(),
+    )
+    out, i = {}, 0
+    for req_id, count, k in handle.inputs.prompt_rows:
+        out[req_id] = [
+            TokenLogprobs(target[j], list(zip(top_ids[j][:k], top_lps[j][:k], strict=True)))
+            for j in range(i, i + count)
+        ]
+        i += count
+    return out

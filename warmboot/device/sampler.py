@@ -81,6 +81,43 @@ class SamplerOutput:
         return RunnerOutput([s.req_id for s in rows], token_ids, logprobs)
 
 
+@dataclass
+class PromptLogprobs:
+    """Logprobs of prompt tokens (host tensors once the step's event completed)."""
+
+    target: torch.Tensor
+    """(N,) float32 logprob of each predicted prompt token."""
+    top_logprobs: torch.Tensor
+    """(N, K) float32."""
+    top_token_ids: torch.Tensor
+    """(N, K) int64."""
+
+    def to_host(self) -> PromptLogprobs:
+        return PromptLogprobs(*(t.to("cpu", non_blocking=True) for t in self._fields()))
+
+    def _fields(self) -> tuple[torch.Tensor, ...]:
+        return (self.target, self.top_logprobs, self.top_token_ids)
+
+
+def prompt_logprobs(
+    hidden: torch.Tensor,
+    compute_logits,
+    index: torch.Tensor,
+    targets: torch.Tensor,
+    k: int,
+    chunk: int = 512,
+) -> PromptLogprobs:
+    """Logprobs (float32 ``log_softmax`` of the raw logits) of ``targets`` at the hidden
+    states ``hidden[index]``, plus the top ``k``; ``chunk`` rows of logits at a time, so a
+    long prompt never holds (tokens, vocab) logits at once."""
+    parts = []
+    for i in range(0, index.shape[0], chunk):
+        lsm = torch.log_softmax(compute_logits(hidden[index[i : i + chunk]]).float(), dim=-1)
+        top = lsm.topk(min(k, lsm.shape[1]), dim=-1)
+        parts.append((lsm.gather(1, targets[i : i + chunk, None]).squeeze(1), *top))
+    return PromptLogprobs(*(torch.cat(cols) for cols in zip(*parts, strict=True)))
+
+
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator on ``device`` seeded with ``seed`` (any int; taken modulo 2**64)."""
     gen = torch.Generator(device=device)

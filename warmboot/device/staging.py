@@ -87,6 +87,12 @@ class StepInputs:
     """Per row: index of its last token in the batch."""
     graph_batch: int | None = None
     """Decode-only step run as a CUDA graph: rows padded to this captured batch size."""
+    prompt_rows: list[tuple[str, int, int]] = field(default_factory=list)
+    """Rows that want prompt logprobs: (request id, how many, top-k)."""
+    prompt_index: torch.Tensor | None = None
+    """Batch positions whose next-token logprobs those rows want, rows in order."""
+    prompt_targets: torch.Tensor | None = None
+    """The prompt tokens those positions predict."""
 
 
 @dataclass
@@ -100,6 +106,8 @@ class StepHandle:
     logits: torch.Tensor | None = None
     result: object | None = None
     """The sampler's output as host tensors, valid once ``event`` has completed."""
+    prompt_result: object | None = None
+    """Prompt logprobs as host tensors, valid then too."""
     event: Event | None = None
     collected: bool = False
     held_seqs: list[str] = field(default_factory=list)

@@ -88,10 +88,7 @@ def output_to_wire(out: RequestOutput) -> dict:
         new = len(c.delta_token_ids)
         logprobs = None
         if c.logprobs is not None:
-            logprobs = [
-                {t: [lp.logprob, lp.decoded_token] for t, lp in step.items()}
-                for step in c.logprobs[len(c.logprobs) - new :]
-            ]
+            logprobs = [_logprobs_to_wire(step) for step in c.logprobs[len(c.logprobs) - new :]]
         completions.append(
             {
                 "index": c.index,
@@ -102,7 +99,18 @@ def output_to_wire(out: RequestOutput) -> dict:
                 "stop_reason": c.stop_reason,
             }
         )
-    return {"finished": out.finished, "num_cached_tokens": out.num_cached_tokens, "c": completions}
+    wire = {"finished": out.finished, "num_cached_tokens": out.num_cached_tokens, "c": completions}
+    if out.prompt_logprobs is not None:
+        wire["p"] = [_logprobs_to_wire(step) for step in out.prompt_logprobs]
+    return wire
+
+
+def _logprobs_to_wire(step: dict | None) -> dict | None:
+    return None if step is None else {t: [lp.logprob, lp.decoded_token] for t, lp in step.items()}
+
+
+def _logprobs_from_wire(step: dict | None) -> dict | None:
+    return None if step is None else {int(t): Logprob(v[0], v[1]) for t, v in step.items()}
 
 
 class OutputAccumulator:
@@ -128,6 +136,7 @@ class OutputAccumulator:
             outputs=[_completion_from_wire(c) for c in data["c"]],
             finished=data["finished"],
             num_cached_tokens=data["num_cached_tokens"],
+            prompt_logprobs=[_logprobs_from_wire(s) for s in data["p"]] if "p" in data else None,
         )
         if self.output_kind == "delta":
             return delta
@@ -138,9 +147,7 @@ class OutputAccumulator:
 def _completion_from_wire(c: dict) -> CompletionOutput:
     logprobs = None
     if c["logprobs"] is not None:
-        logprobs = [
-            {int(t): Logprob(v[0], v[1]) for t, v in step.items()} for step in c["logprobs"]
-        ]
+        logprobs = [_logprobs_from_wire(step) for step in c["logprobs"]]
     ids = list(c["delta_token_ids"])
     return CompletionOutput(
         index=c["index"],

@@ -16,10 +16,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from warmboot import __version__
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
 from warmboot.server import responses as R
@@ -32,6 +34,8 @@ from warmboot.server.metrics import ServerMetrics
 from warmboot.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
     UnsupportedParameter,
 )
 from warmboot.server.streams import SentChoices, StreamReader, add_all
@@ -51,12 +55,21 @@ def create_app(holder: EngineHolder, config: ServerConfig) -> Guard:
         await asyncio.to_thread(holder.shutdown)
 
     app = FastAPI(
-        title="warmboot", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+        title="warmboot",
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url="/openapi.json",
+        lifespan=lifespan,
     )
     app.state.holder, app.state.metrics = holder, metrics
     install_errors(app)
     api = _Api(holder, config, metrics)
     app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
+    app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.add_api_route("/version", api.version, methods=["GET"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/health", api.health, methods=["GET"])
@@ -73,11 +86,46 @@ class _Api:
         self.reader = StreamReader(metrics)
 
     async def models(self) -> dict:
+        return {"object": "list", "data": [self._card()]}
+
+    async def model(self, model_id: str) -> dict:
+        self._check_model(model_id)
+        return self._card()
+
+    def _card(self) -> dict:
         card = {"id": self.config.served_model_name, "object": "model", "owned_by": "warmboot"}
         card["created"] = 0
         if self.holder.llm is not None:
             card["max_model_len"] = self.holder.llm.max_model_len
-        return {"object": "list", "data": [card]}
+        return card
+
+    async def version(self) -> dict:
+        return {"version": __version__}
+
+    async def tokenize(self, body: TokenizeRequest) -> dict:
+        llm = self.holder.require()
+        if body.model is not None:
+            self._check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise UnsupportedParameter("prompt", "give exactly one of prompt and messages")
+        if body.messages is not None:
+            prompt = _chat_prompt(llm, body)
+            tokens = prompt["prompt_token_ids"]
+        else:
+            tokens = await asyncio.to_thread(
+                llm.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
+            )
+        return {"count": len(tokens), "max_model_len": llm.max_model_len, "tokens": tokens}
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict:
+        llm = self.holder.require()
+        if body.model is not None:
+            self._check_model(body.model)
+        vocab = len(llm.tokenizer)
+        bad = [t for t in body.tokens if not 0 <= t < vocab]
+        if bad:
+            raise UnsupportedParameter("tokens", f"token ids {bad[:5]} are outside [0, {vocab})")
+        return {"prompt": llm.tokenizer.decode(body.tokens, False)}
 
     async def health(self) -> JSONResponse:
         if self.holder.llm is not None:
@@ -111,6 +159,7 @@ class _Api:
             n=params.n,
             top_logprobs=params.logprobs,
             token_bytes=llm.tokenizer.token_bytes if llm is not None else None,
+            token_text=llm.tokenizer.token_text if llm is not None else None,
         )
 
     # -- /v1/completions -----------------------------------------------------------------------
@@ -120,7 +169,12 @@ class _Api:
         params = body.sampling_params()
         prompts = body.prompts()
         streams = await add_all(llm, prompts, params)
-        meta = self._meta("cmpl", params)
+        meta = replace(
+            self._meta("cmpl", params, llm),
+            echo_logprobs=body.echo_logprobs,
+            generates=body.generates,
+            prompt_logprobs=body.prompt_logprobs is not None,
+        )
         echo = [_prompt_text(llm, p) for p in prompts] if body.echo else []
         if body.stream:
             chunks = self._completion_chunks(meta, streams, echo, body.include_usage)
@@ -130,15 +184,23 @@ class _Api:
 
     async def _completion_chunks(self, meta, streams, echo, include_usage) -> AsyncIterator[dict]:
         finals: dict[int, RequestOutput] = {}
-        sent = SentChoices()
+        sent, firsts = SentChoices(), {}
         async for p, out in self.reader.merge(streams, finals):
+            firsts.setdefault(p, out)  # NOTE: the one delta output carrying prompt logprobs
             for c in out.outputs:
                 if not sent.pending(meta, p, c):
                     continue
-                prefix = echo[p] if echo and sent.first(p, c) else ""
-                offset = sent.offset(p, c) + len(prefix)
-                chunk = R.completion_chunk(meta, p, c, prefix, offset)
-                sent.record(p, c, chunk["choices"][0]["logprobs"], offset)
+                first = (echo[p] if echo else "") if sent.first(p, c) else None
+                offset = sent.offset(p, c) + len(first or "")
+                chunk = R.completion_chunk(meta, p, firsts[p], c, first, offset)
+                skip = (
+                    len(firsts[p].prompt_token_ids)
+                    if meta.echo_logprobs and first is not None
+                    else 0
+                )
+                sent.record(p, c, chunk["choices"][0]["logprobs"], offset, skip)
+                if not meta.generates:
+                    sent.end(p, c)
                 yield chunk
         if include_usage:
             yield R.usage_chunk(meta, "text_completion", [finals[p] for p in sorted(finals)])
@@ -151,6 +213,7 @@ class _Api:
         prompt = _chat_prompt(llm, body)
         (stream,) = await add_all(llm, [prompt], params)
         meta = self._meta("chatcmpl", params, llm)
+        meta = replace(meta, prompt_logprobs=body.prompt_logprobs is not None)
         if body.stream:
             return sse(self._chat_chunks(meta, stream, params.n, body.include_usage))
         (out,) = await until_disconnect(request, self.reader.finals([stream]))

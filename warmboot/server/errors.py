@@ -9,6 +9,7 @@ from __future__ import annotations
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.routing import Match
 
 from warmboot.core.errors import EngineDeadError, InvalidRequestError
 from warmboot.server.engine_holder import EngineNotReady
@@ -57,7 +58,19 @@ def install_errors(app: FastAPI) -> None:
     @app.exception_handler(405)
     async def _bad_method(request: Request, _):
         msg = f"method {request.method} not allowed on {request.url.path}"
-        return ApiError(405, msg, "invalid_request_error").response()
+        response = ApiError(405, msg, "invalid_request_error").response()
+        response.headers["Allow"] = ", ".join(_allowed(request))
+        return response
+
+
+def _allowed(request: Request) -> list[str]:
+    """The methods the routes at the request's path accept."""
+    methods: set[str] = set()
+    for route in request.app.routes:
+        match, _ = route.matches({**request.scope, "method": "GET"})
+        if match is not Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    return sorted(methods)
 
 
 def _validation_error(e: RequestValidationError) -> ApiError:

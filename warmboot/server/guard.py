@@ -7,6 +7,9 @@ request by endpoint and status code.
 from __future__ import annotations
 
 import hmac
+import json
+import re
+import zlib
 
 from fastapi import FastAPI
 
@@ -21,8 +24,15 @@ ENDPOINTS = {
     "/health",
     "/metrics",
     "/debug/engine",
+    "/tokenize",
+    "/detokenize",
+    "/version",
+    "/openapi.json",
 }
 """Paths counted under their own name; anything else is counted as ``other``."""
+PROTECTED = ("/v1/", "/debug/", "/tokenize", "/detokenize")
+"""Paths that need the API key when one is set (health, metrics, version and the OpenAPI
+document do not)."""
 
 
 class Guard:
@@ -46,7 +56,7 @@ class Guard:
         try:
             error = self._authorize(scope, path)
             if error is None and scope["method"] in ("POST", "PUT"):
-                receive, error = await self._buffer_body(receive)
+                scope, receive, error = await self._buffer_body(scope, receive)
             if error is not None:
                 return await error.response()(scope, receive, counting_send)
             await self.app(scope, receive, counting_send)
@@ -56,31 +66,38 @@ class Guard:
 
     def _authorize(self, scope, path: str) -> ApiError | None:
         key = self.config.api_key
-        if key is None or not path.startswith(("/v1/", "/debug/")):
+        if key is None or not path.startswith(PROTECTED):
             return None
         headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"").decode("latin-1")
-        if given.startswith("Bearer ") and hmac.compare_digest(given[7:].encode(), key.encode()):
+        scheme, _, token = given.strip().partition(" ")
+        # NOTE: auth schemes are case-insensitive (RFC 9110)
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
             return None
         return ApiError(
             401, "missing or incorrect API key", "invalid_request_error", code="invalid_api_key"
         )
 
-    async def _buffer_body(self, receive):
-        """Read the whole body (bounded); hand the app a receive that replays it."""
+    async def _buffer_body(self, scope, receive):
+        """Read the whole body (bounded), decompress and check it; hand the app a scope and a
+        receive that replays it."""
         limit, chunks, size = self.config.max_body_bytes, [], 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return receive, ApiError(400, "client disconnected", "invalid_request_error")
+                return scope, receive, ApiError(400, "client disconnected", "invalid_request_error")
             size += len(message.get("body", b""))
             if size > limit:
                 msg = f"the request body exceeds the limit of {limit} bytes"
-                return receive, ApiError(413, msg, "invalid_request_error")
+                return scope, receive, ApiError(413, msg, "invalid_request_error")
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
-        body, replayed = b"".join(chunks), False
+        try:
+            scope, body = checked_body(scope, b"".join(chunks), limit)
+        except ApiError as e:
+            return scope, receive, e
+        replayed = False
 
         async def replay():
             nonlocal replayed
@@ -89,4 +106,70 @@ class Guard:
                 return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
-        return replay, None
+        return scope, replay, None
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""A JSON escape of a UTF-16 surrogate, paired or not: the prefilter of ``_has_lone_surrogate``."""
+
+
+def checked_body(scope, body: bytes, limit: int) -> tuple[dict, bytes]:
+    """The body as the app may read it: gzip or deflate undone (within ``limit``), UTF-8, no
+    unpaired surrogate escapes; a JSON content type when the client sent none (``curl -d``).
+    Raise ``ApiError`` (400, 413 or 415) naming the problem."""
+    headers = dict(scope["headers"])
+    encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
+    if encoding in ("gzip", "deflate"):
+        body = _inflate(body, encoding, limit)
+    elif encoding not in ("", "identity"):
+        raise ApiError(415, f"unsupported content-encoding {encoding!r}; use gzip or deflate",
+                       "invalid_request_error")  # fmt: skip
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8 (byte {e.start})",
+                       "invalid_request_error") from None  # fmt: skip
+    if _SURROGATE_ESCAPE.search(body) and _has_lone_surrogate(body):
+        raise ApiError(400, "the request body holds an unpaired UTF-16 surrogate escape "
+                       "(such as \\ud800): not valid Unicode text", "invalid_request_error")  # fmt: skip
+    headers.pop(b"content-encoding", None)
+    headers[b"content-length"] = str(len(body)).encode()
+    headers.setdefault(b"content-type", b"application/json")
+    return {**scope, "headers": list(headers.items())}, body
+
+
+def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
+    wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
+    inflater = zlib.decompressobj(wbits)
+    try:
+        out = inflater.decompress(body, limit + 1)
+    except zlib.error as e:
+        raise ApiError(400, f"the {encoding} request body is corrupt: {e}",
+                       "invalid_request_error") from None  # fmt: skip
+    if len(out) > limit or inflater.unconsumed_tail:
+        raise ApiError(413, f"the decompressed request body exceeds the limit of {limit} bytes",
+                       "invalid_request_error")  # fmt: skip
+    return out
+
+
+def _has_lone_surrogate(body: bytes) -> bool:
+    """Whether the JSON body decodes to a string holding an unpaired surrogate (the exact
+    check behind the regex prefilter; a body that is not JSON is left to the app)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return False
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from warmboot.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 
@@ -69,6 +69,7 @@ class _SamplingRequest(_Model):
     min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -90,6 +91,7 @@ class _SamplingRequest(_Model):
                 "top_k": self.top_k,
                 "min_p": self.min_p,
                 "repetition_penalty": self.repetition_penalty,
+                "prompt_logprobs": self._prompt_logprobs(),
             }.items()
             if v is not None
         }
@@ -130,14 +132,18 @@ class _SamplingRequest(_Model):
             raise UnsupportedParameter("logit_bias", f"keys must be token ids, got {bad[:3]}")
         return {int(k): float(v) for k, v in self.logit_bias.items()}
 
+    def _prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    """0 (with ``echo``): score the prompt, generate nothing."""
     logprobs: Annotated[int, Field(ge=0, le=MAX_COMPLETIONS_LOGPROBS)] | None = None
     echo: bool = False
     best_of: int | None = None
@@ -159,11 +165,26 @@ class CompletionRequest(_SamplingRequest):
             raise UnsupportedParameter("best_of", "best_of other than n is not supported")
         if self.suffix:
             raise UnsupportedParameter("suffix", "suffix (insertion) is not supported")
-        if self.echo and self.logprobs is not None:
-            raise UnsupportedParameter(
-                "echo", "echo with logprobs (log-probabilities of the prompt) is not supported"
-            )
-        return self._params(self.max_tokens, self.logprobs, _structured(self.response_format))
+        if self.max_tokens == 0 and self.min_tokens:
+            raise UnsupportedParameter("min_tokens", "min_tokens needs max_tokens >= min_tokens")
+        # NOTE: max_tokens=0 runs the prefill with one token, which the response leaves out
+        max_tokens = 1 if self.max_tokens == 0 else self.max_tokens
+        return self._params(max_tokens, self.logprobs, _structured(self.response_format))
+
+    @property
+    def generates(self) -> bool:
+        """False for ``max_tokens=0``: the response holds the echoed prompt only."""
+        return self.max_tokens != 0
+
+    @property
+    def echo_logprobs(self) -> bool:
+        """``echo`` with ``logprobs``: the logprobs columns start with the prompt's tokens."""
+        return self.echo and self.logprobs is not None
+
+    def _prompt_logprobs(self) -> int | None:
+        if not self.echo_logprobs:
+            return self.prompt_logprobs
+        return max(self.prompt_logprobs or 0, self.logprobs)
 
 
 class ChatMessage(_Model):
@@ -206,6 +227,24 @@ class ChatCompletionRequest(_SamplingRequest):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens or self.max_tokens
         return self._params(max_tokens, logprobs, _structured(self.response_format))
+
+
+class TokenizeRequest(_Model):
+    """vLLM's ``/tokenize``: a prompt, or chat messages rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.text()} for m in self.messages or ()]
+
+
+class DetokenizeRequest(_Model):
+    model: str | None = None
+    tokens: list[StrictInt]
 
 
 def _structured(fmt: ResponseFormat | None) -> StructuredOutputs | None:

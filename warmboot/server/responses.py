@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from warmboot.outputs import CompletionOutput, Logprob, RequestOutput
 from warmboot.server.metrics import ServerMetrics
@@ -71,13 +71,22 @@ def _entries(c: CompletionOutput, start: int, top_n: int):
         )
 
 
+def _by_text(pairs) -> dict[str, float]:
+    """{token text: logprob}, best first; two tokens with one text (byte pieces that decode to
+    U+FFFD) keep the more likely one's logprob."""
+    out: dict[str, float] = {}
+    for text, lp in pairs:
+        out.setdefault(text, lp)
+    return out
+
+
 def completion_logprobs(c: CompletionOutput, start: int, top_n: int, offset: int) -> dict:
     """The completions API's column format; ``offset`` is the text offset of token ``start``."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for _, text, lp, top in _entries(c, start, top_n):
         tokens.append(text)
         token_lps.append(lp)
-        tops.append({t: v for _, t, v in top})
+        tops.append(_by_text((t, v) for _, t, v in top))
         offsets.append(offset)
         offset += len(text)
     return {
@@ -114,6 +123,74 @@ class ResponseMeta:
     """None: no logprobs asked for."""
     token_bytes: Callable[[int], bytes] | None = None
     """A token id's raw bytes (the tokenizer's), for chat logprobs."""
+    token_text: Callable[[int], str] | None = None
+    """A token id's text (the tokenizer's), for the prompt's tokens."""
+    echo_logprobs: bool = False
+    """Completions with ``echo`` and ``logprobs``: the columns start with the prompt."""
+    generates: bool = True
+    """False for ``max_tokens=0``: the choices hold the echoed prompt only."""
+    prompt_logprobs: bool = False
+    """vLLM's ``prompt_logprobs`` extension: a ``prompt_logprobs`` list in the response."""
+
+
+def prompt_columns(meta: ResponseMeta, out: RequestOutput) -> dict:
+    """The completions logprobs columns of the prompt's tokens (the first has no logprob)."""
+    cols: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    cols["text_offset"], offset = [], 0
+    lps = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+    for token_id, entries in zip(out.prompt_token_ids, lps, strict=True):
+        text = meta.token_text(token_id) if meta.token_text else ""
+        cols["tokens"].append(text)
+        cols["text_offset"].append(offset)
+        offset += len(text)
+        if entries is None:
+            cols["token_logprobs"].append(None)
+            cols["top_logprobs"].append(None)
+            continue
+        cols["token_logprobs"].append(entries[token_id].logprob)
+        top = sorted(entries.values(), key=lambda lp: lp.logprob, reverse=True)
+        cols["top_logprobs"].append(
+            _by_text((lp.decoded_token or "", lp.logprob) for lp in top[: meta.top_logprobs])
+        )
+    return cols
+
+
+def vllm_prompt_logprobs(out: RequestOutput) -> list[dict | None] | None:
+    """vLLM's shape: per prompt token None or {token id: {logprob, decoded_token}}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [
+        None if e is None else {str(t): {"logprob": lp.logprob, "decoded_token": lp.decoded_token}
+                                for t, lp in e.items()}
+        for e in out.prompt_logprobs
+    ]  # fmt: skip
+
+
+def _joined(first: dict | None, second: dict | None) -> dict | None:
+    if first is None or second is None:
+        return first or second
+    return {k: first[k] + second[k] for k in first}
+
+
+def _completion_choice(meta, p: int, out: RequestOutput, c, first: str | None, offset: int):
+    """One completions choice with the new part of output ``c`` (``delta_text``, the tokens
+    past ``len(token_ids) - len(delta_token_ids)``). ``first`` is the echoed prompt ("" when
+    not echoing) on the choice's first text, None afterwards; ``offset`` is the text offset of
+    the first new logprob token."""
+    text, logprobs = first or "", None
+    if meta.echo_logprobs and first is not None:
+        logprobs = prompt_columns(meta, out)
+    if meta.generates:
+        text += c.delta_text
+        start = len(c.token_ids) - len(c.delta_token_ids)
+        logprobs = _joined(logprobs, _completion_lp(meta, c, start, offset))
+    elif meta.top_logprobs is not None and logprobs is None:
+        logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    choice = {"index": p * meta.n + c.index, "text": text, "logprobs": logprobs}
+    choice["finish_reason"] = c.finish_reason if meta.generates else "length"
+    if meta.prompt_logprobs and first is not None:
+        choice["prompt_logprobs"] = vllm_prompt_logprobs(out)
+    return choice
 
 
 def completion_body(meta: ResponseMeta, outs: list[RequestOutput], echo: list[str]) -> dict:
@@ -121,42 +198,37 @@ def completion_body(meta: ResponseMeta, outs: list[RequestOutput], echo: list[st
     for p, out in enumerate(outs):
         for c in out.outputs:
             prefix = echo[p] if echo else ""
-            choices.append(
-                {
-                    "index": p * meta.n + c.index,
-                    "text": prefix + c.text,
-                    "logprobs": _completion_lp(meta, c, 0, len(prefix)),
-                    "finish_reason": c.finish_reason,
-                }
-            )
+            whole = replace(c, delta_token_ids=list(c.token_ids), delta_text=c.text)
+            choices.append(_completion_choice(meta, p, out, whole, prefix, len(prefix)))
+    body_usage = usage(outs)
+    if not meta.generates:
+        body_usage |= {"completion_tokens": 0, "total_tokens": body_usage["prompt_tokens"]}
     return {
         "id": meta.id,
         "object": "text_completion",
         "created": meta.created,
         "model": meta.model,
         "choices": sorted(choices, key=lambda ch: ch["index"]),
-        "usage": usage(outs),
+        "usage": body_usage,
     }
 
 
 def completion_chunk(
-    meta: ResponseMeta, p: int, c: CompletionOutput, prefix: str, offset: int
+    meta: ResponseMeta,
+    p: int,
+    out: RequestOutput,
+    c: CompletionOutput,
+    first: str | None,
+    offset: int,
 ) -> dict:
-    """One choice's new text; ``offset`` is the text offset of its first logprob token."""
-    start = len(c.token_ids) - len(c.delta_token_ids)
+    """One choice's new text (see ``_completion_choice``); ``out`` carries the prompt's
+    logprobs for the choice's first chunk."""
     return {
         "id": meta.id,
         "object": "text_completion",
         "created": meta.created,
         "model": meta.model,
-        "choices": [
-            {
-                "index": p * meta.n + c.index,
-                "text": prefix + c.delta_text,
-                "logprobs": _completion_lp(meta, c, start, offset),
-                "finish_reason": c.finish_reason,
-            }
-        ],
+        "choices": [_completion_choice(meta, p, out, c, first, offset)],
     }
 
 
@@ -183,7 +255,7 @@ def chat_body(meta: ResponseMeta, out: RequestOutput) -> dict:
         "model": meta.model,
         "choices": choices,
         "usage": usage([out]),
-    }
+    } | ({"prompt_logprobs": vllm_prompt_logprobs(out)} if meta.prompt_logprobs else {})
 
 
 def chat_chunk(meta: ResponseMeta, index: int, delta: dict, c: CompletionOutput | None) -> dict:

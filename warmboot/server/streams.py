@@ -120,8 +120,14 @@ class SentChoices:
     def offset(self, p: int, c) -> int:
         return self._offsets.get((p, c.index), 0)
 
-    def record(self, p: int, c, logprobs: dict | None, offset: int) -> None:
-        tokens = logprobs["tokens"] if logprobs else ()
+    def end(self, p: int, c) -> None:
+        """Nothing more goes out for this choice (``max_tokens=0``: the prompt was all)."""
+        self._ended.add((p, c.index))
+
+    def record(self, p: int, c, logprobs: dict | None, offset: int, skip: int = 0) -> None:
+        """A chunk went out whose output tokens start at text ``offset``; the first ``skip``
+        logprob tokens are the echoed prompt's."""
+        tokens = logprobs["tokens"][skip:] if logprobs else ()
         self._offsets[(p, c.index)] = offset + sum(len(t) for t in tokens)
         if c.finished:
             self._ended.add((p, c.index))
