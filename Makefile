@@ -3,6 +3,10 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# lm-eval in a venv of its own (its ~40 dependencies stay out of the project's): the test
+# that drives `warmboot serve` with lm-eval's local-completions model runs it.
+LMEVAL       := .venv-lmeval
+LMEVAL_STAMP := $(LMEVAL)/.installed
 
 .PHONY: demo test lint bench clean runsc gpu-wheels
 .PHONY: check
@@ -17,6 +21,12 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps -e .
 	touch $(STAMP)
 
+$(LMEVAL_STAMP): tests/lm_eval/requirements.txt
+	test -x $(LMEVAL)/bin/python || python3 -m venv $(LMEVAL)
+	$(LMEVAL)/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps \
+		-r tests/lm_eval/requirements.txt
+	touch $(LMEVAL_STAMP)
+
 # gVisor for process snapshots: installed when missing and we are root with apt; otherwise the
 # tests that need it skip and say why.
 runsc:
@@ -27,7 +37,7 @@ runsc:
 demo: $(STAMP) runsc
 	$(PY) -m warmboot.cli demo
 
-test: $(STAMP) runsc
+test: $(STAMP) runsc $(LMEVAL_STAMP)
 	$(PY) -m ruff check warmboot tests bench
 	$(PY) -m pytest -q -ra
 

@@ -69,6 +69,7 @@ def create_app(holder: EngineHolder, config: ServerConfig) -> Guard:
     app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
+    app.add_api_route("/tokenizer_info", api.tokenizer_info, methods=["GET"])
     app.add_api_route("/version", api.version, methods=["GET"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
@@ -116,6 +117,20 @@ class _Api:
                 llm.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
             )
         return {"count": len(tokens), "max_model_len": llm.max_model_len, "tokens": tokens}
+
+    async def tokenizer_info(self) -> dict:
+        """vLLM's: the special tokens and the chat template (lm-eval's remote tokenizer)."""
+        llm = self.holder.require()
+        tok = llm.tokenizer
+        return {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "vocab_size": len(tok),
+            "bos_token": tok.bos_token,
+            "eos_token": tok.eos_token,
+            "pad_token": None,
+            "chat_template": tok.chat_template,
+            "model_max_length": llm.max_model_len,
+        }
 
     async def detokenize(self, body: DetokenizeRequest) -> dict:
         llm = self.holder.require()

@@ -26,11 +26,12 @@ ENDPOINTS = {
     "/debug/engine",
     "/tokenize",
     "/detokenize",
+    "/tokenizer_info",
     "/version",
     "/openapi.json",
 }
 """Paths counted under their own name; anything else is counted as ``other``."""
-PROTECTED = ("/v1/", "/debug/", "/tokenize", "/detokenize")
+PROTECTED = ("/v1/", "/debug/", "/tokenize", "/detokenize", "/tokenizer_info")
 """Paths that need the API key when one is set (health, metrics, version and the OpenAPI
 document do not)."""
 
