@@ -804,3 +804,20 @@ def test_non_finite_sampling_values_are_refused(field, value):
         SamplingParams(**{field: value})
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingParams(logit_bias={3: value})
+
+
+def test_a_prompt_far_too_long_is_refused_before_tokenizing(path, monkeypatch):
+    llm = make_llm(path)
+    tok, calls = llm.engine.tokenizer, []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda *a, **k: calls.append(1) or real(*a, **k))
+    chars = 2 * tok.max_token_chars * (MAX_MODEL_LEN + 2)
+    with pytest.raises(InvalidRequestError, match=r"at least \d+ tokens .*max_model_len is 128"):
+        llm.generate("a" * chars, greedy(1))
+    assert not calls, "refused without tokenizing"
+    with pytest.raises(InvalidRequestError, match="max_model_len"):  # tokenized, then too long
+        llm.generate("a b " * MAX_MODEL_LEN, greedy(1))
+    assert calls
+    with pytest.raises(InvalidRequestError, match="unpaired surrogate"):
+        llm.generate("abc\ud800", greedy(1))
+    assert_engine_clean(llm)

@@ -32,7 +32,6 @@ class AsyncLLM:
         self._inbox = Inbox()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
-        self._validate_lock = threading.Lock()
         self._error: BaseException | None = None
         self.start_info_override = None
         self._thread = threading.Thread(target=self._run, name="warmboot-engine", daemon=True)
@@ -72,8 +71,9 @@ class AsyncLLM:
         return await future
 
     def _validate(self, prompt: Prompt, params: SamplingParams):
-        with self._validate_lock:  # NOTE: tokenizer and grammar compiler are not shared
-            return self.engine.validate(prompt, params)
+        # NOTE: no lock: the tokenizer is thread-safe and the grammar backend locks only its
+        # cache, so a schema that takes seconds to compile delays no other request
+        return self.engine.validate(prompt, params)
 
     @property
     def dead(self) -> str | None:

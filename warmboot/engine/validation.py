@@ -14,6 +14,8 @@ from warmboot.sampling_params import SamplingParams
 from warmboot.tokenizer import Tokenizer
 
 Prompt = str | list[int] | dict
+SLACK = 2
+"""Normalizers may shrink a text (composing accents): the length bound allows for half."""
 
 
 @dataclass(frozen=True)
@@ -65,10 +67,28 @@ class RequestValidator:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
-            return prompt, self._check_ids(self.tokenizer.encode(prompt))
+            return prompt, self._check_ids(self._encode(prompt))
         if isinstance(prompt, list):
             return None, self._check_ids(prompt)
         raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}")
+
+    def _encode(self, text: str) -> list[int]:
+        """Token ids of ``text``, refusing a text too long for the context before paying for
+        its tokenization (bytes bound the token count from below)."""
+        limit = self.max_model_len
+        if len(text) > limit:  # NOTE: the bound below costs a vocabulary scan, done once
+            at_least = len(text) // (SLACK * self.tokenizer.max_token_chars)
+            if at_least > limit:
+                raise InvalidRequestError(
+                    f"the prompt has at least {at_least} tokens ({len(text)} characters); "
+                    f"max_model_len is {limit}"
+                )
+        try:
+            return self.tokenizer.encode(text)
+        except TypeError:  # the tokenizer's word for a str it cannot encode
+            raise InvalidRequestError(
+                "the prompt is not valid Unicode text (it holds an unpaired surrogate)"
+            ) from None
 
     def _check_ids(self, ids: list[int]) -> list[int]:
         if not ids:

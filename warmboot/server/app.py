@@ -110,7 +110,7 @@ class _Api:
         if (body.prompt is None) == (body.messages is None):
             raise UnsupportedParameter("prompt", "give exactly one of prompt and messages")
         if body.messages is not None:
-            prompt = _chat_prompt(llm, body)
+            prompt = await asyncio.to_thread(_chat_prompt, llm, body)
             tokens = prompt["prompt_token_ids"]
         else:
             tokens = await asyncio.to_thread(
@@ -225,7 +225,7 @@ class _Api:
         llm = self.holder.require()
         self._check_model(body.model)
         params = body.sampling_params()
-        prompt = _chat_prompt(llm, body)
+        prompt = await asyncio.to_thread(_chat_prompt, llm, body)
         (stream,) = await add_all(llm, [prompt], params)
         meta = self._meta("chatcmpl", params, llm)
         meta = replace(meta, prompt_logprobs=body.prompt_logprobs is not None)
