@@ -38,6 +38,7 @@ from warmboot.server.protocol import (
     TokenizeRequest,
     UnsupportedParameter,
 )
+from warmboot.server.responses_api import ResponseBuilder, ResponsesRequest
 from warmboot.server.streams import SentChoices, StreamReader, add_all
 
 __all__ = ["ServerConfig", "create_app"]
@@ -73,6 +74,7 @@ def create_app(holder: EngineHolder, config: ServerConfig) -> Guard:
     app.add_api_route("/version", api.version, methods=["GET"])
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
+    app.add_api_route("/v1/responses", api.responses, methods=["POST"])
     app.add_api_route("/health", api.health, methods=["GET"])
     app.add_api_route("/metrics", api.prometheus, methods=["GET"])
     if config.enable_debug:
@@ -234,6 +236,24 @@ class _Api:
         (out,) = await until_disconnect(request, self.reader.finals([stream]))
         return R.chat_body(meta, out)
 
+    # -- /v1/responses ------------------------------------------------------------------------
+    async def responses(self, body: ResponsesRequest, request: Request):
+        llm = self.holder.require()
+        self._check_model(body.model)
+        chat = body.chat_request()
+        params = chat.sampling_params()
+        prompt = await asyncio.to_thread(_chat_prompt, llm, chat)
+        (stream,) = await add_all(llm, [prompt], params)
+        builder = ResponseBuilder(body, self._meta("resp", params, llm))
+        if body.stream:
+            finals: dict[int, RequestOutput] = {}
+            deltas = (
+                out.outputs[0].delta_text async for _, out in self.reader.merge([stream], finals)
+            )
+            return sse(builder.events(_nonempty(deltas), lambda: finals[0]), typed=True)
+        (out,) = await until_disconnect(request, self.reader.finals([stream]))
+        return builder.response(out)
+
     async def _chat_chunks(self, meta, stream, n: int, include_usage) -> AsyncIterator[dict]:
         for i in range(n):
             yield R.chat_chunk(meta, i, {"role": "assistant", "content": ""}, None)
@@ -248,6 +268,12 @@ class _Api:
                     yield chunk
         if include_usage and finals:
             yield R.usage_chunk(meta, "chat.completion.chunk", [finals[0]])
+
+
+async def _nonempty(texts: AsyncIterator[str]) -> AsyncIterator[str]:
+    async for text in texts:
+        if text:
+            yield text
 
 
 def _prompt_text(llm, prompt) -> str:

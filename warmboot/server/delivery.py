@@ -21,18 +21,25 @@ from warmboot.server.protocol import error_body
 log = logging.getLogger("warmboot")
 
 
-def sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def sse(chunks: AsyncIterator[dict], typed: bool = False) -> StreamingResponse:
+    """``typed`` (the Responses API): each chunk's ``type`` as the event name, no ``[DONE]``."""
+
     async def events():
         try:
             async for chunk in chunks:
-                yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+                name = f"event: {chunk['type']}\n" if typed else ""
+                yield f"{name}data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
         except (EngineDeadError, InvalidRequestError, ValueError) as e:
             error = error_body(
                 str(e),
                 "server_error" if isinstance(e, EngineDeadError) else "invalid_request_error",
             )
-            yield f"data: {json.dumps(error)}\n\n"
-        yield "data: [DONE]\n\n"
+            if typed:  # the Responses API's error event
+                yield f"event: error\ndata: {json.dumps({'type': 'error', **error['error']})}\n\n"
+            else:
+                yield f"data: {json.dumps(error)}\n\n"
+        if not typed:
+            yield "data: [DONE]\n\n"
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)

@@ -21,6 +21,7 @@ ENDPOINTS = {
     "/v1/models",
     "/v1/completions",
     "/v1/chat/completions",
+    "/v1/responses",
     "/health",
     "/metrics",
     "/debug/engine",
