@@ -90,7 +90,7 @@ def test_invalid_schema_and_unsupported_chat_features(url):
         httpx.post(url + "/v1/chat/completions", json={**chat, "response_format": no_schema}), 400
     )
     assert err["param"] == "response_format"
-    tools = [{"type": "function", "function": {"name": "f"}}]
+    tools = [{"type": "function", "function": {"description": "no name"}}]  # a malformed tool
     err = _error(httpx.post(url + "/v1/chat/completions", json={**chat, "tools": tools}), 400)
     assert err["param"] == "tools"
     image = [{"type": "image_url", "image_url": {"url": "x"}}]

@@ -28,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     srv.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY'")
+    srv.add_argument("--tool-call-parser", default="auto",
+                     choices=["auto", "hermes", "llama3_json", "mistral"],
+                     help="how the model writes tool calls (auto: read the chat template)")  # fmt: skip
     srv.add_argument("--served-model-name", default=None, help="model id (default: dir name)")
     srv.add_argument("--max-num-seqs", type=int, default=64)
     srv.add_argument("--max-body-bytes", type=int, default=4 << 20)
@@ -189,6 +192,7 @@ def _serve(args) -> int:
     config = ServerConfig(
         served_model_name=args.served_model_name or default_model_name(args.model),
         api_key=args.api_key or os.environ.get("WARMBOOT_API_KEY") or None,
+        tool_call_parser=args.tool_call_parser,
         max_body_bytes=args.max_body_bytes,
         enable_debug=args.debug_endpoints,
     )

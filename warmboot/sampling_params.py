@@ -26,6 +26,9 @@ class StructuredOutputs:
     regex: str | None = None
     grammar: str | None = None
     """An EBNF grammar in the GBNF dialect, with a ``root`` rule."""
+    structural_tag: dict | str | None = None
+    """An xgrammar structural tag (a dict or its JSON text): free text and tagged regions,
+    each constrained (how tool calls are enforced)."""
 
     def __post_init__(self) -> None:
         chosen = [
@@ -33,11 +36,12 @@ class StructuredOutputs:
             self.json_object,
             self.regex is not None,
             self.grammar is not None,
+            self.structural_tag is not None,
         ]
         if sum(chosen) != 1:
             raise ValueError(
                 "invalid sampling parameter structured_outputs: set exactly one of json, "
-                "json_object, regex, grammar"
+                "json_object, regex, grammar, structural_tag"
             )
 
 

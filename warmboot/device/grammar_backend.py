@@ -211,9 +211,11 @@ class GrammarBackend:
                 )
             elif kind == "regex":
                 g = c.compile_regex(source)
+            elif kind == "structural_tag":
+                g = c.compile_structural_tag(source)
             else:
                 g = c.compile_grammar(source)
-        except (RuntimeError, ValueError, TypeError) as e:
+        except (RuntimeError, ValueError, TypeError) as e:  # InvalidStructuralTagError too
             raise ValueError(f"invalid structured_outputs.{kind}: {_xgr_message(e)}") from None
         compiled = CompiledGrammar(key, g, never)
         with self._lock:
@@ -372,6 +374,9 @@ def _spec_key(spec: StructuredOutputs) -> tuple:
         return ("json_object", "")
     if spec.regex is not None:
         return ("regex", spec.regex)
+    if spec.structural_tag is not None:
+        tag = spec.structural_tag
+        return ("structural_tag", tag if isinstance(tag, str) else json.dumps(tag))
     return ("grammar", spec.grammar)
 
 

@@ -25,6 +25,7 @@ from warmboot import __version__
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
 from warmboot.server import responses as R
+from warmboot.server import tools as tools_mod
 from warmboot.server.config import ServerConfig
 from warmboot.server.delivery import sse, until_disconnect
 from warmboot.server.engine_holder import EngineHolder
@@ -226,15 +227,24 @@ class _Api:
     async def chat(self, body: ChatCompletionRequest, request: Request):
         llm = self.holder.require()
         self._check_model(body.model)
-        params = body.sampling_params()
-        prompt = await asyncio.to_thread(_chat_prompt, llm, body)
+        tool_plan = self._tool_plan(llm, body)
+        params = body.sampling_params(tool_plan.tag if tool_plan else None)
+        tools = body.tools if tool_plan else None
+        prompt = await asyncio.to_thread(_chat_prompt, llm, body, tools)
         (stream,) = await add_all(llm, [prompt], params)
         meta = self._meta("chatcmpl", params, llm)
         meta = replace(meta, prompt_logprobs=body.prompt_logprobs is not None)
         if body.stream:
-            return sse(self._chat_chunks(meta, stream, params.n, body.include_usage))
+            chunks = self._chat_chunks(meta, stream, params.n, body.include_usage, tool_plan)
+            return sse(chunks)
         (out,) = await until_disconnect(request, self.reader.finals([stream]))
-        return R.chat_body(meta, out)
+        return R.chat_body(meta, out, tool_plan)
+
+    def _tool_plan(self, llm, body: ChatCompletionRequest):
+        fmt = self.config.tool_call_parser
+        if fmt == "auto":
+            fmt = tools_mod.detect_format(llm.tokenizer.chat_template)
+        return tools_mod.plan(body.tools, body.tool_choice, body.parallel_tool_calls, fmt)
 
     # -- /v1/responses ------------------------------------------------------------------------
     async def responses(self, body: ResponsesRequest, request: Request):
@@ -254,20 +264,46 @@ class _Api:
         (out,) = await until_disconnect(request, self.reader.finals([stream]))
         return builder.response(out)
 
-    async def _chat_chunks(self, meta, stream, n: int, include_usage) -> AsyncIterator[dict]:
+    async def _chat_chunks(
+        self, meta, stream, n: int, include_usage, tool_plan=None
+    ) -> AsyncIterator[dict]:
         for i in range(n):
             yield R.chat_chunk(meta, i, {"role": "assistant", "content": ""}, None)
         finals: dict[int, RequestOutput] = {}
         sent = SentChoices()
+        calls = {i: tools_mod.ToolStream(tool_plan) for i in range(n)} if tool_plan else {}
         async for _, out in self.reader.merge([stream], finals):
             for c in out.outputs:
-                if sent.pending(meta, 0, c):
+                if not sent.pending(meta, 0, c):
+                    continue
+                sent.record(p=0, c=c, logprobs=None, offset=0)
+                if tool_plan is None:
                     delta = {"content": c.delta_text} if c.delta_text or not c.finished else {}
-                    chunk = R.chat_chunk(meta, c.index, delta, c)
-                    sent.record(p=0, c=c, logprobs=None, offset=0)
-                    yield chunk
+                    yield R.chat_chunk(meta, c.index, delta, c)
+                else:
+                    for chunk in _tool_chunks(meta, c, calls[c.index]):
+                        yield chunk
         if include_usage and finals:
             yield R.usage_chunk(meta, "chat.completion.chunk", [finals[0]])
+
+
+def _tool_chunks(meta, c, calls: tools_mod.ToolStream) -> list[dict]:
+    """A choice's chunks when it may call tools: content held back from where a call may
+    begin; at the end the rest of the content, then the calls and ``tool_calls`` as finish."""
+    content = calls.feed(c.delta_text)
+    if not c.finished:
+        return [R.chat_chunk(meta, c.index, {"content": content}, c)] if content else []
+    rest, found = calls.finish()
+    chunks = []
+    if content + rest:
+        chunk = R.chat_chunk(meta, c.index, {"content": content + rest}, c)
+        chunk["choices"][0]["finish_reason"] = None
+        chunks.append(chunk)
+    final = R.chat_chunk(meta, c.index, {"tool_calls": found} if found else {}, c)
+    final["choices"][0]["logprobs"] = None if chunks else final["choices"][0]["logprobs"]
+    if found and c.finish_reason == "stop":
+        final["choices"][0]["finish_reason"] = "tool_calls"
+    return [*chunks, final]
 
 
 async def _nonempty(texts: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -280,11 +316,11 @@ def _prompt_text(llm, prompt) -> str:
     return prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt, False)
 
 
-def _chat_prompt(llm, body: ChatCompletionRequest) -> dict:
+def _chat_prompt(llm, body: ChatCompletionRequest, tools: list[dict] | None = None) -> dict:
     tokenizer = llm.tokenizer
     try:
         text = tokenizer.apply_chat_template(
-            body.conversation(), add_generation_prompt=body.add_generation_prompt
+            body.conversation(), add_generation_prompt=body.add_generation_prompt, tools=tools
         )
     except ValueError as e:  # no template, or the template rejected the conversation
         raise UnsupportedParameter("messages", f"cannot render the chat template: {e}") from None

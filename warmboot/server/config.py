@@ -18,3 +18,6 @@ class ServerConfig:
     """Larger request bodies get a 413."""
     enable_debug: bool = False
     """Expose ``GET /debug/engine`` (pool invariants and engine counters)."""
+    tool_call_parser: str = "auto"
+    """How the model writes tool calls: hermes, llama3_json, mistral, or auto (read from the
+    chat template)."""

@@ -1,12 +1,13 @@
 """OpenAI request models (pydantic) and their translation into ``SamplingParams``.
 
 Unknown fields are ignored, as OpenAI-compatible servers commonly do; fields that change the
-result but are not supported (``tools``, ``best_of`` > n, ``suffix``, ...) are rejected
+result but are not supported (``best_of`` > n, ``suffix``, ...) are rejected
 with a 400 naming them, so a client never silently gets something other than it asked for.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -191,6 +192,19 @@ class ChatMessage(_Model):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """The Hugging Face message shape: tool calls' arguments as objects."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            message["tool_calls"] = [_call_for_template(c) for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -213,20 +227,27 @@ class ChatCompletionRequest(_SamplingRequest):
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, tool_tag: dict | None = None) -> SamplingParams:
+        """``tool_tag``: the structural tag that enforces this request's tool calls."""
         self._check_common()
-        if self.tools:
-            raise UnsupportedParameter("tools", "tool calling is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedParameter("top_logprobs", "top_logprobs requires logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens or self.max_tokens
-        return self._params(max_tokens, logprobs, _structured(self.response_format))
+        structured = _structured(self.response_format)
+        if tool_tag is not None:
+            if structured is not None:
+                raise UnsupportedParameter(
+                    "response_format", "response_format and tool calls cannot be combined"
+                )
+            structured = StructuredOutputs(structural_tag=tool_tag)
+        return self._params(max_tokens, logprobs, structured)
 
 
 class TokenizeRequest(_Model):
@@ -245,6 +266,18 @@ class TokenizeRequest(_Model):
 class DetokenizeRequest(_Model):
     model: str | None = None
     tokens: list[StrictInt]
+
+
+def _call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    fn = dict(call.get("function") or {})
+    if isinstance(fn.get("arguments"), str):
+        try:
+            fn["arguments"] = json.loads(fn["arguments"])
+        except ValueError:
+            raise UnsupportedParameter(
+                "messages", f"tool call arguments are not JSON: {fn['arguments'][:80]!r}"
+            ) from None
+    return {"id": call.get("id"), "type": "function", "function": fn}
 
 
 def _structured(fmt: ResponseFormat | None) -> StructuredOutputs | None:

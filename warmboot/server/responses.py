@@ -238,16 +238,21 @@ def _completion_lp(meta: ResponseMeta, c: CompletionOutput, start: int, offset: 
     return completion_logprobs(c, start, meta.top_logprobs, offset)
 
 
-def chat_body(meta: ResponseMeta, out: RequestOutput) -> dict:
-    choices = [
-        {
+def chat_body(meta: ResponseMeta, out: RequestOutput, tool_plan=None) -> dict:
+    """``tool_plan`` (a ``tools.ToolPlan``): choices whose text holds calls get ``tool_calls``
+    and the finish reason ``tool_calls``."""
+    choices = []
+    for c in out.outputs:
+        message, called = {"role": "assistant", "content": c.text}, False
+        if tool_plan is not None:
+            message, called = tool_plan.message(c.text)
+        choices.append({
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text},
+            "message": message,
             "logprobs": _chat_lp(meta, c, 0),
-            "finish_reason": c.finish_reason,
-        }
-        for c in out.outputs
-    ]
+            # NOTE: a length cut stays "length" (the last call may be the one cut short)
+            "finish_reason": "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason,
+        })  # fmt: skip
     return {
         "id": meta.id,
         "object": "chat.completion",

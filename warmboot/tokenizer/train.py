@@ -20,8 +20,34 @@ SPECIAL_TOKENS = (ENDOFTEXT, "<|im_start|>", "<|im_end|>")
 MODEL_MAX_LENGTH = 2048
 
 CHAT_TEMPLATE = (
+    # Tools follow the Hugging Face convention (``tools=`` JSON schemas; assistant messages with
+    # ``tool_calls``; ``tool`` messages) in the Hermes layout Qwen2/3 use: a system block that
+    # lists the tools, calls as <tool_call> JSON, results as <tool_response> user turns.
+    "{% if tools %}"
+    "{{ '<|im_start|>system\\n' }}"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    "{{ '# Tools\\n<tools>' }}"
+    "{% for tool in tools %}{{ '\\n' + (tool | tojson) }}{% endfor %}"
+    '{{ \'\\n</tools>\\nCall one as <tool_call>\\n{"name": <name>, "arguments": <arguments>}\''
+    " + '\\n</tool_call><|im_end|>\\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'system' and tools and loop.first %}"
+    "{% elif message['role'] == 'assistant' and message.get('tool_calls') %}"
+    "{{ '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set f = call['function'] if call.get('function') else call %}"
+    "{{ '\\n<tool_call>\\n{\"name\": \"' + f['name'] + '\", \"arguments\": ' }}"
+    "{{ f['arguments'] if f['arguments'] is string else (f['arguments'] | tojson) }}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% elif message['role'] == 'tool' %}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>"
+    "<|im_end|>\\n' }}"
+    "{% else %}"
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}"
     "{{ '<|im_start|>assistant\\n' }}"
