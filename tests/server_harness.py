@@ -6,6 +6,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import uvicorn
 
@@ -14,6 +15,20 @@ from warmboot.server.app import ServerConfig, create_app
 from warmboot.server.engine_holder import EngineHolder
 
 MODEL_NAME = "tiny"
+
+
+def small_llama(model_dir: Path) -> Path:
+    """A small random Llama with the demo tokenizer (4096 tokens, 1024 positions): room for a
+    tool list, which the tiny test tokenizer (512 tokens) spends its whole context on."""
+    from warmboot.models.demo import write_random_llama
+    from warmboot.tokenizer.train import train_tokenizer
+
+    write_random_llama(model_dir, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, vocab_size=4096,
+                       tie_word_embeddings=True, seed=0, dtype="float32",
+                       max_position_embeddings=1024)  # fmt: skip
+    train_tokenizer(model_dir, 4096)
+    return model_dir
 
 
 def tiny_llm(path, **kw) -> LLM:

@@ -9,7 +9,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_harness import MODEL_NAME, running_server, tiny_llm
+from tests.server_harness import MODEL_NAME, running_server, small_llama, tiny_llm
 from warmboot.server.engine_holder import EngineHolder
 
 SCHEMA = {
@@ -81,6 +81,7 @@ def test_streamed_events_rebuild_the_response(client):
         ({"input": [{"type": "input_image", "image_url": "x"}]}, "input"),
         ({"text": {"format": {"type": "grammar"}}}, "text"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"tools": [{"type": "web_search_preview"}]}, "tools"),
     ],
 )
 def test_unsupported_inputs_are_400s_naming_the_field(client, extra, param):
@@ -88,3 +89,57 @@ def test_unsupported_inputs_are_400s_naming_the_field(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(**kw)
     assert e.value.body["param"] == param
+
+
+# -- function tools --------------------------------------------------------------------------------
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12},
+                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"],
+}  # fmt: skip
+FN_TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+
+
+@pytest.fixture(scope="module")
+def tool_client(tmp_path_factory):
+    model = small_llama(tmp_path_factory.mktemp("resp-tools") / "model")
+    llm = tiny_llm(model, max_num_seqs=4, max_model_len=1024)
+    with running_server(EngineHolder.ready(llm.engine)) as url:
+        yield openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_function_tools_call_and_take_results(tool_client):
+    kw = dict(model=MODEL_NAME, tools=FN_TOOLS, tool_choice="required", max_output_tokens=200,
+              parallel_tool_calls=False)  # fmt: skip
+    r = tool_client.responses.create(**kw, input="weather in Oslo?")
+    (call,) = [item for item in r.output if item.type == "function_call"]
+    assert call.name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), WEATHER)
+    history = [
+        "weather in Oslo?",
+        call.model_dump(exclude_none=True),
+        {"type": "function_call_output", "call_id": call.call_id, "output": "rain"},
+    ]
+    history[0] = {"role": "user", "content": history[0]}
+    follow = tool_client.responses.create(model=MODEL_NAME, input=history, tools=FN_TOOLS,
+                                          tool_choice="none", max_output_tokens=5)  # fmt: skip
+    assert follow.output[0].type == "message" and follow.output_text
+    named = tool_client.responses.create(**{**kw, "tool_choice": {"type": "function",
+                                                                 "name": "get_weather"}},
+                                         input="now")  # fmt: skip
+    assert [i.type for i in named.output] == ["function_call"]
+
+
+def test_streamed_function_calls(tool_client):
+    kw = dict(model=MODEL_NAME, tools=FN_TOOLS, tool_choice="required", max_output_tokens=200,
+              parallel_tool_calls=False, input="weather?", temperature=1.0)  # fmt: skip
+    events = list(tool_client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.done" in kinds
+    assert "response.output_text.delta" not in kinds, "calls only: no message item"
+    done = next(e for e in events if e.type == "response.function_call_arguments.done")
+    jsonschema.validate(json.loads(done.arguments), WEATHER)
+    final = events[-1].response
+    assert [i.type for i in final.output] == ["function_call"]
+    assert final.output[0].arguments == done.arguments

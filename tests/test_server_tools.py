@@ -12,11 +12,9 @@ import openai
 import pydantic
 import pytest
 
-from tests.server_harness import MODEL_NAME, running_server, tiny_llm
-from warmboot.models.demo import write_random_llama
+from tests.server_harness import MODEL_NAME, running_server, small_llama, tiny_llm
 from warmboot.server import tools as T
 from warmboot.server.engine_holder import EngineHolder
-from warmboot.tokenizer.train import train_tokenizer
 
 WEATHER = {
     "type": "object",
@@ -38,14 +36,7 @@ ASK = [{"role": "user", "content": "what is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A small random Llama with the demo tokenizer (4096 tokens): the tiny test tokenizer
-    spends the 512-token context on the tool list alone."""
-    model = tmp_path_factory.mktemp("tools") / "model"
-    write_random_llama(model, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, vocab_size=4096,
-                       tie_word_embeddings=True, seed=0, dtype="float32",
-                       max_position_embeddings=1024)  # fmt: skip
-    train_tokenizer(model, 4096)
+    model = small_llama(tmp_path_factory.mktemp("tools") / "model")
     llm = tiny_llm(model, max_num_seqs=8, max_model_len=1024)
     with running_server(EngineHolder.ready(llm.engine)) as url:
         yield url, llm

@@ -147,7 +147,9 @@ class Scheduler:
         if sample and req.num_planned_outputs < req.params.min_tokens:
             eos = () if req.params.ignore_eos else tuple(req.eos_token_ids)
             suppress = eos + req.params.stop_token_ids
-        lp_from, targets = self._prompt_logprob_targets(req, start, n)
+        lp_from, targets = 0, ()
+        if req.params.prompt_logprobs is not None:  # NOTE: inline test: a step builds 100s
+            lp_from, targets = self._prompt_logprob_targets(req, start, n)
         req.num_computed_tokens += n
         req.num_inflight += sample
         return ScheduledRequest(

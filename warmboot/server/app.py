@@ -251,10 +251,12 @@ class _Api:
         llm = self.holder.require()
         self._check_model(body.model)
         chat = body.chat_request()
-        params = chat.sampling_params()
-        prompt = await asyncio.to_thread(_chat_prompt, llm, chat)
+        tool_plan = self._tool_plan(llm, chat)
+        params = chat.sampling_params(tool_plan.tag if tool_plan else None)
+        tools = chat.tools if tool_plan else None
+        prompt = await asyncio.to_thread(_chat_prompt, llm, chat, tools)
         (stream,) = await add_all(llm, [prompt], params)
-        builder = ResponseBuilder(body, self._meta("resp", params, llm))
+        builder = ResponseBuilder(body, self._meta("resp", params, llm), tool_plan)
         if body.stream:
             finals: dict[int, RequestOutput] = {}
             deltas = (

@@ -5,6 +5,7 @@ chat request it amounts to (instructions as the system message, input items as m
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -14,6 +15,7 @@ from pydantic import Field
 
 from warmboot.outputs import RequestOutput
 from warmboot.server import responses as R
+from warmboot.server import tools as tools_mod
 from warmboot.server.protocol import (
     ChatCompletionRequest,
     JsonSchema,
@@ -51,13 +53,14 @@ class ResponsesRequest(_Model):
                 "previous_response_id is not supported: this server stores no responses; "
                 "send the whole conversation as input",
             )
-        if self.tools:
-            raise UnsupportedParameter("tools", "tools are not supported in /v1/responses yet")
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         messages += _messages(self.input)
         return ChatCompletionRequest(
             model=self.model,
             messages=messages,
+            tools=_chat_tools(self.tools),
+            tool_choice=_chat_tool_choice(self.tool_choice),
+            parallel_tool_calls=self.parallel_tool_calls is not False,
             max_completion_tokens=self.max_output_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
@@ -81,21 +84,53 @@ class ResponsesRequest(_Model):
         raise UnsupportedParameter("text", f"text.format type {kind!r} is not supported")
 
 
-def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, str]]:
+def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not items:
         raise UnsupportedParameter("input", "the input is empty")
-    out = []
+    out: list[dict[str, Any]] = []
     for i, item in enumerate(items):
-        if item.get("type", "message") != "message" or "role" not in item:
-            raise UnsupportedParameter("input", f"input item {i} of type "
-                                       f"{item.get('type')!r} is not supported")  # fmt: skip
-        role = "system" if item["role"] == "developer" else item["role"]
-        if role not in ("system", "user", "assistant"):
-            raise UnsupportedParameter("input", f"input item {i} has an unknown role {role!r}")
-        out.append({"role": role, "content": _text(item.get("content"), i)})
+        kind = item.get("type", "message")
+        if kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
+            if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
+                out[-1]["tool_calls"].append(call)  # NOTE: parallel calls: one assistant turn
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            text = output if isinstance(output, str) else json.dumps(output)
+            out.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
+        elif kind == "message" and "role" in item:
+            role = "system" if item["role"] == "developer" else item["role"]
+            if role not in ("system", "user", "assistant"):
+                raise UnsupportedParameter("input", f"input item {i} has an unknown role {role!r}")
+            out.append({"role": role, "content": _text(item.get("content"), i)})
+        else:
+            raise UnsupportedParameter("input", f"input item {i} of type {kind!r} is not supported")
     return out
+
+
+def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Responses function tools (flat) -> chat tools (nested under ``function``)."""
+    if not tools:
+        return None
+    out = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function":
+            raise UnsupportedParameter("tools", f"tools[{i}] of type {tool.get('type')!r} is "
+                                       "not supported (function tools are)")  # fmt: skip
+        fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    if isinstance(choice, dict) and choice.get("type") == "function" and "name" in choice:
+        return {"type": "function", "function": {"name": choice["name"]}}
+    return choice
 
 
 def _text(content: Any, i: int) -> str:
@@ -115,14 +150,14 @@ def _text(content: Any, i: int) -> str:
 class ResponseBuilder:
     """One response's ids and settings; builds its body and stream events."""
 
-    def __init__(self, body: ResponsesRequest, meta: R.ResponseMeta):
-        self.body, self.meta = body, meta
+    def __init__(self, body: ResponsesRequest, meta: R.ResponseMeta, tool_plan=None):
+        self.body, self.meta, self.tool_plan = body, meta, tool_plan
         self.id = f"resp_{uuid.uuid4().hex}"
         self.item_id = f"msg_{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._seq = 0
 
-    def response(self, out: RequestOutput | None, text: str = "") -> dict:
+    def response(self, out: RequestOutput | None) -> dict:
         """The response object: in progress (``out`` None) or final."""
         status, incomplete, output, usage = "in_progress", None, [], None
         if out is not None:
@@ -130,7 +165,7 @@ class ResponseBuilder:
             status = "incomplete" if c.finish_reason == "length" else "completed"
             if status == "incomplete":
                 incomplete = {"reason": "max_output_tokens"}
-            output = [self._message(c.text, "completed", R._chat_lp(self.meta, c, 0))]
+            output = self._output(c)
             usage = _usage(out)
         b = self.body
         return {
@@ -140,10 +175,20 @@ class ResponseBuilder:
             "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
             "temperature": 1.0 if b.temperature is None else b.temperature,
             "top_p": 1.0 if b.top_p is None else b.top_p,
-            "text": b.text or {"format": {"type": "text"}}, "tools": [],
-            "tool_choice": "auto", "parallel_tool_calls": True,
+            "text": b.text or {"format": {"type": "text"}}, "tools": b.tools or [],
+            "tool_choice": b.tool_choice or "auto",
+            "parallel_tool_calls": b.parallel_tool_calls is not False,
             "previous_response_id": None, "metadata": b.metadata or {}, "store": False,
         }  # fmt: skip
+
+    def _output(self, c) -> list[dict]:
+        """The output items: the message (unless only calls came), then one per call."""
+        logprobs = R._chat_lp(self.meta, c, 0)
+        if self.tool_plan is None:
+            return [self._message(c.text, "completed", logprobs)]
+        content, calls = tools_mod.parse(self.tool_plan.fmt, c.text, set(self.tool_plan.names))
+        items = [self._message(content.strip(), "completed", logprobs)] if content.strip() else []
+        return items + [_function_call(call) for call in calls]
 
     def _message(self, text: str, status: str, logprobs: dict | None = None) -> dict:
         part = self._part(text, logprobs)
@@ -163,24 +208,83 @@ class ResponseBuilder:
 
     async def events(self, deltas: AsyncIterator[str], final) -> AsyncIterator[dict]:
         """The documented event sequence around the text ``deltas``; ``final()`` gives the
-        finished ``RequestOutput`` once they are exhausted."""
-        at = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        finished ``RequestOutput`` once they are exhausted. With tools, text that may begin a
+        call is held back, and each call goes out at the end as a ``function_call`` item."""
         yield self.event("response.created", response=self.response(None))
         yield self.event("response.in_progress", response=self.response(None))
-        yield self.event("response.output_item.added", output_index=0,
-                         item=self._message("", "in_progress"))  # fmt: skip
-        yield self.event("response.content_part.added", **at, part=self._part(""))
+        stream = tools_mod.ToolStream(self.tool_plan) if self.tool_plan else None
+        opened, held = stream is None, ""
+        if opened:  # NOTE: without tools the message is the whole output: open it at once
+            for event in self._open_message():
+                yield event
         async for delta in deltas:
-            yield self.event("response.output_text.delta", **at, delta=delta, logprobs=[])
-        out = final()
-        done = self.response(out)
-        message = done["output"][0]
-        yield self.event("response.output_text.done", **at, text=message["content"][0]["text"],
-                         logprobs=[])  # fmt: skip
-        yield self.event("response.content_part.done", **at, part=message["content"][0])
-        yield self.event("response.output_item.done", output_index=0, item=message)
+            text = held + (stream.feed(delta) if stream else delta)
+            if not opened and not text.strip():
+                held = text  # with tools, a message opens only for real text (not a call)
+                continue
+            if not opened:
+                opened = True
+                for event in self._open_message():
+                    yield event
+            held = ""
+            yield self._text_delta(text)
+        done = self.response(final())
+        rest = (held + stream.finish()[0]) if stream else ""
+        if rest.strip() and not opened:
+            opened = True
+            for event in self._open_message():
+                yield event
+        if rest and opened:
+            yield self._text_delta(rest)
+        for index, item in enumerate(done["output"]):
+            for event in self._close_item(index, item):
+                yield event
         kind = "response.completed" if done["status"] == "completed" else "response.incomplete"
         yield self.event(kind, response=done)
+
+    def _open_message(self) -> list[dict]:
+        at = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        return [
+            self.event(
+                "response.output_item.added", output_index=0, item=self._message("", "in_progress")
+            ),  # fmt: skip
+            self.event("response.content_part.added", **at, part=self._part("")),
+        ]
+
+    def _text_delta(self, text: str) -> dict:
+        at = {"item_id": self.item_id, "output_index": 0, "content_index": 0}
+        return self.event("response.output_text.delta", **at, delta=text, logprobs=[])
+
+    def _close_item(self, index: int, item: dict) -> list[dict]:
+        if item["type"] == "message":
+            at = {"item_id": self.item_id, "output_index": index, "content_index": 0}
+            part = item["content"][0]
+            return [
+                self.event("response.output_text.done", **at, text=part["text"], logprobs=[]),
+                self.event("response.content_part.done", **at, part=part),
+                self.event("response.output_item.done", output_index=index, item=item),
+            ]
+        at = {"item_id": item["id"], "output_index": index}
+        return [
+            self.event(
+                "response.output_item.added",
+                output_index=index,
+                item={**item, "arguments": "", "status": "in_progress"},
+            ),  # fmt: skip
+            self.event("response.function_call_arguments.delta", **at, delta=item["arguments"]),
+            self.event(
+                "response.function_call_arguments.done",
+                **at,
+                name=item["name"],
+                arguments=item["arguments"],
+            ),  # fmt: skip
+            self.event("response.output_item.done", output_index=index, item=item),
+        ]
+
+
+def _function_call(call: tools_mod.ToolCall) -> dict:
+    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id,
+            "name": call.name, "arguments": call.arguments, "status": "completed"}  # fmt: skip
 
 
 def _usage(out: RequestOutput) -> dict:
