@@ -12,6 +12,7 @@ Run from the repository root: ``python -m bench.host_overhead --compare-rev REV 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import subprocess
@@ -59,6 +60,11 @@ def measure(context: int) -> float:
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     llm.generate(prompts[:2], params)  # warm
     llm.engine.block_manager.reset_prefix_cache()
+    # NOTE: as the server does once its engine is up (EngineHolder): otherwise a full
+    # collection over the booted engine lands in some runs' measured steps and not others
+    # (0.8 vs 2.4 ms/step at 128 tokens for the same tree)
+    gc.collect()
+    gc.freeze()
     meter = BubbleMeter()
     if hasattr(llm.engine.loop, "meter"):  # NOTE: the loop owns its meter since the restructure
         llm.engine.loop.meter = meter
@@ -113,7 +119,7 @@ def write_report(args, names: list[str], rows: list[dict]) -> None:
         "",
         f"{meta['date']}, {meta['machine']}. `python -m bench.host_overhead"
         f" --compare-rev {' '.join(names[:-1])}`: sync loop, batch {BATCH}, {NEW_TOKENS} new tokens, a"
-        " one-layer model (the forward costs little); host ms per step = (wall - device busy)"
+        " one-layer model (the forward costs little), the garbage collector frozen after warm-up as in the server; host ms per step = (wall - device busy)"
         f" / steps over steady decode, median of {args.repeats}, the trees alternating.",
         "",
         head,
