@@ -7,6 +7,9 @@ STAMP  := $(VENV)/.installed
 # that drives `warmboot serve` with lm-eval's local-completions model runs it.
 LMEVAL       := .venv-lmeval
 LMEVAL_STAMP := $(LMEVAL)/.installed
+# LangChain, LiteLLM and schemathesis likewise, for the client tests.
+CLIENTS       := .venv-clients
+CLIENTS_STAMP := $(CLIENTS)/.installed
 
 .PHONY: demo test lint bench clean runsc gpu-wheels
 .PHONY: check
@@ -27,6 +30,12 @@ $(LMEVAL_STAMP): tests/lm_eval/requirements.txt
 		-r tests/lm_eval/requirements.txt
 	touch $(LMEVAL_STAMP)
 
+$(CLIENTS_STAMP): tests/clients/requirements.txt
+	test -x $(CLIENTS)/bin/python || python3 -m venv $(CLIENTS)
+	$(CLIENTS)/bin/python -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps \
+		-r tests/clients/requirements.txt
+	touch $(CLIENTS_STAMP)
+
 # gVisor for process snapshots: installed when missing and we are root with apt; otherwise the
 # tests that need it skip and say why.
 runsc:
@@ -37,7 +46,7 @@ runsc:
 demo: $(STAMP) runsc
 	$(PY) -m warmboot.cli demo
 
-test: $(STAMP) runsc $(LMEVAL_STAMP)
+test: $(STAMP) runsc $(LMEVAL_STAMP) $(CLIENTS_STAMP)
 	$(PY) -m ruff check warmboot tests bench
 	$(PY) -m pytest -q -ra
 

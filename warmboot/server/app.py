@@ -19,6 +19,7 @@ from contextlib import asynccontextmanager
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
 from warmboot import __version__
@@ -65,6 +66,7 @@ def create_app(holder: EngineHolder, config: ServerConfig) -> Guard:
         lifespan=lifespan,
     )
     app.state.holder, app.state.metrics = holder, metrics
+    app.openapi = _openapi(app, config.served_model_name)
     install_errors(app)
     api = _Api(holder, config, metrics)
     app.add_api_route("/v1/models", api.models, methods=["GET"])
@@ -306,6 +308,24 @@ def _tool_chunks(meta, c, calls: tools_mod.ToolStream) -> list[dict]:
     if found and c.finish_reason == "stop":
         final["choices"][0]["finish_reason"] = "tool_calls"
     return [*chunks, final]
+
+
+def _openapi(app: FastAPI, model: str):
+    """The OpenAPI document, with the one model this server serves as ``model``'s only value
+    (a client, or a fuzzer, then knows what to send)."""
+
+    def build() -> dict:
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for component in schema.get("components", {}).get("schemas", {}).values():
+                prop = component.get("properties", {}).get("model")
+                if prop is not None:
+                    prop.clear()
+                    prop.update({"type": "string", "enum": [model], "title": "Model"})
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    return build
 
 
 async def _nonempty(texts: AsyncIterator[str]) -> AsyncIterator[str]:

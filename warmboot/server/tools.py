@@ -163,9 +163,14 @@ def _calls(fmt: str, text: str, spans, names: set[str]) -> tuple[str, list[ToolC
     return joined, calls
 
 
+# NOTE: strict=False admits raw control characters in strings: xgrammar 0.2.8 lets them into
+# length-bounded strings (see grammar_backend); the arguments go out re-serialized, escaped.
+_DECODER = json.JSONDecoder(strict=False)
+
+
 def _json(text: str) -> dict | None:
     try:
-        obj = json.loads(text)
+        obj = _DECODER.decode(text)
     except ValueError:
         return None
     return obj if isinstance(obj, dict) else None
@@ -173,7 +178,7 @@ def _json(text: str) -> dict | None:
 
 def _raw_json(text: str, start: int) -> tuple[Any, int] | None:
     try:
-        obj, end = json.JSONDecoder().raw_decode(text, start)
+        obj, end = _DECODER.raw_decode(text, start)
     except ValueError:
         return None
     ok = isinstance(obj, dict) or (isinstance(obj, list) and all(isinstance(o, dict) for o in obj))
