@@ -1,0 +1,184 @@
+"""Issue 16's server figures, same run: how long ``/health`` and an ordinary 1-token request
+take while a body-limit prompt and a slow-to-compile JSON schema are being handled, for this
+tree and older revisions (each as a real ``warmboot serve`` process); and what prompt
+log-probabilities cost in the prefill (this tree, offline).
+
+Run from the repository root: ``python -m bench.stalls --compare-rev REV``. Writes
+``docs/benchmarks/stalls.{json,md,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "benchmarks"
+MODEL = "bench"
+
+
+def nested_schema(depth: int) -> dict:
+    schema: dict = {"type": "string"}
+    for i in range(depth):
+        schema = {"type": "object", "properties": {f"k{i}": schema}, "required": [f"k{i}"]}
+    return schema
+
+
+def serve(tree: Path, model: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    cmd = [sys.executable, "-m", "warmboot.cli", "serve", "--model", str(model), "--port",
+           str(port), "--served-model-name", MODEL, "--sandbox", "none"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, cwd=tree, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"{tree}: the server did not become ready")
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def latencies(url: str) -> dict[str, float]:
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 1}
+    health = timed(lambda: httpx.get(url + "/health", timeout=120))
+    one = timed(lambda: httpx.post(url + "/v1/completions", json=body, timeout=120))
+    return {"health": health, "one_token": one}
+
+
+def under_load(url: str) -> dict[str, float]:
+    huge = {"model": MODEL, "prompt": "word " * 700_000, "max_tokens": 1}
+    fmt = {"type": "json_schema", "json_schema": {"name": "d", "schema": nested_schema(200)}}
+    slow = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+            "response_format": fmt}  # fmt: skip
+    heavy = [
+        threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
+                         kwargs={"json": huge, "timeout": 300}),
+        threading.Thread(target=httpx.post, args=(url + "/v1/chat/completions",),
+                         kwargs={"json": slow, "timeout": 300}),
+    ]  # fmt: skip
+    for t in heavy:
+        t.start()
+    time.sleep(0.3)
+    got = latencies(url)
+    for t in heavy:
+        t.join()
+    return got
+
+
+def measure_tree(tree: Path, model: Path, repeats: int) -> dict:
+    proc, url = serve(tree, model)
+    try:
+        latencies(url)  # warm
+        idle = [latencies(url) for _ in range(repeats)]
+        busy = [under_load(url) for _ in range(repeats)]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
+    return {f"{phase}_{k}": med(rows, k) for phase, rows in (("idle", idle), ("busy", busy))
+            for k in ("health", "one_token")}  # fmt: skip
+
+
+def prompt_logprobs_cost(model: Path, repeats: int) -> list[dict]:
+    """Prefill time of 8 x 512-token prompts, max_tokens=1, with and without prompt logprobs."""
+    import torch
+
+    from warmboot import LLM, SamplingParams
+
+    llm = LLM(str(model), max_model_len=1024, max_num_seqs=8, enable_prefix_caching=False)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(1, 4096, (512,), generator=g).tolist()}
+               for _ in range(8)]  # fmt: skip
+    rows = []
+    for k in (None, 0, 5):
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k)
+        llm.generate(prompts[:1], params)
+        times = [timed(lambda p=params: llm.generate(prompts, p)) for _ in range(repeats)]
+        rows.append({"prompt_logprobs": k, "s": statistics.median(times)})
+    base = rows[0]["s"]
+    return [r | {"ratio": r["s"] / base} for r in rows]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--compare-rev", nargs="*", default=[])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+    from bench.common import revision_trees
+    from tests.server_harness import small_llama
+
+    model = small_llama(Path(tempfile.mkdtemp(prefix="wb-stalls-")) / "model")
+    with revision_trees(ROOT, args.compare_rev) as trees:
+        rows = [{"tree": name} | measure_tree(tree, model, args.repeats)
+                for name, tree in trees.items()]  # fmt: skip
+    for r in rows:
+        print(r, flush=True)
+    cost = prompt_logprobs_cost(model, args.repeats)
+    print(cost, flush=True)
+    write_report(args, rows, cost)
+
+
+def write_report(args, rows: list[dict], cost: list[dict]) -> None:
+    from bench.common import pyplot, report_meta, save_report
+
+    plt = pyplot()
+    meta = report_meta(repeats=args.repeats)
+    lines = [
+        "# Stalls and prompt log-probabilities",
+        "",
+        f"{meta['date']}, {meta['machine']}. `python -m bench.stalls --compare-rev"
+        f" {' '.join(args.compare_rev)}`: each tree as a `warmboot serve` process on a small"
+        " random Llama (demo tokenizer, 4096 tokens); seconds for `GET /health` and a 1-token"
+        " completion, idle and while a 3.5 MB prompt and a JSON schema nested 200 deep are being"
+        f" handled; median of {args.repeats}.",
+        "",
+        "| tree | health idle | 1 token idle | health under load | 1 token under load |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(f"| {r['tree']} | {r['idle_health']:.3f} | {r['idle_one_token']:.3f} |"
+                     f" {r['busy_health']:.3f} | {r['busy_one_token']:.3f} |")  # fmt: skip
+    lines += ["", "Prompt log-probabilities in the prefill (this tree, offline, 8 prompts of 512"
+              " tokens, max_tokens=1):", "", "| prompt_logprobs | seconds | vs none |",
+              "| --- | ---: | ---: |"]  # fmt: skip
+    for c in cost:
+        lines.append(f"| {c['prompt_logprobs']} | {c['s']:.3f} | {c['ratio']:.2f} |")
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    names = [r["tree"] for r in rows]
+    for i, key in enumerate(("idle_one_token", "busy_one_token")):
+        ax.bar([j + i * 0.4 for j in range(len(rows))], [r[key] for r in rows], 0.4,
+               label=key.replace("_", " "))  # fmt: skip
+    ax.set_xticks([j + 0.2 for j in range(len(rows))], names)
+    ax.set_ylabel("seconds, 1-token completion")
+    ax.set_title(f"a 1-token request beside heavy ones, {meta['date']}")
+    ax.legend()
+    save_report(args.out, "stalls", meta, {"servers": rows, "prompt_logprobs": cost}, lines, fig)
+
+
+if __name__ == "__main__":
+    main()
