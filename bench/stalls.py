@@ -10,6 +10,7 @@ Run from the repository root: ``python -m bench.stalls --compare-rev REV``. Writ
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -128,7 +129,13 @@ def main() -> None:
     ap.add_argument("--compare-rev", nargs="*", default=[])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--replot", type=Path, default=None, help="redraw from a stalls.json")
     args = ap.parse_args()
+    if args.replot is not None:
+        data = json.loads(args.replot.read_text())
+        args.repeats = data["repeats"]
+        write_report(args, data["rows"]["servers"], data["rows"]["prompt_logprobs"])
+        return
     from bench.common import revision_trees
     from tests.server_harness import small_llama
 
@@ -168,14 +175,17 @@ def write_report(args, rows: list[dict], cost: list[dict]) -> None:
               "| --- | ---: | ---: |"]  # fmt: skip
     for c in cost:
         lines.append(f"| {c['prompt_logprobs']} | {c['s']:.3f} | {c['ratio']:.2f} |")
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    names = [r["tree"] for r in rows]
-    for i, key in enumerate(("idle_one_token", "busy_one_token")):
-        ax.bar([j + i * 0.4 for j in range(len(rows))], [r[key] for r in rows], 0.4,
-               label=key.replace("_", " "))  # fmt: skip
-    ax.set_xticks([j + 0.2 for j in range(len(rows))], names)
-    ax.set_ylabel("seconds, 1-token completion")
-    ax.set_title(f"a 1-token request beside heavy ones, {meta['date']}")
+    fig, ax = plt.subplots(figsize=(6.5, 3.5))
+    keys = ("idle_health", "busy_health", "idle_one_token", "busy_one_token")
+    width = 0.8 / len(rows)
+    for i, r in enumerate(rows):
+        ax.bar([j + i * width for j in range(len(keys))], [r[k] for k in keys], width,
+               label=r["tree"])  # fmt: skip
+    ax.set_xticks([j + width * (len(rows) - 1) / 2 for j in range(len(keys))],
+                  [k.replace("_", " ").replace("busy", "under load") for k in keys])  # fmt: skip
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds (log)")
+    ax.set_title(f"/health and a 1-token request beside heavy ones, {meta['date']}")
     ax.legend()
     save_report(args.out, "stalls", meta, {"servers": rows, "prompt_logprobs": cost}, lines, fig)
 

@@ -63,7 +63,6 @@ class StepParts:
     runner: ModelRunner
     grammars: GrammarRequests
     outputs: OutputProcessor
-    meter: BubbleMeter = field(default_factory=BubbleMeter)
 
 
 class Loop:
@@ -73,7 +72,7 @@ class Loop:
 
     def __init__(self, parts: StepParts):
         self.parts = parts
-        self.meter = parts.meter
+        self.meter = BubbleMeter()
 
     def in_flight(self) -> bool:
         return False
