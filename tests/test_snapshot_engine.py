@@ -14,7 +14,13 @@ from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM, SamplingParams
 from warmboot.snapshot import publish as publish_mod
 from warmboot.snapshot import restore as restore_mod
-from warmboot.snapshot.image import Manifest, chunk_hash, tensor_bytes
+from warmboot.snapshot.image import (
+    IntegrityError,
+    Manifest,
+    SnapshotError,
+    chunk_hash,
+    tensor_bytes,
+)
 from warmboot.snapshot.store import LocalStore
 
 ENGINE_ARGS = dict(max_model_len=128, block_size=4, num_kv_blocks=64)
@@ -217,3 +223,70 @@ def test_the_snapshot_carries_the_attention_autotune_results(path, tmp_path, mon
     monkeypatch.setattr(tuning, "TUNER", tuning.Tuner())
     assert make_llm(path, store).engine.start_info.path == "restored_image"
     assert tuning.export_autotune_cache() == measured
+
+
+# -- a store nobody trusts (issue 15, first slice): refused with a reason, never a hang -----------
+def _rewrite(store: LocalStore, key: str, change) -> None:
+    data = json.loads(store.get_manifest(key))
+    change(data)
+    store.put_manifest(key, json.dumps(data).encode())
+
+
+def test_a_fifo_for_a_chunk_or_a_manifest_never_blocks(path, golden, store):
+    import os
+
+    chunk = embed(store, golden[1]).chunks[0].hash
+    chunk_file = store.root / "chunks" / chunk[:2] / chunk
+    chunk_file.unlink()
+    os.mkfifo(chunk_file)
+    assert_cold_fallback(path, store, golden, "is not a regular file")
+    manifest_file = store.root / "manifests" / f"{golden[1]}.json"
+    manifest_file.unlink()
+    os.mkfifo(manifest_file)
+    assert_cold_fallback(path, store, golden, "is not a regular file")
+
+
+def test_chunk_names_and_links_out_of_the_store_are_refused(path, golden, store, tmp_path):
+    def escape(data):
+        data["tensors"][0]["chunks"][0]["hash"] = "../../../etc/passwd"
+
+    _rewrite(store, golden[1], escape)
+    assert_cold_fallback(path, store, golden, "bad chunk reference")
+    # the store itself refuses such a name, whoever asks (tier-P manifests name chunks too)
+    with pytest.raises(IntegrityError, match="is not a SHA-256 hex digest"):
+        store.read_chunk("../../../etc/passwd", memoryview(bytearray(8)))
+    with pytest.raises(SnapshotError, match="is not a key"):
+        store.get_manifest("../../x")
+
+
+def test_a_chunk_directory_linking_outside_is_refused(path, golden, store, tmp_path):
+    chunk = embed(store, golden[1]).chunks[0].hash
+    inner = store.root / "chunks" / chunk[:2]
+    outside = tmp_path / "outside"
+    shutil.move(inner, outside)
+    inner.symlink_to(outside, target_is_directory=True)
+    assert_cold_fallback(path, store, golden, "leads outside the store")
+
+
+def test_a_tensor_the_model_lacks_or_a_float_listed_as_int_boots_cold(path, golden, store):
+    def rename(data):
+        data["tensors"][0]["name"] = "no.such.weight"
+
+    _rewrite(store, golden[1], rename)
+    assert_cold_fallback(path, store, golden, "does not fit")
+
+
+def test_a_float_weight_listed_as_int32_boots_cold(path, golden, store):
+    def relabel(data):
+        entry = next(t for t in data["tensors"] if t["dtype"] == "float32")
+        entry["dtype"] = "int32"
+
+    _rewrite(store, golden[1], relabel)
+    assert_cold_fallback(path, store, golden, "are not float32")
+
+
+def test_a_huge_manifest_is_refused_unread(path, golden, store, monkeypatch):
+    from warmboot.snapshot import store as store_mod
+
+    monkeypatch.setattr(store_mod, "MAX_MANIFEST_BYTES", 1000)
+    assert_cold_fallback(path, store, golden, "exceeds 1000 bytes")

@@ -177,8 +177,8 @@ class Startup:
                 if tensors is not None:
                     try:
                         runner.install_weights(tensors, f"snapshot {manifest.key}")
-                    except ValueError as e:
-                        snap.reason = f"snapshot {manifest.key} does not fit: {e}"
+                    except Exception as e:  # noqa: BLE001 - a manifest is data: any misfit
+                        snap.reason = f"snapshot {manifest.key} does not fit: {_describe(e)}"
                         tensors = None
             if tensors is not None:
                 return True
@@ -279,6 +279,10 @@ class Startup:
         graphs = engine.runner.graphs
         if graphs is not None:
             self.enable_graphs(engine, graphs.batch_sizes, graphs.emulate)
+
+
+def _describe(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"
 
 
 def run_canary(engine: BootingEngine) -> list[tuple[int, float]]:

@@ -86,7 +86,10 @@ def launch(cfg: LaunchConfig):
         reason = f"process snapshot {key[:12]} unusable: {e}"
         fallbacks = ("canary_mismatch" if "canary mismatch" in str(e) else "restore_failed",)
         log.warning("%s; discarding it and booting cold", reason)
-        process_image.discard(store, key)
+        try:
+            process_image.discard(store, key)
+        except OSError as e:  # a read-only or full store: the cold boot goes on regardless
+            log.warning("could not discard process snapshot %s: %s", key[:12], e)
     try:
         client = _create(cfg, store, key, fields, spec, reason, t0)
     except Exception as e:  # noqa: BLE001 - the in-process boot is the last resort

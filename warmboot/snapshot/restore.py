@@ -38,7 +38,7 @@ from warmboot.snapshot.image import (
     dtype_from_name,
     verify_chunk,
 )
-from warmboot.snapshot.store import Store
+from warmboot.snapshot.store import Store, open_regular
 
 Progress = Callable[[int], None]
 _MAP_FIXED = 0x10
@@ -177,7 +177,7 @@ def _map_files(files: list[tuple[Path, int]], total: int) -> ctypes.Array:
 
 def _map_one(addr: int, path: Path, size: int) -> None:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path, path.parents[2].resolve())  # NOTE: root/chunks/xx/hash
     except FileNotFoundError:
         raise IntegrityError(f"chunk {path.name[:16]} is missing ({path})") from None
     try:
@@ -262,7 +262,11 @@ def restore_files(store: Store, manifest: Manifest, group: str, dest: Path) -> i
     for f in manifest.files:
         if not f.path.startswith(group + "/"):
             continue
-        target = dest / f.path.removeprefix(group + "/")
+        rel = f.path.removeprefix(group + "/")
+        parts = Path(rel).parts
+        if not rel or Path(rel).is_absolute() or ".." in parts or "" in rel.split("/"):
+            raise IntegrityError(f"file entry {f.path[:80]!r} is not a plain relative path")
+        target = dest / rel
         if target.exists():
             continue
         data = store.get_chunk(f.chunk.hash, f.chunk.size)

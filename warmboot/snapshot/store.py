@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import base64
 import os
+import re
+import stat
 import tempfile
 import time
 from abc import ABC, abstractmethod
@@ -23,6 +25,28 @@ from pathlib import Path
 from warmboot.snapshot.image import IntegrityError, SnapshotError, chunk_hash
 
 STALE_TMP_SECONDS = 3600
+MAX_MANIFEST_BYTES = 16 << 20
+"""A manifest larger than this is refused unread (a real one is tens of kilobytes)."""
+_HASH = re.compile(r"[0-9a-f]{64}")
+_KEY = re.compile(r"[0-9A-Za-z_.-]{1,128}")
+
+
+def open_regular(path: Path, within: Path) -> int:
+    """A read-only fd of ``path``, which must be a regular file inside ``within``: the last
+    component is not followed if it is a link, a FIFO or device never blocks the open, and a
+    directory on the way that links outside the store is refused. The caller closes it."""
+    if not path.resolve().is_relative_to(within):
+        raise IntegrityError(f"{path} leads outside the store {within}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # ELOOP: a symlink
+        raise IntegrityError(f"{path} cannot be opened as a store file: {e.strerror}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IntegrityError(f"{path} is not a regular file")
+    return fd
 S3_RANGE_BYTES = 8 << 20
 
 
@@ -91,9 +115,13 @@ class LocalStore(Store):
         self.parallelism = parallelism or max(2, min(8, 2 * (os.cpu_count() or 1)))
 
     def _chunk_path(self, h: str) -> Path:
+        if not isinstance(h, str) or not _HASH.fullmatch(h):
+            raise IntegrityError(f"chunk name {str(h)[:80]!r} is not a SHA-256 hex digest")
         return self.root / "chunks" / h[:2] / h
 
     def _manifest_path(self, key: str) -> Path:
+        if not isinstance(key, str) or not _KEY.fullmatch(key):
+            raise SnapshotError(f"snapshot key {str(key)[:80]!r} is not a key")
         return self.root / "manifests" / f"{key}.json"
 
     def _write_atomic(self, path: Path, data: memoryview | bytes) -> None:
@@ -122,7 +150,7 @@ class LocalStore(Store):
 
     def read_chunk(self, h: str, out: memoryview) -> None:
         try:
-            f = open(self._chunk_path(h), "rb", buffering=0)
+            f = os.fdopen(open_regular(self._chunk_path(h), self.root), "rb", buffering=0)
         except FileNotFoundError:
             raise IntegrityError(f"chunk {h[:16]} is missing from {self.url}") from None
         with f:
@@ -154,13 +182,20 @@ class LocalStore(Store):
 
     def get_manifest(self, key: str) -> bytes | None:
         try:
-            return self._manifest_path(key).read_bytes()
+            fd = open_regular(self._manifest_path(key), self.root)
         except FileNotFoundError:
             return None
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_MANIFEST_BYTES + 1)
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise SnapshotError(f"manifest {key} exceeds {MAX_MANIFEST_BYTES} bytes")
+        return data
 
     def list_keys(self) -> list[str]:
         base = self.root / "manifests"
-        return sorted(p.stem for p in base.glob("*.json")) if base.is_dir() else []
+        if not base.is_dir():
+            return []
+        return sorted(p.stem for p in base.glob("*.json") if _KEY.fullmatch(p.stem))
 
     def delete_manifest(self, key: str) -> None:
         self._manifest_path(key).unlink(missing_ok=True)
