@@ -290,3 +290,15 @@ def test_a_huge_manifest_is_refused_unread(path, golden, store, monkeypatch):
 
     monkeypatch.setattr(store_mod, "MAX_MANIFEST_BYTES", 1000)
     assert_cold_fallback(path, store, golden, "exceeds 1000 bytes")
+
+
+def test_a_deeply_nested_manifest_is_a_reason_not_a_traceback(path, golden, store):
+    from warmboot.launcher import process_image
+
+    deep = b"[" * 200_000 + b"]" * 200_000
+    (store.root / "manifests" / f"{golden[1]}.json").write_bytes(deep)
+    assert_cold_fallback(path, store, golden, "is not valid JSON")
+    with pytest.raises(process_image.ProcessImageError, match="not JSON"):
+        process_image.parse(deep)
+    with pytest.raises(process_image.ProcessImageError, match="not a JSON object"):
+        process_image.parse(b"[1]")

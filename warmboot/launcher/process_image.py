@@ -55,8 +55,10 @@ def parse(data: bytes) -> dict:
     """A process manifest from its JSON; ``ProcessImageError`` if it is not one we can use."""
     try:
         manifest = json.loads(data)
-    except ValueError as e:
-        raise ProcessImageError(f"process manifest is not JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # RecursionError: nested 100k deep
+        raise ProcessImageError(f"process manifest is not JSON: {type(e).__name__}") from None
+    if not isinstance(manifest, dict):
+        raise ProcessImageError("process manifest is not a JSON object")
     if manifest.get("kind") != KIND or manifest.get("schema") != SCHEMA:
         raise ProcessImageError(
             f"process manifest schema {manifest.get('schema')!r} / kind "

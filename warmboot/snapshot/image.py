@@ -168,8 +168,8 @@ class Manifest:
     def from_json(cls, data: bytes, where: str = "manifest") -> Manifest:
         try:
             doc = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise SchemaError(f"{where} is not valid JSON: {e}") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # nested 100k deep
+            raise SchemaError(f"{where} is not valid JSON: {type(e).__name__}") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("schema"), int):
             raise SchemaError(f"{where} has no integer 'schema' field")
         if doc["schema"] > SCHEMA_VERSION:

@@ -47,6 +47,8 @@ def open_regular(path: Path, within: Path) -> int:
         os.close(fd)
         raise IntegrityError(f"{path} is not a regular file")
     return fd
+
+
 S3_RANGE_BYTES = 8 << 20
 
 
