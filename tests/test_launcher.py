@@ -157,7 +157,9 @@ def test_restore_timeout_and_missing_runsc_fall_back_in_process(published, fault
 def test_a_sandboxed_worker_runs_one_torch_thread_unless_told(tmp_path):
     """gVisor traps the futexes of torch's thread pool (docs/benchmarks/sandbox_threads.md)."""
     cfg = LaunchConfig(engine={"model": str(tmp_path)}, work_dir=tmp_path / "work")
-    engine = json.loads(launch_mod.worker_spec(cfg).argv[-1])
+    argv = launch_mod.worker_spec(cfg).argv
+    assert argv[1:4] == ["-P", "-m", "warmboot.launcher.worker"], "cwd never shadows modules"
+    engine = json.loads(argv[-1])
     assert engine == {"model": str(tmp_path), "cpu_threads": 1}
     cfg = replace(cfg, engine={"model": str(tmp_path), "cpu_threads": 3})
     assert json.loads(launch_mod.worker_spec(cfg).argv[-1])["cpu_threads"] == 3

@@ -267,3 +267,16 @@ def test_a_dead_worker_is_replaced(path):
         assert resp.json()["choices"][0]["text"] == first
         assert len(procs) == 2 and holder.restarts == 1
         assert "warmboot_engine_restarts_total 1.0" in httpx.get(url + "/metrics").text
+
+
+def test_a_module_in_the_working_directory_does_not_shadow_the_worker(tmp_path):
+    """The launcher starts the worker with ``-P``: a json.py where the server runs is not
+    imported in place of the standard library's."""
+    from warmboot.launcher.launch import LaunchConfig, worker_spec
+
+    (tmp_path / "json.py").write_text('raise SystemExit("shadowed")\n')
+    argv = worker_spec(LaunchConfig(engine={"bad": 1}, work_dir=tmp_path / "w")).argv
+    done = subprocess.run([*argv[:-1], "{}"], cwd=tmp_path, capture_output=True, timeout=120,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
+    assert b"shadowed" not in done.stderr + done.stdout
+    assert b"fatal" in done.stdout  # it ran and reported the bad settings as a frame

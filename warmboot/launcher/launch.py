@@ -228,7 +228,10 @@ def worker_spec(cfg: LaunchConfig):
     if store and "://" not in str(store):  # the worker publishes tier A into a local store
         Path(store).mkdir(parents=True, exist_ok=True)
         binds.append(str(Path(store).resolve()))
-    argv = [sys.executable, "-m", "warmboot.launcher.worker", json.dumps(sandboxed(cfg.engine))]
+    # NOTE: -P: the working directory is not put first on sys.path, so a json.py (or any
+    # module) lying there cannot shadow the standard library inside the sandbox
+    argv = [sys.executable, "-P", "-m", "warmboot.launcher.worker",
+            json.dumps(sandboxed(cfg.engine))]  # fmt: skip
     # NOTE: the scratch tmpfs (captured in the image) sits on a fixed, otherwise empty path:
     # a tmpfs over /tmp would hide models and stores that live there.
     scratch = Path(cfg.work_dir).resolve() / "scratch"
