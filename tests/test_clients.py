@@ -61,7 +61,7 @@ def test_schemathesis_finds_no_server_error(url, tmp_path):
            "--checks", "not_a_server_error", "--max-examples", "8", "--workers", "1",
            "--request-timeout", "60", "--generation-deterministic",
            "--report", "ndjson", "--report-ndjson-path", str(report)]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-4000:]
     counts = re.search(r"(\d+) generated, (\d+) passed", done.stdout)
     assert counts and counts.group(1) == counts.group(2), done.stdout[-2000:]
