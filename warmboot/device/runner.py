@@ -18,7 +18,6 @@ from warmboot.core.types import (
     ScheduledRequest,
     SchedulerOutput,
     TokenEvent,
-    TokenLogprobs,
 )
 from warmboot.device.graphs import DecodeGraphs
 from warmboot.device.inputs import InputBuilder
@@ -277,7 +276,7 @@ class ModelRunner:
         if handle.result is not None:
             out = handle.result.runner_output(handle.inputs.sample_rows)
         if handle.prompt_result is not None:
-            out.prompt_logprobs = _split_prompt_logprobs(handle)
+            out.prompt_logprobs = handle.prompt_result.split(handle.inputs.prompt_rows)
         return out
 
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
@@ -347,21 +346,3 @@ class ModelRunner:
     def leaving(self) -> set[str]:
         """Requests whose state goes once no in-flight step uses them (parked or finished)."""
         return self.slots.parked | self._finished
-
-
-def _split_prompt_logprobs(handle: StepHandle) -> dict[str, list[TokenLogprobs]]:
-    """A step's prompt logprobs (host tensors) per request, each row's top cut to its k."""
-    res = handle.prompt_result
-    target, top_lps, top_ids = (
-        res.target.tolist(),
-        res.top_logprobs.tolist(),
-        res.top_token_ids.tolist(),
-    )
-    out, i = {}, 0
-    for req_id, count, k in handle.inputs.prompt_rows:
-        out[req_id] = [
-            TokenLogprobs(target[j], list(zip(top_ids[j][:k], top_lps[j][:k], strict=True)))
-            for j in range(i, i + count)
-        ]
-        i += count
-    return out

@@ -70,15 +70,17 @@ class SamplerOutput:
         if self.sampled_logprobs is not None:
             sampled = self.sampled_logprobs.tolist()
             top_ids, top_lps = self.top_token_ids.tolist(), self.top_logprobs.tolist()
-            logprobs = []
-            for i, s in enumerate(rows):
-                k = s.params.logprobs
-                if k is None:
-                    logprobs.append(None)
-                    continue
-                top = list(zip(top_ids[i][:k], top_lps[i][:k], strict=True))
-                logprobs.append(TokenLogprobs(sampled[i], top))
+            logprobs = [
+                None if (k := s.params.logprobs) is None
+                else _token_logprobs(sampled[i], top_ids[i], top_lps[i], k)
+                for i, s in enumerate(rows)
+            ]  # fmt: skip
         return RunnerOutput([s.req_id for s in rows], token_ids, logprobs)
+
+
+def _token_logprobs(value: float, ids: list[int], lps: list[float], k: int) -> TokenLogprobs:
+    """One token's logprob and the row's top ``k`` (the rows share the batch's widest k)."""
+    return TokenLogprobs(value, list(zip(ids[:k], lps[:k], strict=True)))
 
 
 @dataclass
@@ -97,6 +99,16 @@ class PromptLogprobs:
 
     def _fields(self) -> tuple[torch.Tensor, ...]:
         return (self.target, self.top_logprobs, self.top_token_ids)
+
+    def split(self, rows: Sequence[tuple[str, int, int]]) -> dict[str, list[TokenLogprobs]]:
+        """Host tensors -> per request (id, how many tokens, top-k) its tokens' logprobs."""
+        target, top_lps, top_ids = (t.tolist() for t in self._fields())
+        out, i = {}, 0
+        for req_id, count, k in rows:
+            out[req_id] = [_token_logprobs(target[j], top_ids[j], top_lps[j], k)
+                           for j in range(i, i + count)]  # fmt: skip
+            i += count
+        return out
 
 
 def prompt_logprobs(

@@ -304,7 +304,8 @@ def _tool_chunks(meta, c, calls: tools_mod.ToolStream) -> list[dict]:
         chunk["choices"][0]["finish_reason"] = None
         chunks.append(chunk)
     final = R.chat_chunk(meta, c.index, {"tool_calls": found} if found else {}, c)
-    final["choices"][0]["logprobs"] = None if chunks else final["choices"][0]["logprobs"]
+    if chunks:  # the step's logprobs went out with its content
+        final["choices"][0]["logprobs"] = None
     if found and c.finish_reason == "stop":
         final["choices"][0]["finish_reason"] = "tool_calls"
     return [*chunks, final]

@@ -249,7 +249,7 @@ def chat_body(meta: ResponseMeta, out: RequestOutput, tool_plan=None) -> dict:
         choices.append({
             "index": c.index,
             "message": message,
-            "logprobs": _chat_lp(meta, c, 0),
+            "logprobs": chat_lp(meta, c, 0),
             # NOTE: a length cut stays "length" (the last call may be the one cut short)
             "finish_reason": "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason,
         })  # fmt: skip
@@ -266,7 +266,7 @@ def chat_body(meta: ResponseMeta, out: RequestOutput, tool_plan=None) -> dict:
 def chat_chunk(meta: ResponseMeta, index: int, delta: dict, c: CompletionOutput | None) -> dict:
     logprobs = None
     if c is not None:
-        logprobs = _chat_lp(meta, c, len(c.token_ids) - len(c.delta_token_ids))
+        logprobs = chat_lp(meta, c, len(c.token_ids) - len(c.delta_token_ids))
     return {
         "id": meta.id,
         "object": "chat.completion.chunk",
@@ -283,7 +283,8 @@ def chat_chunk(meta: ResponseMeta, index: int, delta: dict, c: CompletionOutput 
     }
 
 
-def _chat_lp(meta: ResponseMeta, c: CompletionOutput, start: int):
+def chat_lp(meta: ResponseMeta, c: CompletionOutput, start: int):
+    """Chat-format logprobs of ``c``'s tokens from ``start``, or None when not asked for."""
     if meta.top_logprobs is None:
         return None
     return chat_logprobs(c, start, meta.top_logprobs, meta.token_bytes)

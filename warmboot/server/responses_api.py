@@ -183,7 +183,7 @@ class ResponseBuilder:
 
     def _output(self, c) -> list[dict]:
         """The output items: the message (unless only calls came), then one per call."""
-        logprobs = R._chat_lp(self.meta, c, 0)
+        logprobs = R.chat_lp(self.meta, c, 0)
         if self.tool_plan is None:
             return [self._message(c.text, "completed", logprobs)]
         content, calls = tools_mod.parse(self.tool_plan.fmt, c.text, set(self.tool_plan.names))
