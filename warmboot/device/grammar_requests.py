@@ -10,6 +10,7 @@ previous step was committed and the matchers advanced ("forward now, sample late
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 
 import torch
@@ -24,17 +25,20 @@ class GrammarRequests:
     def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self._args = (tokenizer_json, vocab_size, eos_token_ids)
         self._backend = None
+        self._backend_lock = threading.Lock()
+        """Validation threads and the engine thread may ask for the backend at once."""
         self.vocab_size = vocab_size
         self.matchers: dict[str, object] = {}
 
     @property
     def backend(self):
         """The xgrammar backend, created (and xgrammar imported) on first use."""
-        if self._backend is None:
-            from warmboot.device.grammar_backend import GrammarBackend
+        with self._backend_lock:
+            if self._backend is None:
+                from warmboot.device.grammar_backend import GrammarBackend
 
-            self._backend = GrammarBackend(*self._args)
-        return self._backend
+                self._backend = GrammarBackend(*self._args)
+            return self._backend
 
     def compile(self, spec: StructuredOutputs) -> object:
         """Compile (cached) or raise ValueError naming what is wrong with the spec."""
