@@ -169,7 +169,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
-    from warmboot.launcher.sandbox import measure_empty_process, runsc_status
+    from warmboot.launcher.probe import measure_empty_process
+    from warmboot.launcher.sandbox import runsc_status
 
     version, why = runsc_status()
     if version is None:

@@ -62,3 +62,29 @@ def path(tiny_model_dir) -> Path:
 def hf(path, hf_model):
     """Its transformers reference."""
     return hf_model(path)
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A moto S3 server on 127.0.0.1 (port chosen by the OS) with a bucket "snaps", and
+    credentials in the env."""
+    pytest.importorskip("moto")
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    mp = pytest.MonkeyPatch()
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        mp.setenv(name, value)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    mp.setenv("AWS_ENDPOINT_URL_S3", endpoint)
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="snaps")
+    yield endpoint
+    server.stop()
+    mp.undo()

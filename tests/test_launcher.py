@@ -54,8 +54,7 @@ def published(path, tmp_path_factory):
 
 @pytest.fixture
 def faulty(published):
-    """The published launch with publishing off; the store is put back afterwards (the key
-    covers the store's path, so a copy elsewhere would not match)."""
+    """The published launch with publishing off; the store is put back afterwards."""
     cfg = replace(published[0], publish=False)
     root = Path(cfg.store)
     backup = root.parent / "store-backup"
@@ -164,3 +163,100 @@ def test_a_sandboxed_worker_runs_one_torch_thread_unless_told(tmp_path):
     cfg = replace(cfg, engine={"model": str(tmp_path), "cpu_threads": 3})
     assert json.loads(launch_mod.worker_spec(cfg).argv[-1])["cpu_threads"] == 3
     assert cfg.engine == {"model": str(tmp_path), "cpu_threads": 3}  # not mutated
+
+
+# -- issue 15: the store is data, not a place; the worker survives a failed publish ------------
+def _moved(cfg: LaunchConfig, store: Path, **kw) -> LaunchConfig:
+    engine = {**cfg.engine, "snapshot_store": str(store)}
+    return replace(cfg, store=str(store), engine=engine, **kw)
+
+
+def test_a_copied_store_restores_from_another_working_directory(published, tmp_path, monkeypatch):
+    cfg, answer = published
+    copy = tmp_path / "copied"
+    shutil.copytree(cfg.store, copy)
+    monkeypatch.chdir(tmp_path)
+    info, again = _launch(_moved(cfg, copy, publish=False))
+    assert info.path == "restored_process", info.reason
+    assert again == answer
+
+
+def test_rm_of_the_tier_a_image_keeps_the_weights_a_process_image_maps(published, faulty):
+    from warmboot.snapshot.ops import remove_snapshot
+
+    store, _, manifest = _image_chunk(faulty)
+    assert manifest["mapped_chunks"], "precondition: the image maps the tier-A weights"
+    for key in [k for k in store.list_keys() if not process_image.is_process_key(k)]:
+        remove_snapshot(store, key)
+    assert set(manifest["mapped_chunks"]) <= set(store.list_chunks())
+    info, answer = _launch(faulty)
+    assert info.path == "restored_process", info.reason
+    assert answer == published[1]
+
+
+def test_restore_phases_and_leftovers_of_a_killed_launcher(published, faulty):
+    """A restored process reports this start's phases (not its image's first boot), and the
+    work dirs of launchers that are gone are swept (their own are kept)."""
+    work = Path(faulty.work_dir)
+    dead = work / "4194303-0123456789ab"  # NOTE: above any pid this kernel hands out
+    (dead / "image").mkdir(parents=True)
+    (dead / "image" / "checkpoint.img").write_bytes(b"x" * 4096)
+    live = work / "1-keep"  # init is alive
+    live.mkdir(parents=True, exist_ok=True)
+    client = launch(faulty)
+    try:
+        assert client.start_info.path == "restored_process"
+        phases = client.stats()["startup_times"]
+        assert {"fetch_image", "runsc_restore", "start_and_canary"} <= set(phases), phases
+        assert not any(p.startswith("worker.") or p == "load_weights" for p in phases), phases
+    finally:
+        client.shutdown()
+    assert not dead.exists() and live.exists()
+    live.rmdir()
+
+
+def test_a_failed_publish_keeps_the_checked_worker(published, tmp_path, monkeypatch):
+    from warmboot.launcher.remote import RemoteLLM
+    from warmboot.snapshot.store import LocalStore
+
+    cfg = _moved(published[0], tmp_path / "full")
+    real = LocalStore.put_manifest
+
+    def full(self, key, data):
+        if process_image.is_process_key(key):
+            raise OSError(28, "No space left on device")
+        return real(self, key, data)
+
+    monkeypatch.setattr(LocalStore, "put_manifest", full)
+    client = launch(cfg)
+    try:
+        assert isinstance(client, RemoteLLM), "the worker serves; no second engine in-process"
+        assert client.start_info.path == "cold" and "publish failed" in client.start_info.reason
+        assert _answer(client) == published[1]
+    finally:
+        client.shutdown()
+    store = open_store(cfg.store)
+    keys = store.list_keys()
+    assert not any(process_image.is_process_key(k) for k in keys)
+    from warmboot.snapshot.ops import manifest_refs
+
+    live = set().union(*(manifest_refs(store, k)[0] for k in keys))
+    assert set(store.list_chunks()) == live, "the failed publish left image chunks behind"
+
+
+def test_a_held_publish_lease_serves_the_booted_worker(published, tmp_path):
+    """Another server is publishing this key's image: this one serves its worker as booted
+    (no checkpoint, no second image)."""
+    from warmboot.launcher import spec
+    from warmboot.snapshot.lease import try_lease
+
+    cfg = _moved(published[0], tmp_path / "leased")
+    fields = spec.process_key_fields(cfg.engine, RUNSC, launch_mod.worker_spec(cfg))
+    store = open_store(cfg.store)
+    held = try_lease(store, f"publish-{process_image.manifest_key(spec.process_key(fields))}")
+    assert held is not None
+    info, answer = _launch(cfg)
+    assert info.path == "cold" and "is publishing the image" in info.reason, info.reason
+    assert "checkpoint" not in info.phase_times
+    assert answer == published[1]
+    assert not any(process_image.is_process_key(k) for k in store.list_keys())

@@ -18,13 +18,8 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from warmboot.launcher.sandbox import (
-    Sandbox,
-    SandboxError,
-    SandboxSpec,
-    measure_empty_process,
-    runsc_status,
-)
+from warmboot.launcher.probe import measure_empty_process
+from warmboot.launcher.sandbox import Sandbox, SandboxError, SandboxSpec, runsc_status
 
 VERSION, REASON = runsc_status()
 pytestmark = [

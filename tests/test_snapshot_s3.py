@@ -11,7 +11,7 @@ import torch
 from tests.test_snapshot_engine import ENGINE_ARGS, outputs
 from warmboot import LLM
 from warmboot.snapshot import publish as publish_mod
-from warmboot.snapshot import store as store_mod
+from warmboot.snapshot import s3_store as s3_mod
 from warmboot.snapshot.image import IntegrityError
 from warmboot.snapshot.ops import copy_snapshot, verify_snapshot
 from warmboot.snapshot.publish import publish_image
@@ -25,35 +25,11 @@ BUCKET = "snaps"
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def s3_endpoint():
-    """A moto S3 server on 127.0.0.1 (port chosen by the OS) and credentials in the env."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    mp = pytest.MonkeyPatch()
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        mp.setenv(name, value)
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    mp.setenv("AWS_ENDPOINT_URL_S3", endpoint)
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket=BUCKET)
-    yield endpoint
-    server.stop()
-    mp.undo()
-
-
 @pytest.fixture
 def s3(s3_endpoint, request) -> S3Store:
     """A fresh prefix per test; chunk objects above 4 KiB are read as parallel ranges."""
     mp = pytest.MonkeyPatch()
-    mp.setattr(store_mod, "S3_RANGE_BYTES", 4096)
+    mp.setattr(s3_mod, "S3_RANGE_BYTES", 4096)
     yield open_store(f"s3://{BUCKET}/{request.node.name}")
     mp.undo()
 

@@ -105,6 +105,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="with --snapshot-store: restore if possible but never publish",
     )
     p.add_argument(
+        "--snapshot-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a snapshot lookup, restore or publish may go without progress before "
+        "it is abandoned (then: a cold boot, or no publish)",
+    )
+    p.add_argument(
         "--pretune-attention",
         choices=["auto", "on", "off"],
         default="auto",
@@ -125,6 +132,7 @@ def _engine_kwargs(args, model: str) -> dict:
         cuda_graphs=False if args.enforce_eager else None,
         snapshot_store=args.snapshot_store,
         snapshot_publish=args.snapshot_publish,
+        snapshot_timeout=args.snapshot_timeout,
         pretune_attention={"auto": None, "on": True, "off": False}[args.pretune_attention],
     )
     if hasattr(args, "max_num_seqs"):

@@ -206,7 +206,14 @@ class EngineConfig:
     A snapshot matching the compatibility key is restored instead of loading the checkpoint."""
     snapshot_publish: bool = True
     """After a cold boot with a ``snapshot_store``, publish a snapshot for the next start."""
+    snapshot_timeout: float = 30.0
+    """Seconds a snapshot step (lookup, restore, publish) may go without progress before it
+    is abandoned: a stalled store means a cold boot (or no publish), never a hang."""
     pretune_attention: bool | None = None
     """Tune the Triton prefill kernel for every sequence-length bucket at start-up (CUDA), so
     that no request waits for tuning or compiling; None: only before publishing a snapshot,
     which then carries the results and the compiled kernels."""
+
+    def __post_init__(self) -> None:
+        if not self.snapshot_timeout > 0:
+            raise ValueError(f"snapshot_timeout must be > 0 seconds, got {self.snapshot_timeout}")

@@ -36,6 +36,7 @@ class LLM:
         seed: int = 0,
         snapshot_store: str | None = None,
         snapshot_publish: bool = True,
+        snapshot_timeout: float = 30.0,
         pretune_attention: bool | None = None,
     ):
         config = EngineConfig(
@@ -58,6 +59,7 @@ class LLM:
             ),
             snapshot_store=None if snapshot_store is None else str(snapshot_store),
             snapshot_publish=snapshot_publish,
+            snapshot_timeout=snapshot_timeout,
             pretune_attention=pretune_attention,
         )
         self.engine = LLMEngine(config, max_model_len=max_model_len)

@@ -182,16 +182,19 @@ class LLMEngine:
         process must reproduce what was recorded before its checkpoint."""
         return run_canary(self)
 
-    def remap_weights_from_snapshot(self) -> bool:
+    def remap_weights_from_snapshot(self) -> dict[str, int]:
         """Swap the weights for the tier-A snapshot's file-backed (mmapped) copy, when one
-        matches: a process image then holds no weights. False if there is none."""
-        if self.startup.snapshot is None or self.has_unfinished_requests():
-            return False
+        matches: a process image then holds no weights. Returns the chunks now mapped (hash ->
+        size; the process manifest lists them so no ``rm`` collects them), empty if none."""
+        snap = self.startup.snapshot
+        if snap is None or self.has_unfinished_requests():
+            return {}
         old = self.runner.model
-        swapped = self.startup.restore_weights(self.runner) and self.runner.model is not old
-        if swapped:
-            self.startup.recapture_graphs(self)
-        return swapped
+        swapped = self.startup.restore_weights(self.runner, mapped=True)
+        if not swapped or self.runner.model is old or snap.manifest is None:
+            return {}
+        self.startup.recapture_graphs(self)
+        return snap.manifest.chunk_refs()
 
     def resize_kv_cache(self, num_blocks: int) -> None:
         """Reallocate the KV pool with ``num_blocks`` blocks (idle engine only): shrunk before a

@@ -162,10 +162,12 @@ class Startup:
         }
         store, device = self.config.snapshot_store, settings.device
         with self.phase("snapshot_key"):
-            return SnapshotBoot(store, self.model_dir, key_settings, device)
+            timeout = self.config.snapshot_timeout
+            return SnapshotBoot(store, self.model_dir, key_settings, device, timeout)
 
-    def restore_weights(self, runner: ModelRunner) -> bool:
-        """Restore the runner's weights from a matching snapshot; False (reason logged) if none."""
+    def restore_weights(self, runner: ModelRunner, mapped: bool = False) -> bool:
+        """Restore the runner's weights from a matching snapshot; False (reason logged) if none.
+        ``mapped``: map the chunk files rather than copy them (see ``SnapshotBoot.restore``)."""
         snap = self.snapshot
         if snap is None:
             return False
@@ -173,7 +175,7 @@ class Startup:
             manifest = snap.lookup()
         if manifest is not None:
             with self.phase("restore_weights"):
-                tensors = snap.restore(manifest, runner.dtype)
+                tensors = snap.restore(manifest, runner.dtype, mapped)
                 if tensors is not None:
                     try:
                         runner.install_weights(tensors, f"snapshot {manifest.key}")

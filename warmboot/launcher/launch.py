@@ -16,22 +16,20 @@ size (``start`` frame). Everything else (model, dtype, lengths) is part of the k
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import platform
 import shutil
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from importlib import metadata
 from pathlib import Path
 
 from warmboot.launcher import process_image
+from warmboot.launcher import spec as spec_mod
 from warmboot.launcher.remote import Channel, LaunchInfo, RemoteLLM, WorkerError
 from warmboot.snapshot.canary import canary_mismatch
+from warmboot.snapshot.deadline import run_with_deadline
+from warmboot.snapshot.lease import holder, try_lease
 
 log = logging.getLogger("warmboot")
 
@@ -55,6 +53,8 @@ class LaunchConfig:
 def launch(cfg: LaunchConfig):
     """An ``EngineClient``: a restored or fresh sandboxed worker, or the in-process engine."""
     t0 = time.monotonic()
+    if swept := spec_mod.sweep_leftovers(cfg.work_dir):
+        log.info("swept %d work dirs left by launchers that are gone", swept)
     if cfg.sandbox == "none":
         return _in_process(cfg, "sandbox disabled (--sandbox none)", t0)
     if cfg.store is None:
@@ -74,8 +74,8 @@ def launch(cfg: LaunchConfig):
 
     store = open_store(cfg.store)
     spec = worker_spec(cfg)
-    fields = process_key_fields(cfg, version, spec)
-    key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:32]
+    fields = spec_mod.process_key_fields(cfg.engine, version, spec)
+    key = spec_mod.process_key(fields)
     try:
         client = _try_restore(cfg, store, key, spec, t0)
         if client is not None:
@@ -88,7 +88,7 @@ def launch(cfg: LaunchConfig):
         log.warning("%s; discarding it and booting cold", reason)
         try:
             process_image.discard(store, key)
-        except OSError as e:  # a read-only or full store: the cold boot goes on regardless
+        except Exception as e:  # noqa: BLE001 - a read-only or full store: boot cold regardless
             log.warning("could not discard process snapshot %s: %s", key[:12], e)
     try:
         client = _create(cfg, store, key, fields, spec, reason, t0)
@@ -109,7 +109,11 @@ def _try_restore(cfg: LaunchConfig, store, key: str, spec, t0: float) -> RemoteL
     try:
         image = work / "image"
         t_fetch = time.monotonic()
-        nbytes = process_image.fetch(store, manifest, image)
+        nbytes = run_with_deadline(
+            "process image fetch",
+            lambda p: process_image.fetch(store, manifest, image, p),
+            _store_timeout(cfg),
+        )
         phases = {"fetch_image": time.monotonic() - t_fetch}
         client = _restore_and_start(cfg, spec, work, image, manifest["canary"], phases)
     except BaseException:
@@ -120,12 +124,50 @@ def _try_restore(cfg: LaunchConfig, store, key: str, spec, t0: float) -> RemoteL
 
 
 def _create(cfg: LaunchConfig, store, key: str, fields: dict, spec, reason: str, t0: float):
+    """Boot a sandboxed worker; checkpoint, restore and publish it when this start holds the
+    key's publish lease, else serve it as booted (another server is publishing)."""
+    lease, why = _publish_lease(cfg, store, key)
     work = _work_dir(cfg)
     phases: dict[str, float] = {}
     try:
+        if lease is None:
+            client = _boot(cfg, spec, work, phases)
+            return _finish(client, "cold", f"{reason}; booted in gVisor ({why})", phases, t0)
         return _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, phases)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
+        raise
+    finally:
+        if lease is not None:
+            _quietly(lease.release)
+
+
+def _publish_lease(cfg: LaunchConfig, store, key: str):
+    """(the lease, "") or (None, why this start does not publish)."""
+    if not cfg.publish:
+        return None, "publishing off"
+    name = f"publish-{process_image.manifest_key(key)}"
+    try:
+        lease = try_lease(store, name)
+    except Exception as e:  # noqa: BLE001 - a read-only or broken store: serve, do not publish
+        return None, f"no publish lease: {e}"
+    return lease, "" if lease else f"{holder(store, name)} is publishing the image"
+
+
+def _boot(cfg, spec, work: Path, phases: dict) -> RemoteLLM:
+    """Run a worker and serve it as it booted (no checkpoint)."""
+    from warmboot.launcher.sandbox import Sandbox
+
+    sandbox = Sandbox(spec, work / "boot")
+    try:
+        t = time.monotonic()
+        proc = sandbox.run()
+        channel = Channel(proc.stdin, proc.stdout, "sandboxed worker")
+        channel.expect("booted", cfg.boot_timeout)
+        phases["sandboxed_boot"] = time.monotonic() - t
+        return _start(cfg, sandbox, proc, channel, work, None, phases)
+    except BaseException:
+        sandbox.delete()
         raise
 
 
@@ -140,25 +182,34 @@ def _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, ph
         channel.expect("booted", cfg.boot_timeout)
         phases["sandboxed_boot"] = time.monotonic() - t
         channel.send({"t": "prepare_checkpoint"})
-        canary = channel.expect("quiescent", 120)["canary"]
+        quiescent = channel.expect("quiescent", 120)
         image = work / "image"
         phases["checkpoint"] = sandbox.checkpoint(image)
     finally:
         sandbox.delete()
+    canary = quiescent["canary"]
     client = _restore_and_start(cfg, spec, work, image, canary, phases)
-    if cfg.publish:
-        t = time.monotonic()
-        meta = {"fields": fields, "canary": canary, "image_bytes": process_image.image_bytes(image)}
-        new = process_image.publish(store, key, image, meta)
-        phases["publish_image"] = time.monotonic() - t
-        log.info("published process snapshot %s (%.0f MB new)", key[:12], new / 1e6)
+    meta = {"fields": fields, "canary": canary, "image_bytes": process_image.image_bytes(image),
+            "mapped_chunks": quiescent.get("mapped_chunks") or {}}  # fmt: skip
+    t = time.monotonic()
+    try:  # NOTE: the restored, checked worker serves whatever happens to the publish
+        new = run_with_deadline(
+            "process image publish",
+            lambda p: process_image.publish(store, key, image, meta, p),
+            _store_timeout(cfg),
+        )
+    except Exception as e:  # noqa: BLE001 - a full, read-only or stalled store
+        log.warning("publishing process snapshot %s failed: %s", key[:12], e)
+        return _finish(client, "cold", f"{reason}; booted in gVisor; publish failed: {e}",
+                       phases, t0)  # fmt: skip
+    phases["publish_image"] = time.monotonic() - t
+    log.info("published process snapshot %s (%.0f MB new)", key[:12], new / 1e6)
     return _finish(client, "cold", f"{reason}; booted in gVisor and published", phases, t0)
 
 
 def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases: dict):
     """``runsc restore`` the image, send the fresh settings, check the canary."""
     from warmboot.launcher.sandbox import Sandbox
-    from warmboot.tokenizer import Tokenizer
 
     sandbox = Sandbox(spec, work / "serve")
     t = time.monotonic()
@@ -166,21 +217,40 @@ def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases:
         proc = sandbox.restore(image, timeout=cfg.restore_timeout)
         channel = Channel(proc.stdin, proc.stdout, "restored worker")
         phases["runsc_restore"] = time.monotonic() - t
-        t = time.monotonic()
-        channel.send({"t": "start", "seed": cfg.seed})
-        started = channel.expect("started", cfg.restore_timeout)
-        phases["start_and_canary"] = time.monotonic() - t
-        phases["canary"] = started["canary_s"]
-        why = canary_mismatch(canary, started["canary"])
-        if why is not None:
-            raise WorkerError(f"canary mismatch: {why}")
+        return _start(cfg, sandbox, proc, channel, work, canary, phases)
     except BaseException:
         sandbox.delete()
         raise
+
+
+def _start(cfg, sandbox, proc, channel, work: Path, canary: list | None, phases: dict):
+    """Send the fresh settings, check the canary against ``canary`` (None: nothing to check
+    against, a fresh boot), and wrap the worker in a client that reaps it on exit."""
+    from warmboot.tokenizer import Tokenizer
+
+    t = time.monotonic()
+    channel.send({"t": "start", "seed": cfg.seed})
+    started = channel.expect("started", cfg.restore_timeout)
+    phases["start_and_canary"] = time.monotonic() - t
+    phases["canary"] = started["canary_s"]
+    why = None if canary is None else canary_mismatch(canary, started["canary"])
+    if why is not None:
+        raise WorkerError(f"canary mismatch: {why}")
     tokenizer = Tokenizer.from_dir(cfg.engine["model"])
     client = RemoteLLM(channel, tokenizer, started, LaunchInfo("pending", ""))
     client.on_exit(lambda: _reap(sandbox, proc, work))
     return client
+
+
+def _store_timeout(cfg: LaunchConfig) -> float:
+    return float(cfg.engine.get("snapshot_timeout") or 30.0)
+
+
+def _quietly(fn) -> None:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - best effort
+        log.warning("%s failed: %s", getattr(fn, "__qualname__", fn), e)
 
 
 def _finish(client: RemoteLLM, path: str, reason: str, phases: dict, t0: float):
@@ -218,66 +288,7 @@ def _reap(sandbox, proc, work: Path) -> None:
 
 # -- the worker and its key ------------------------------------------------------------------
 def worker_spec(cfg: LaunchConfig):
-    from warmboot.launcher.sandbox import SandboxSpec
-
-    keep = ("PATH", "LANG", "WARMBOOT_CACHE", "PYTHONPATH", "OMP_NUM_THREADS")
-    env = {k: os.environ[k] for k in keep if k in os.environ}
-    env["PYTHONUNBUFFERED"] = "1"
-    binds = []
-    store = cfg.engine.get("snapshot_store")
-    if store and "://" not in str(store):  # the worker publishes tier A into a local store
-        Path(store).mkdir(parents=True, exist_ok=True)
-        binds.append(str(Path(store).resolve()))
-    # NOTE: -P: the working directory is not put first on sys.path, so a json.py (or any
-    # module) lying there cannot shadow the standard library inside the sandbox
-    argv = [sys.executable, "-P", "-m", "warmboot.launcher.worker",
-            json.dumps(sandboxed(cfg.engine))]  # fmt: skip
-    # NOTE: the scratch tmpfs (captured in the image) sits on a fixed, otherwise empty path:
-    # a tmpfs over /tmp would hide models and stores that live there.
-    scratch = Path(cfg.work_dir).resolve() / "scratch"
-    scratch.mkdir(parents=True, exist_ok=True)
-    env["HOME"] = str(scratch)  # NOTE: tools' caches land in the captured tmpfs, and the
-    # host's ~/.cache (models, stores) stays visible
-    return SandboxSpec(
-        argv=argv,
-        cwd=os.getcwd(),
-        env=env,
-        writable_binds=tuple(binds),
-        tmpfs=(str(scratch),),
-    )
-
-
-def sandboxed(engine: dict) -> dict:
-    """Engine settings inside gVisor: one torch thread unless told otherwise. gVisor traps the
-    futexes torch's intra-op pool syncs with around every op: two threads decoded the demo
-    model 3.7x slower than one at batch 16, and one is as fast as natively
-    (docs/benchmarks/sandbox_threads.md)."""
-    if engine.get("cpu_threads") is not None:
-        return engine
-    return {**engine, "cpu_threads": 1}
-
-
-def process_key_fields(cfg: LaunchConfig, runsc_version: str, spec) -> dict[str, str]:
-    """Everything that can change the restored process: model files, engine settings,
-    versions, CPU, runsc, and the sandbox spec itself."""
-    from warmboot.snapshot.key import model_files_digest, source_digest
-
-    cpu = _cpu_flags()
-    return {
-        "model_files": model_files_digest(Path(cfg.engine["model"])),
-        "engine": json.dumps(cfg.engine, sort_keys=True),
-        "warmboot": metadata.version("warmboot"),
-        "warmboot_source": source_digest(),
-        "python": platform.python_version(),
-        "torch": _version("torch"),
-        "triton": _version("triton"),
-        "runsc": runsc_version,
-        "cpu": cpu,
-        "sandbox_spec": json.dumps(
-            {"argv": spec.argv, "cwd": spec.cwd, "env": spec.env, "binds": spec.writable_binds},
-            sort_keys=True,
-        ),
-    }
+    return spec_mod.worker_spec(cfg.engine, Path(cfg.work_dir))
 
 
 def _wants_gpu(cfg: LaunchConfig) -> bool:
@@ -289,30 +300,9 @@ def _wants_gpu(cfg: LaunchConfig) -> bool:
     return device == "auto" and Path("/proc/driver/nvidia/version").exists()
 
 
-def _cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.machine()
-    model = flags = ""
-    for line in text.splitlines():
-        name, _, value = line.partition(":")
-        if name.strip() == "model name" and not model:
-            model = value.strip()
-        elif name.strip() == "flags" and not flags:
-            flags = " ".join(sorted(value.split()))
-    return f"{model} | {flags}"
-
-
-def _version(dist: str) -> str:
-    try:
-        return metadata.version(dist)
-    except metadata.PackageNotFoundError:
-        return "absent"
-
-
 def _work_dir(cfg: LaunchConfig) -> Path:
-    path = Path(cfg.work_dir) / uuid.uuid4().hex[:12]
+    """``<work_dir>/<pid>-<id>``: the pid lets a later start sweep what a killed one left."""
+    path = Path(cfg.work_dir) / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

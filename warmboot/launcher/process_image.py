@@ -13,11 +13,13 @@ import time
 from pathlib import Path
 
 from warmboot.snapshot.image import SnapshotError
+from warmboot.snapshot.store_api import HASH_RE, discard_chunks
 
 SCHEMA = 1
 KIND = "warmboot-process-snapshot"
 CHUNK_BYTES = 64 << 20
 PREFIX = "process-"
+MAX_CHUNK_BYTES = 1 << 40
 
 
 class ProcessImageError(SnapshotError):
@@ -28,22 +30,34 @@ def manifest_key(key: str) -> str:
     return PREFIX + key
 
 
-def publish(store, key: str, image_dir: Path, meta: dict) -> int:
-    """Put every file of ``image_dir`` into ``store``; returns the bytes of new chunks."""
-    files, new_bytes = [], 0
-    for path in sorted(p for p in image_dir.rglob("*") if p.is_file()):
-        chunks = []
-        with open(path, "rb") as f:
-            while piece := f.read(CHUNK_BYTES):
-                h = hashlib.sha256(piece).hexdigest()
-                if store.put_chunk(h, piece):
-                    new_bytes += len(piece)
-                chunks.append({"sha256": h, "size": len(piece)})
-        files.append({"name": path.relative_to(image_dir).as_posix(), "chunks": chunks})
-    manifest = {"schema": SCHEMA, "kind": KIND, "key": key, "created": time.time(), **meta}
-    manifest["files"] = files
-    store.put_manifest(manifest_key(key), json.dumps(manifest, indent=1).encode())
-    return new_bytes
+def publish(store, key: str, image_dir: Path, meta: dict, progress=None) -> int:
+    """Put every file of ``image_dir`` into ``store``; returns the bytes of new chunks. The
+    chunks a failed publish wrote are removed again (nothing refers to them)."""
+    files, new = [], []
+    try:
+        for path in sorted(p for p in image_dir.rglob("*") if p.is_file()):
+            chunks = []
+            with open(path, "rb") as f:
+                while piece := f.read(CHUNK_BYTES):
+                    h = hashlib.sha256(piece).hexdigest()
+                    if store.put_chunk(h, piece):
+                        new.append((h, len(piece)))
+                    chunks.append({"sha256": h, "size": len(piece)})
+                    if progress:
+                        progress(len(piece))
+            files.append({"name": path.relative_to(image_dir).as_posix(), "chunks": chunks})
+        manifest = {"schema": SCHEMA, "kind": KIND, "key": key, "created": time.time(), **meta}
+        manifest["files"] = files
+        gone = [h for h in chunk_refs(manifest) if not store.has_chunk(h)]
+        if gone:  # NOTE: an ``rm`` ran meanwhile (or the mapped tier-A image went away)
+            raise ProcessImageError(
+                f"{len(gone)} chunks vanished from {store.url} while publishing"
+            )
+        store.put_manifest(manifest_key(key), json.dumps(manifest, indent=1).encode())
+    except BaseException:
+        discard_chunks(store, [h for h, _ in new])
+        raise
+    return sum(n for _, n in new)
 
 
 def lookup(store, key: str) -> dict | None:
@@ -52,7 +66,8 @@ def lookup(store, key: str) -> dict | None:
 
 
 def parse(data: bytes) -> dict:
-    """A process manifest from its JSON; ``ProcessImageError`` if it is not one we can use."""
+    """A process manifest from its JSON; ``ProcessImageError`` if it is not one we can use
+    (every chunk reference and file name checked for shape)."""
     try:
         manifest = json.loads(data)
     except (ValueError, RecursionError) as e:  # RecursionError: nested 100k deep
@@ -64,7 +79,32 @@ def parse(data: bytes) -> dict:
             f"process manifest schema {manifest.get('schema')!r} / kind "
             f"{manifest.get('kind')!r} is not {SCHEMA} / {KIND}"
         )
+    files = manifest.get("files")
+    if not isinstance(files, list) or not all(_is_file_entry(f) for f in files):
+        raise ProcessImageError("process manifest has a malformed file list")
+    mapped = manifest.get("mapped_chunks", {})
+    if not isinstance(mapped, dict) or not all(_is_ref(h, n) for h, n in mapped.items()):
+        raise ProcessImageError("process manifest has malformed mapped chunks")
+    if not isinstance(manifest.get("canary"), list):
+        raise ProcessImageError("process manifest records no canary")
     return manifest
+
+
+def _is_ref(h: object, size: object) -> bool:
+    return isinstance(h, str) and HASH_RE.fullmatch(h) is not None and _is_size(size)
+
+
+def _is_size(size: object) -> bool:
+    return type(size) is int and 0 <= size <= MAX_CHUNK_BYTES
+
+
+def _is_file_entry(f: object) -> bool:
+    if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+        return False
+    name, chunks = f["name"], f.get("chunks")
+    if not name or name.startswith("/") or ".." in Path(name).parts or not isinstance(chunks, list):
+        return False
+    return all(isinstance(c, dict) and _is_ref(c.get("sha256"), c.get("size")) for c in chunks)
 
 
 def is_process_key(store_key: str) -> bool:
@@ -73,17 +113,23 @@ def is_process_key(store_key: str) -> bool:
 
 
 def chunk_refs(manifest: dict) -> dict[str, int]:
-    """hash -> size of every chunk the image uses."""
-    return {c["sha256"]: c["size"] for f in manifest["files"] for c in f["chunks"]}
+    """hash -> size of every chunk the image uses: its files' and the tier-A chunks the
+    checkpointed process maps (its weights), which no ``rm`` may collect while it exists."""
+    refs = {c["sha256"]: c["size"] for f in manifest["files"] for c in f["chunks"]}
+    return refs | dict(manifest.get("mapped_chunks", {}))
 
 
-def fetch(store, manifest: dict, image_dir: Path) -> int:
-    """Write the image files into ``image_dir`` (verifying every chunk); returns bytes."""
+def fetch(store, manifest: dict, image_dir: Path, progress=None) -> int:
+    """Write the image files into ``image_dir`` (verifying every chunk); returns bytes. The
+    tier-A chunks the process maps must all be in the store."""
+    gone = [h for h in manifest.get("mapped_chunks", {}) if not store.has_chunk(h)]
+    if gone:
+        raise ProcessImageError(
+            f"{len(gone)} chunks of the weights it maps are gone from the store"
+        )
     total = 0
     for entry in manifest["files"]:
         name = entry["name"]
-        if name.startswith("/") or ".." in Path(name).parts:
-            raise ProcessImageError(f"unsafe file name {name!r} in the process manifest")
         dest = image_dir / name
         dest.parent.mkdir(parents=True, exist_ok=True)
         with open(dest, "wb") as f:
@@ -94,6 +140,8 @@ def fetch(store, manifest: dict, image_dir: Path) -> int:
                     raise ProcessImageError(f"chunk {chunk['sha256'][:16]} of {name} is corrupt")
                 f.write(buf)
                 total += len(buf)
+                if progress:
+                    progress(len(buf))
     return total
 
 

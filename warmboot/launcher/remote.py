@@ -132,7 +132,16 @@ class RemoteLLM:
         return (await future)["state"]
 
     def stats(self) -> dict:
-        return dict(self._stats)
+        """The worker's stats, with this start's phases: the launcher's (fetch, restore,
+        canary...) plus, when the worker booted now, its engine's as ``worker.<phase>``. A
+        restored process's own engine phases are the image's first boot, not this start's."""
+        out = dict(self._stats)
+        phases = dict(self.start_info.phase_times)
+        if self.start_info.path != "restored_process":
+            worker = self._stats.get("startup_times", {})
+            phases |= {f"worker.{k}": v for k, v in worker.items()}
+        out["startup_times"] = phases
+        return out
 
     @property
     def dead(self) -> str | None:

@@ -76,8 +76,15 @@ class SandboxSpec:
     """Working directory inside the sandbox (absolute)."""
     env: dict[str, str] = field(default_factory=dict)
     """The full environment; ``TMPDIR`` is set to the first tmpfs."""
-    writable_binds: tuple[str, ...] = ()
-    """Host directories bind-mounted read-write at the same path (not in the image)."""
+    writable_binds: tuple[str | tuple[str, str], ...] = ()
+    """Host directories bind-mounted read-write (not in the image): a path (mounted at the
+    same path) or ``(host dir, path inside)``. ``runsc restore`` matches binds by the path
+    inside, so a fixed one lets the host directory move between checkpoint and restore."""
+
+    def binds(self) -> list[tuple[str, str]]:
+        """(host dir, path inside) of every writable bind."""
+        return [(b, b) if isinstance(b, str) else (b[0], b[1]) for b in self.writable_binds]
+
     tmpfs: tuple[str, ...] = ("/tmp",)
     """Sandbox-internal tmpfs mounts; their files are captured in the image."""
 
@@ -132,10 +139,10 @@ class Sandbox:
         cache = self._home_cache()
         if cache is not None and cache not in self.spec.tmpfs:
             mounts.append({"destination": cache, "type": "tmpfs", "source": "tmpfs"})
-        for d in self.spec.writable_binds:
-            if not os.path.isdir(d):
-                raise SandboxError(f"writable bind {d!r} is not a host directory")
-            mounts.append({"destination": d, "type": "bind", "source": d, "options": ["rw"]})
+        for src, dst in self.spec.binds():
+            if not os.path.isdir(src) or not os.path.isdir(dst):
+                raise SandboxError(f"writable bind {src!r} -> {dst!r} needs both directories")
+            mounts.append({"destination": dst, "type": "bind", "source": src, "options": ["rw"]})
         return mounts
 
     def _home_cache(self) -> str | None:
@@ -322,12 +329,28 @@ class Sandbox:
         return f"\n--- {path} ---\n{text}" if text else ""
 
 
+def delete_containers(state_dir: Path) -> None:
+    """Kill and delete every container under a runsc ``--root`` (a dead launcher's)."""
+    runsc = shutil.which("runsc")
+    if runsc is None or not Path(state_dir).is_dir() or not any(Path(state_dir).iterdir()):
+        return
+    root = ["--root", str(state_dir)]
+    try:
+        out = subprocess.run([runsc, *root, "list", "-quiet"], capture_output=True, text=True,
+                             timeout=RUNSC_TIMEOUT)  # fmt: skip
+        for cid in out.stdout.split():
+            subprocess.run([runsc, *root, "delete", "-force", cid], capture_output=True,
+                           timeout=RUNSC_TIMEOUT)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+
+
 def _check_visible(spec: SandboxSpec) -> None:
     """The cwd and the program must not be hidden by one of the sandbox's tmpfs mounts (a
     tmpfs over /tmp hides a checkout or a venv that lives there)."""
     for what, path in (("cwd", spec.cwd), ("program", spec.argv[0])):
         for real in {os.path.abspath(path), os.path.realpath(path)}:
-            if any(_under(real, b) for b in spec.writable_binds):
+            if any(_under(real, dst) for _, dst in spec.binds()):
                 continue
             for mount in spec.tmpfs:
                 if _under(real, mount):
@@ -345,48 +368,3 @@ def _under(path: str, top: str) -> bool:
 def _nofile_rlimit() -> dict:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     return {"type": "RLIMIT_NOFILE", "soft": soft, "hard": hard}
-
-
-def measure_empty_process(work_dir: Path) -> dict:
-    """runsc's fixed cost: run / checkpoint / restore of a shell that echoes one line."""
-    spec = SandboxSpec(
-        argv=["/bin/sh", "-c", 'echo ready; read line; echo "got $line"'],
-        cwd="/",
-        env={"PATH": "/usr/bin:/bin"},
-    )
-    image = Path(work_dir) / "image"
-    with Sandbox(spec, Path(work_dir) / "sandbox") as sb:
-        t0 = time.perf_counter()
-        proc = sb.run()
-        _expect_line(proc, b"ready\n")
-        run_s = time.perf_counter() - t0
-        checkpoint_s = sb.checkpoint(image)
-        t0 = time.perf_counter()
-        proc = sb.restore(image)
-        restore_cmd_s = time.perf_counter() - t0
-        proc.stdin.write(b"x\n")
-        proc.stdin.flush()
-        _expect_line(proc, b"got x\n")
-        restore_s = time.perf_counter() - t0
-    return {
-        "runsc_version": runsc_status()[0],
-        "run_to_ready_s": run_s,
-        "checkpoint_s": checkpoint_s,
-        "restore_to_response_s": restore_s,
-        "restore_popen_s": restore_cmd_s,
-        "image_bytes": (image / "checkpoint.img").stat().st_size,
-    }
-
-
-def _expect_line(proc: subprocess.Popen, want: bytes) -> None:
-    got = proc.stdout.readline()
-    if got != want:
-        raise SandboxError(f"expected {want!r} from the sandboxed shell, got {got!r}")
-
-
-if __name__ == "__main__":
-    import sys
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        print(json.dumps(measure_empty_process(Path(sys.argv[1] if len(sys.argv) > 1 else tmp))))

@@ -96,13 +96,14 @@ class Worker:
         if self.engine.has_unfinished_requests():
             self.writer.send({"t": "error", "message": "cannot checkpoint a busy worker"})
             return
-        if self.engine.start_info.path == "cold" and self.engine.remap_weights_from_snapshot():
+        mapped = self.engine.remap_weights_from_snapshot()  # NOTE: a tier-A restore copies them
+        if mapped:
             log.info("weights now mapped from the tier-A snapshot (kept out of the image)")
         canary = self._canary()
         self.engine.resize_kv_cache(CHECKPOINT_KV_BLOCKS)
         gc.collect()
         _trim_heap()
-        self.writer.send({"t": "quiescent", "canary": canary})
+        self.writer.send({"t": "quiescent", "canary": canary, "mapped_chunks": mapped})
 
     def _on_start(self, f: dict) -> None:
         """Settings that must be fresh (after a restore too), then the canary."""

@@ -12,8 +12,10 @@ from typing import Any
 import torch
 
 from warmboot.snapshot.canary import canary_mismatch
+from warmboot.snapshot.deadline import run_with_deadline
 from warmboot.snapshot.image import Manifest, SnapshotError, dtype_name
 from warmboot.snapshot.key import diff_fields, key_digest, key_fields
+from warmboot.snapshot.lease import holder, try_lease
 from warmboot.snapshot.publish import publish_image, runtime_files, triton_cache_dir
 from warmboot.snapshot.restore import restore_files, restore_tensors
 from warmboot.snapshot.store import Store, open_store
@@ -31,8 +33,10 @@ class SnapshotBoot:
         model_dir: Path,
         settings: dict[str, object],
         device: torch.device,
+        timeout_s: float = 30.0,
     ):
         self.store = open_store(store)
+        self.timeout_s = timeout_s
         self.model_dir = model_dir
         self.device = device
         self.fields = key_fields(model_dir, settings, device)
@@ -44,11 +48,9 @@ class SnapshotBoot:
     def lookup(self) -> Manifest | None:
         """The manifest for this engine's key, or None with ``reason`` set."""
         try:
-            data = self.store.get_manifest(self.key)
-            if data is None:
-                self.reason = self._no_match_reason()
+            manifest = run_with_deadline("snapshot lookup", self._fetch_manifest, self.timeout_s)
+            if manifest is None:
                 return None
-            manifest = Manifest.from_json(data, where=f"snapshot {self.key}")
         except Exception as e:  # noqa: BLE001 - any failure means a cold boot, with its reason
             self.reason = f"snapshot store {self.store.url}: {_describe(e)}"
             return None
@@ -60,7 +62,15 @@ class SnapshotBoot:
         self.manifest = manifest
         return manifest
 
-    def _no_match_reason(self) -> str:
+    def _fetch_manifest(self, progress) -> Manifest | None:
+        data = self.store.get_manifest(self.key)
+        progress(0)
+        if data is None:
+            self.reason = self._no_match_reason(progress)
+            return None
+        return Manifest.from_json(data, where=f"snapshot {self.key}")
+
+    def _no_match_reason(self, progress) -> str:
         base = f"no snapshot for key {self.key} in {self.store.url}"
         closest: list[str] | None = None
         for key in self.store.list_keys()[:MAX_MANIFESTS_COMPARED]:
@@ -68,6 +78,8 @@ class SnapshotBoot:
                 other = Manifest.from_json(self.store.get_manifest(key) or b"", where=key)
             except SnapshotError:
                 continue
+            finally:
+                progress(0)
             diff = diff_fields(self.fields, other.fields)
             if closest is None or len(diff) < len(closest):
                 closest, closest_key = diff, key
@@ -75,13 +87,22 @@ class SnapshotBoot:
             return base
         return f"{base}; the closest, {closest_key}, differs in: {'; '.join(closest)}"
 
-    def restore(self, manifest: Manifest, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
-        """Verified tensors on the engine's device, or None with ``reason`` set."""
-        try:
-            tensors = restore_tensors(self.store, manifest, self.device)
-            _check_dtypes(tensors, dtype)
+    def restore(
+        self, manifest: Manifest, dtype: torch.dtype, mapped: bool = False
+    ) -> dict[str, torch.Tensor] | None:
+        """Verified tensors on the engine's device, or None with ``reason`` set. ``mapped``:
+        map the store's chunk files (a process image then holds no weights) instead of copying
+        them into memory the store cannot change."""
+
+        def step(progress) -> dict[str, torch.Tensor]:
+            out = restore_tensors(self.store, manifest, self.device, progress, use_mmap=mapped)
             if self.device.type == "cuda":
                 restore_files(self.store, manifest, "triton_cache", triton_cache_dir())
+            return out
+
+        try:
+            tensors = run_with_deadline("snapshot restore", step, self.timeout_s)
+            _check_dtypes(tensors, dtype)
             _adopt_autotune(manifest.facts.get("autotune"))
         except Exception as e:  # noqa: BLE001 - any failure means a cold boot, with its reason
             self.reason = f"restore from {self.store.url} failed: {_describe(e)}"
@@ -107,17 +128,17 @@ class SnapshotBoot:
 
     # -- publish --------------------------------------------------------------------------------
     def publish(self, model: torch.nn.Module, facts: dict[str, Any]) -> Manifest | None:
-        """Publish this engine's image; a failure is logged, never raised."""
+        """Publish this engine's image under a lease (one publisher per key across servers);
+        a failure or a stalled store (lease, chunks or manifest) is logged, never raised."""
         try:
-            tensors = [(n, p) for n, p in model.named_parameters()]
-            files = runtime_files(self.model_dir, self.device)
-            facts = facts | _autotune_facts()
-            extra = {"model_dir": str(self.model_dir)}
-            manifest, written = publish_image(
-                self.store, self.key, self.fields, tensors, files, facts, extra=extra
+            manifest, written = run_with_deadline(
+                "snapshot publish", lambda p: self._publish(model, facts, p), self.timeout_s
             )
         except Exception as e:  # noqa: BLE001 - serving goes on without a snapshot
             log.warning("snapshot publish to %s failed: %s", self.store.url, _describe(e))
+            return None
+        if manifest is None:
+            log.info("snapshot %s not published: %s", self.key, written)
             return None
         log.info(
             "published snapshot %s to %s: %.3f GB of tensors, %.3f GB new",
@@ -127,6 +148,26 @@ class SnapshotBoot:
             written / 1e9,
         )
         return manifest
+
+    def _publish(self, model, facts, progress) -> tuple[Manifest | None, int | str]:
+        """(manifest, bytes written), or (None, why not) when another server publishes."""
+        name = f"publish-{self.key}"
+        lease = try_lease(self.store, name)
+        if lease is None:
+            return None, f"{holder(self.store, name)} holds the publish lease"
+        try:
+            progress(0)
+            if self.store.get_manifest(self.key) is not None:
+                return None, "another server published it meanwhile"
+            tensors = [(n, p) for n, p in model.named_parameters()]
+            files = runtime_files(self.model_dir, self.device)
+            extra = {"model_dir": str(self.model_dir)}
+            facts = facts | _autotune_facts()
+            return publish_image(
+                self.store, self.key, self.fields, tensors, files, facts, progress, extra=extra
+            )
+        finally:
+            lease.release()
 
 
 def _autotune_facts() -> dict[str, Any]:

@@ -127,7 +127,7 @@ def device_fields(device: torch.device) -> dict[str, str]:
             "device.capability": f"{props.major}.{props.minor}",
             "device.driver": _nvidia_driver(),
         }
-    model, flags = _cpu_info()
+    model, _, flags = host_cpu_features().partition(" | ")
     return {
         "device.type": device.type,
         "device.name": model,
@@ -141,6 +141,19 @@ def _version(dist: str) -> str:
         return metadata.version(dist)
     except metadata.PackageNotFoundError:
         return "absent"
+
+
+HOST_CPU_ENV = "WARMBOOT_HOST_CPU"
+
+
+@cache
+def host_cpu_features() -> str:
+    """The host's CPU as ``model | sorted flags``, read the same inside and outside gVisor:
+    the sandbox's /proc/cpuinfo hides flags (``amx_*`` and others), so the launcher hands the
+    host's own reading to its worker in ``$WARMBOOT_HOST_CPU``. A tier-A image holds weights
+    and no CPU-specific code, so the host's flags are the right key for one made inside."""
+    model, flags = _cpu_info()
+    return os.environ.get(HOST_CPU_ENV) or f"{model} | {flags}"
 
 
 @cache

@@ -27,6 +27,7 @@ from warmboot.snapshot.image import (
     tensor_bytes,
 )
 from warmboot.snapshot.store import LocalStore, Store
+from warmboot.snapshot.store_api import discard_chunks
 
 Progress = Callable[[int], None]
 RUNTIME_FILES = (
@@ -78,6 +79,26 @@ def publish_image(
         store.remove_stale_tmp()  # left by publishers that crashed long ago
     writer = _ChunkWriter(store, progress)
     try:
+        manifest = _write_all(writer, key, fields, tensors, files, facts, chunk_bytes, extra)
+        store.put_manifest(key, manifest.to_json())
+    except BaseException:
+        _discard_unpublished(store, key, writer.new)  # NOTE: a failed publish leaves nothing
+        raise
+    return manifest, writer.written
+
+
+def _discard_unpublished(store: Store, key: str, hashes: list[str]) -> None:
+    try:
+        if store.get_manifest(key) is not None:
+            return  # NOTE: the manifest PUT failed late (a timeout) yet landed: keep its chunks
+    except Exception:  # noqa: BLE001 - cannot tell: keep the chunks (GC collects orphans)
+        return
+    discard_chunks(store, hashes)
+
+
+def _write_all(writer, key, fields, tensors, files, facts, chunk_bytes, extra) -> Manifest:
+    store = writer.store
+    try:
         pending = [_put_tensor(writer, n, t, chunk_bytes) for n, t in tensors]
         pending_files = [(p, writer.put(_file_bytes(src))) for p, src in (files or {}).items()]
         writer.drain()
@@ -99,8 +120,7 @@ def publish_image(
     missing = [h for h in manifest.chunk_refs() if not store.has_chunk(h)]
     if missing:
         raise IntegrityError(f"{len(missing)} chunks vanished from {store.url} while publishing")
-    store.put_manifest(key, manifest.to_json())
-    return manifest, writer.written
+    return manifest
 
 
 def _file_bytes(src: Path | bytes) -> bytes:
@@ -134,6 +154,8 @@ class _ChunkWriter:
         self.pool = ThreadPoolExecutor(store.parallelism, thread_name_prefix="snapshot-put")
         self.pending: deque[Future] = deque()
         self.written = 0
+        self.new: list[str] = []
+        """Chunks this publish wrote (not found in the store)."""
         self.claimed: set[str] = set()
         self.lock = threading.Lock()
 
@@ -153,6 +175,7 @@ class _ChunkWriter:
         if first and self.store.put_chunk(ref.hash, data):
             with self.lock:
                 self.written += len(data)
+                self.new.append(ref.hash)
         if self.progress:
             self.progress(len(data))
 

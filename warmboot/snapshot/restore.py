@@ -2,12 +2,16 @@
 
 Three paths, picked by destination and store:
 
-* CPU, local store: every chunk file is memory-mapped straight into one address range per
-  tensor (``MAP_FIXED`` over a reservation; chunk offsets are page-aligned), so the tensor
-  *is* the page cache, like the safetensors loader's zero-copy path. Worker threads hash each
-  chunk through the mapping, which reads it from disk; no anonymous memory is touched.
-* CPU, remote store (or no mmap): worker threads read each chunk (parallel ranged GETs on S3)
-  straight into its slice of the destination tensor, then hash it there.
+* CPU (the default): worker threads read each chunk (parallel ranged GETs on S3) straight
+  into its slice of the destination tensor, then hash it there. The tensors live in
+  anonymous memory: a running engine is immune to what later happens to the store's files
+  (edited in place, truncated, removed).
+* CPU, local store, ``use_mmap=True``: every chunk file is memory-mapped straight into one
+  address range per tensor (``MAP_FIXED`` over a reservation; chunk offsets are page-aligned),
+  so the tensor *is* the page cache, like the safetensors loader's zero-copy path. Faster and
+  shared between processes, but a private file mapping still shows later in-place edits of
+  pages it has not written, and a truncated chunk file kills the process with SIGBUS: only
+  for stores nobody else writes (docs/benchmarks/store_faults.md measures both).
 * CUDA (NOTE: untested, no GPU on the development machine): workers read each chunk into one
   of a set of pinned staging buffers, hash it, and enqueue an async copy on a copy stream;
   a buffer is reused once its copy's event has completed.
@@ -51,7 +55,7 @@ def restore_tensors(
     device: torch.device | str = "cpu",
     progress: Progress | None = None,
     workers: int | None = None,
-    use_mmap: bool = True,
+    use_mmap: bool = False,
 ) -> dict[str, torch.Tensor]:
     """name -> tensor on ``device``, every chunk verified against its hash."""
     device = torch.device(device)
