@@ -52,7 +52,7 @@ def _boot(model: Path, store: str | None, **kw):
 
 
 # -- 1. restore: mapped vs detached -------------------------------------------------------------
-def restore_rows(store_root: Path, reps: int) -> list[dict]:
+def restore_rows(store_root: Path, reps: int, model: str) -> list[dict]:
     from warmboot.snapshot.ops import load_manifest
     from warmboot.snapshot.restore import restore_tensors
     from warmboot.snapshot.store import LocalStore
@@ -80,6 +80,15 @@ def restore_rows(store_root: Path, reps: int) -> list[dict]:
         }  # fmt: skip
         for mode, ts in times.items()
     ]
+
+
+def big_restore_rows(root: Path, reps: int) -> list[dict]:
+    """The same on the design page's 0.49B Llama (bf16, built once by bench.coldstart)."""
+    from bench.coldstart import big_model
+
+    llm, _ = _boot(big_model(), str(root))
+    del llm
+    return restore_rows(root, reps, "llama-0.49b")
 
 
 # -- 2. faults -----------------------------------------------------------------------------------
@@ -164,12 +173,34 @@ def f_full_store_publish(stack, ctx) -> str:
 
     def fill(self, h, data):
         calls.append(h)
-        if len(calls) > 20:
+        if len(calls) > 3:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(self, h, data)
 
     stack.enter_context(_patched(LocalStore, "put_chunk", fill))
     return str(ctx["local"].parent / "empty")
+
+
+def f_tmp_links_outside(stack, ctx) -> str:
+    root = ctx["local"].parent / "linked"
+    outside = ctx["local"].parent / "outside"
+    outside.mkdir()
+    (outside / "precious").write_bytes(b"x")
+    os.utime(outside / "precious", (1, 1))  # older than the stale-tmp sweep's hour
+    root.mkdir()
+    (root / "tmp").symlink_to(outside, target_is_directory=True)
+    ctx["outside"] = outside
+    return str(root)
+
+
+def f_lease_held(stack, ctx) -> str:
+    from warmboot.snapshot.lease import try_lease
+    from warmboot.snapshot.store import LocalStore
+
+    root = ctx["local"].parent / "leased"
+    lease = try_lease(LocalStore(root), f"publish-{ctx['key']}", ttl_s=600)
+    stack.callback(lease.release)
+    return str(root)
 
 
 def f_s3_clean(stack, ctx) -> str:
@@ -216,6 +247,8 @@ FAULTS: dict[str, Fault] = {
     "tensor the model lacks": f_missing_tensor,
     "local read never returns": f_local_read_hangs,
     "store full while publishing": f_full_store_publish,
+    "tmp/ links outside while publishing": f_tmp_links_outside,
+    "another server holds the publish lease": f_lease_held,
     "clean restore (S3)": f_s3_clean,
     "S3 stops answering mid-restore": f_s3_stall_restore,
     "S3 stops answering mid-publish": f_s3_stall_publish,
@@ -247,27 +280,56 @@ def _env(name: str, value: str):
 
 
 def fault_rows(model: Path, golden: Path, s3: dict, cold_tokens) -> list[dict]:
-    rows = []
+    from warmboot.snapshot.store import LocalStore
+
+    rows, key = [], LocalStore(golden).list_keys()[0]
     for name, fault in FAULTS.items():
         with tempfile.TemporaryDirectory(prefix="wb-fault-") as tmp, ExitStack() as stack:
             local = Path(tmp) / "store"
             shutil.copytree(golden, local)
-            url = fault(stack, {"local": local, **s3})
+            ctx = {"local": local, "key": key, **s3}
+            url = fault(stack, ctx)
+            before = _tree(ctx["outside"]) if "outside" in ctx else None
             llm, ready_s = _boot(model, url, snapshot_publish="publish" in name)
             info = llm.engine.start_info
             same = _tokens(llm) == cold_tokens
+            left = _left(url) if "publish" in name else ""
+            untouched = before is None or _tree(ctx["outside"]) == before
         rows.append({"fault": name, "path": info.path, "ready_s": ready_s, "same_tokens": same,
+                     "store_after": left, "outside_untouched": untouched,
                      "reason": info.reason[:160]})  # fmt: skip
         print(f"{name:34s} {info.path:15s} {ready_s:6.2f} s  same={same}  {info.reason[:90]}")
         del llm
     return rows
 
 
+def _left(url: str) -> str:
+    """What a publishing start left in its store: manifests and chunks."""
+    from warmboot.snapshot.deadline import run_with_deadline
+    from warmboot.snapshot.store import open_store
+
+    store = open_store(url)
+    keys, chunks = run_with_deadline(
+        "listing", lambda p: (store.list_keys(), store.list_chunks()), 3 * TIMEOUT_S
+    )
+    return f"{len(keys)} manifests, {len(chunks)} chunks"
+
+
+def _tree(root: Path) -> dict:
+    from tests.store_faults import tree
+
+    return tree(root)
+
+
 @contextmanager
 def s3_server(golden: Path):
     """moto on 127.0.0.1 behind a stalling proxy, holding a copy of the golden snapshot."""
+    import logging
+
     import boto3
     from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
     from tests.store_faults import StallingProxy
     from warmboot.snapshot import s3_store
@@ -298,25 +360,28 @@ def s3_server(golden: Path):
 
 # -- report -----------------------------------------------------------------------------------
 def report(meta: dict, restore: list[dict], faults: list[dict], cold_s: float) -> None:
-    by = {r["mode"]: r for r in restore}
-    ratio = by["detached"]["median_s"] / by["mapped"]["median_s"]
+    by = {(r["model"], r["mode"]): r for r in restore}
+    ratios = ", ".join(
+        f"{m} {by[m, 'detached']['median_s'] / by[m, 'mapped']['median_s']:.2f}x"
+        for m in dict.fromkeys(r["model"] for r in restore)
+    )
     lines = [
         "# A store nobody trusts: detaching the weights, and each fault's deadline",
         "",
-        f"{meta['date']}, {meta['machine']}; demo model (135M, bf16), local store, warm "
-        f"page cache. `python -m bench.store_faults`.",
+        f"{meta['date']}, {meta['machine']}; local store, warm page cache; the faults on the "
+        "demo model (135M, bf16). `python -m bench.store_faults`.",
         "",
         "## Restore: mapped chunk files vs weights copied into process memory",
         "",
-        "| restore | GB | median s | min s | GB/s |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| model | restore | GB | median s | min s | GB/s |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in restore:
-        lines.append(f"| {r['mode']} | {r['gb']:.3f} | {r['median_s']:.3f} | {r['min_s']:.3f} "
-                     f"| {r['gb_per_s']:.2f} |")  # fmt: skip
+        lines.append(f"| {r['model']} | {r['mode']} | {r['gb']:.3f} | {r['median_s']:.3f} | "
+                     f"{r['min_s']:.3f} | {r['gb_per_s']:.2f} |")  # fmt: skip
     lines += [
         "",
-        f"Detaching costs {ratio:.2f}x the mapped restore's time (same run, both verify every "
+        f"Detaching costs {ratios} the mapped restore's time (same run, both verify every "
         "chunk's SHA-256). In exchange a running engine no longer changes when a chunk is "
         "edited in place and no longer dies (SIGBUS) when one is truncated; the mapped path "
         "stays for tier-P workers, whose images then hold no weights (their manifests list "
@@ -325,18 +390,21 @@ def report(meta: dict, restore: list[dict], faults: list[dict], cold_s: float) -
         f"## Faults: time to a ready engine (snapshot_timeout={TIMEOUT_S:g} s; cold boot "
         f"with no store {cold_s:.2f} s)",
         "",
-        "| fault | path | ready s | tokens = cold | reason (start) |",
-        "| --- | --- | ---: | --- | --- |",
+        "| fault | path | ready s | tokens = cold | store after a publishing start | reason "
+        "(start) |",
+        "| --- | --- | ---: | --- | --- | --- |",
     ]
     for r in faults:
         reason = r["reason"].replace("|", "/")[:110]
+        after = r["store_after"] + ("" if r["outside_untouched"] else "; **wrote outside**")
         lines.append(f"| {r['fault']} | {r['path']} | {r['ready_s']:.2f} | "
-                     f"{'yes' if r['same_tokens'] else '**no**'} | {reason} |")  # fmt: skip
+                     f"{'yes' if r['same_tokens'] else '**no**'} | {after} | {reason} |")  # fmt: skip
     plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1, 3]})
-    a.bar([r["mode"] for r in restore], [r["median_s"] for r in restore], color=["#888", "#2a7"])
-    a.set_ylabel("restore, median s")
-    a.set_title("tier-A restore (demo, bf16)")
+    a.bar([f"{r['model']}\n{r['mode']}" for r in restore], [r["gb_per_s"] for r in restore],
+          color=["#888", "#2a7"] * len(restore))  # fmt: skip
+    a.set_ylabel("restore GB/s (median, hash-verified)")
+    a.set_title("tier-A restore, bf16")
     names = [r["fault"] for r in faults]
     b.barh(names, [r["ready_s"] for r in faults], color="#47a")
     b.axvline(cold_s, color="k", ls="--", label=f"cold boot, no store ({cold_s:.1f} s)")
@@ -352,6 +420,7 @@ def report(meta: dict, restore: list[dict], faults: list[dict], cold_s: float) -
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--no-big", action="store_true", help="skip the 0.49B restore rows")
     args = p.parse_args()
     from warmboot.models.demo import ensure_default_model
     from warmboot.snapshot import publish as publish_mod
@@ -364,11 +433,13 @@ def main() -> int:
         del cold
         publish_mod.CHUNK_BYTES = 16 << 20  # NOTE: several chunks per large tensor
         _boot(model, str(golden))
-        restore = restore_rows(golden, args.reps)
+        restore = restore_rows(golden, args.reps, "demo-135m")
+        if not args.no_big:
+            restore += big_restore_rows(Path(tmp) / "big", args.reps)
         with s3_server(golden) as s3:
             faults = fault_rows(model, golden, s3, cold_tokens)
     report(report_meta(), restore, faults, cold_s)
-    return 0 if all(r["same_tokens"] for r in faults) else 1
+    return 0 if all(r["same_tokens"] and r["outside_untouched"] for r in faults) else 1
 
 
 if __name__ == "__main__":

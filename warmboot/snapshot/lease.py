@@ -2,9 +2,10 @@
 
 A lease is a small JSON object in the store (``leases/<name>.lease``) created only if absent
 (a hard link locally, a conditional PUT on S3). It names its holder and when it expires; an
-expired lease (its holder crashed) is taken over. Two servers that find the same expired
-lease at once may both take it, which costs a duplicated publish, never a wrong snapshot
-(publishing stays idempotent: the same chunks, either complete manifest wins).
+expired lease, or one whose holder process on this host is gone (killed mid-publish), is
+taken over. Two servers that find the same expired lease at once may both take it, which
+costs a duplicated publish, never a wrong snapshot (publishing stays idempotent: the same
+chunks, either complete manifest wins).
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ def try_lease(store: Store, name: str, ttl_s: float = PUBLISH_LEASE_S) -> Lease 
         if store.create_lease(name, body):
             return Lease(store, name, token)
         held = _holder(store.get_lease(name))
-        if held is not None and _expires(held) > time.time():
+        if held is not None and _expires(held) > time.time() and not _dead_here(held):
             return None
-        store.delete_lease(name)  # NOTE: expired or unreadable: its holder is gone
+        store.delete_lease(name)  # NOTE: expired, unreadable, or its holder is gone
     return None
 
 
@@ -71,6 +72,21 @@ def _holder(data: bytes | None) -> dict | None:
     except (ValueError, RecursionError):
         return {}
     return held if isinstance(held, dict) else {}
+
+
+def _dead_here(held: dict) -> bool:
+    """The holder ran on this host and its process is gone (killed mid-publish): its lease
+    need not be waited out."""
+    pid = held.get("pid")
+    if held.get("host") != socket.gethostname() or type(pid) is not int or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def _expires(held: dict) -> float:
