@@ -284,15 +284,16 @@ def fault_rows(model: Path, golden: Path, s3: dict, cold_tokens) -> list[dict]:
 
     rows, key = [], LocalStore(golden).list_keys()[0]
     for name, fault in FAULTS.items():
-        with tempfile.TemporaryDirectory(prefix="wb-fault-") as tmp, ExitStack() as stack:
+        with tempfile.TemporaryDirectory(prefix="wb-fault-") as tmp:
             local = Path(tmp) / "store"
             shutil.copytree(golden, local)
             ctx = {"local": local, "key": key, **s3}
-            url = fault(stack, ctx)
-            before = _tree(ctx["outside"]) if "outside" in ctx else None
-            llm, ready_s = _boot(model, url, snapshot_publish="publish" in name)
-            info = llm.engine.start_info
-            same = _tokens(llm) == cold_tokens
+            with ExitStack() as stack:  # NOTE: the fault is lifted at its end
+                url = fault(stack, ctx)
+                before = _tree(ctx["outside"]) if "outside" in ctx else None
+                llm, ready_s = _boot(model, url, snapshot_publish="publish" in name)
+                info = llm.engine.start_info
+                same = _tokens(llm) == cold_tokens
             left = _left(url) if "publish" in name else ""
             untouched = before is None or _tree(ctx["outside"]) == before
         rows.append({"fault": name, "path": info.path, "ready_s": ready_s, "same_tokens": same,

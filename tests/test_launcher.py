@@ -260,3 +260,34 @@ def test_a_held_publish_lease_serves_the_booted_worker(published, tmp_path):
     assert "checkpoint" not in info.phase_times
     assert answer == published[1]
     assert not any(process_image.is_process_key(k) for k in store.list_keys())
+
+
+def test_the_workers_tier_a_image_restores_outside_the_sandbox(published, faulty):
+    """gVisor hides CPU flags (avx512_bf16 and others here); the worker keys its tier-A image
+    with the host's flags, so an engine outside the sandbox restores it."""
+    from warmboot import LLM
+    from warmboot.snapshot.key import host_cpu_features
+
+    store = open_store(faulty.store)
+    (key,) = [k for k in store.list_keys() if not process_image.is_process_key(k)]
+    fields = json.loads(store.get_manifest(key))["fields"]
+    assert host_cpu_features().endswith(fields["device.cpu_flags"])
+    llm = LLM(**faulty.engine, snapshot_publish=False)
+    assert llm.engine.start_info.path == "restored_image", llm.engine.start_info.reason
+
+
+def test_a_stalled_store_never_holds_a_tier_p_start(published, faulty, monkeypatch):
+    import threading
+
+    from warmboot.snapshot.store import LocalStore
+
+    release, real = threading.Event(), LocalStore.read_chunk
+    monkeypatch.setattr(LocalStore, "read_chunk",
+                        lambda self, h, out: release.wait(120) and real(self, h, out))  # fmt: skip
+    cfg = replace(faulty, engine={**faulty.engine, "snapshot_timeout": 2.0})
+    try:
+        info, answer = _launch(cfg)
+    finally:
+        release.set()
+    assert "process image fetch: no progress for 2 s" in info.reason, info.reason
+    assert info.path == "cold" and answer == published[1]

@@ -177,7 +177,7 @@ def test_a_publish_into_a_full_store_cleans_up_after_itself(path, golden, tmp_pa
         return real(self, h, data)
 
     monkeypatch.setattr(LocalStore, "put_chunk", fill_up)
-    healthy(path, root, golden)
+    healthy(path, root, golden, reason="publish failed: OSError: [Errno 28]")
     store = LocalStore(root)
     assert store.list_keys() == [] and store.list_chunks() == {}, "a failed publish left chunks"
     assert not list((root / "tmp").iterdir())
@@ -208,7 +208,7 @@ def test_a_stalled_publish_does_not_hold_the_start(path, golden, tmp_path, monke
     monkeypatch.setattr(LocalStore, "put_chunk", hang)
     root = tmp_path / "stalled"
     try:
-        healthy(path, root, golden)
+        healthy(path, root, golden, reason="publish failed: snapshot publish: no progress for 2 s")
     finally:
         release.set()
     _wait_for_threads("store-snapshot publish")
@@ -254,11 +254,11 @@ def test_one_publisher_per_key(path, golden, tmp_path):
     key = boot(path, root, snapshot_publish=False).engine.startup.snapshot.key
     held = try_lease(store, f"publish-{key}", ttl_s=600)
     assert held is not None
-    healthy(path, root, golden)
+    healthy(path, root, golden, reason="holds the publish lease")
     assert store.list_keys() == []
     held.release()
     assert try_lease(store, f"publish-{key}", ttl_s=-1) is not None  # an expired one
-    healthy(path, root, golden)
+    healthy(path, root, golden, reason=f"published {key}")
     assert store.list_keys() == [key]
     assert store.get_lease(f"publish-{key}") is None, "the publisher released its lease"
 
@@ -379,7 +379,7 @@ def test_s3_stalling_during_publish_does_not_hold_the_start(path, golden, stalli
 
     monkeypatch.setattr(S3Store, "put_chunk", stall_then_put)
     try:
-        healthy(path, url, golden)
+        healthy(path, url, golden, reason="publish failed: snapshot publish: no progress for 2 s")
     finally:
         proxy.resume()
     monkeypatch.setattr(S3Store, "put_chunk", real)

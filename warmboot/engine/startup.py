@@ -244,6 +244,8 @@ class Startup:
 
     def _ready(self) -> StartInfo:
         reason = self.snapshot.reason if self.snapshot else "no snapshot store configured"
+        if self.snapshot and self.snapshot.publish_note:
+            reason = f"{reason}; {self.snapshot.publish_note}"
         info = StartInfo(
             path="restored_image" if self.restored else "cold",
             reason=reason,

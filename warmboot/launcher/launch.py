@@ -87,7 +87,7 @@ def launch(cfg: LaunchConfig):
         fallbacks = ("canary_mismatch" if "canary mismatch" in str(e) else "restore_failed",)
         log.warning("%s; discarding it and booting cold", reason)
         try:
-            process_image.discard(store, key)
+            _bounded(cfg, "process image discard", lambda: process_image.discard(store, key))
         except Exception as e:  # noqa: BLE001 - a read-only or full store: boot cold regardless
             log.warning("could not discard process snapshot %s: %s", key[:12], e)
     try:
@@ -102,7 +102,7 @@ def launch(cfg: LaunchConfig):
 
 # -- paths ---------------------------------------------------------------------------------------
 def _try_restore(cfg: LaunchConfig, store, key: str, spec, t0: float) -> RemoteLLM | None:
-    manifest = process_image.lookup(store, key)
+    manifest = _bounded(cfg, "process image lookup", lambda: process_image.lookup(store, key))
     if manifest is None:
         return None
     work = _work_dir(cfg)
@@ -139,7 +139,7 @@ def _create(cfg: LaunchConfig, store, key: str, fields: dict, spec, reason: str,
         raise
     finally:
         if lease is not None:
-            _quietly(lease.release)
+            _quietly(lambda: _bounded(cfg, "lease release", lease.release))
 
 
 def _publish_lease(cfg: LaunchConfig, store, key: str):
@@ -148,10 +148,13 @@ def _publish_lease(cfg: LaunchConfig, store, key: str):
         return None, "publishing off"
     name = f"publish-{process_image.manifest_key(key)}"
     try:
-        lease = try_lease(store, name)
+        lease = _bounded(cfg, "publish lease", lambda: try_lease(store, name))
+        if lease is None:
+            who = _bounded(cfg, "publish lease", lambda: holder(store, name))
+            return None, f"{who} is publishing the image"
     except Exception as e:  # noqa: BLE001 - a read-only or broken store: serve, do not publish
         return None, f"no publish lease: {e}"
-    return lease, "" if lease else f"{holder(store, name)} is publishing the image"
+    return lease, ""
 
 
 def _boot(cfg, spec, work: Path, phases: dict) -> RemoteLLM:
@@ -244,6 +247,11 @@ def _start(cfg, sandbox, proc, channel, work: Path, canary: list | None, phases:
 
 def _store_timeout(cfg: LaunchConfig) -> float:
     return float(cfg.engine.get("snapshot_timeout") or 30.0)
+
+
+def _bounded(cfg: LaunchConfig, what: str, fn):
+    """``fn()`` under the store deadline (a step without progress reports)."""
+    return run_with_deadline(what, lambda progress: fn(), _store_timeout(cfg))
 
 
 def _quietly(fn) -> None:

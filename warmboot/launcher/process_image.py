@@ -19,7 +19,7 @@ SCHEMA = 1
 KIND = "warmboot-process-snapshot"
 CHUNK_BYTES = 64 << 20
 PREFIX = "process-"
-MAX_CHUNK_BYTES = 1 << 40
+MAX_MAPPED_BYTES = 1 << 40
 
 
 class ProcessImageError(SnapshotError):
@@ -90,12 +90,11 @@ def parse(data: bytes) -> dict:
     return manifest
 
 
-def _is_ref(h: object, size: object) -> bool:
-    return isinstance(h, str) and HASH_RE.fullmatch(h) is not None and _is_size(size)
-
-
-def _is_size(size: object) -> bool:
-    return type(size) is int and 0 <= size <= MAX_CHUNK_BYTES
+def _is_ref(h: object, size: object, limit: int = MAX_MAPPED_BYTES) -> bool:
+    """A SHA-256 name and a size in [0, limit] (a fetched chunk is read into memory whole, so
+    an image's own chunks are at most ``CHUNK_BYTES``, what ``publish`` writes)."""
+    ok_size = type(size) is int and 0 <= size <= limit
+    return isinstance(h, str) and HASH_RE.fullmatch(h) is not None and ok_size
 
 
 def _is_file_entry(f: object) -> bool:
@@ -104,7 +103,9 @@ def _is_file_entry(f: object) -> bool:
     name, chunks = f["name"], f.get("chunks")
     if not name or name.startswith("/") or ".." in Path(name).parts or not isinstance(chunks, list):
         return False
-    return all(isinstance(c, dict) and _is_ref(c.get("sha256"), c.get("size")) for c in chunks)
+    return all(
+        isinstance(c, dict) and _is_ref(c.get("sha256"), c.get("size"), CHUNK_BYTES) for c in chunks
+    )
 
 
 def is_process_key(store_key: str) -> bool:

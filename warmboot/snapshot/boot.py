@@ -43,6 +43,8 @@ class SnapshotBoot:
         self.key = key_digest(self.fields)
         self.manifest: Manifest | None = None
         self.reason = ""
+        self.publish_note = ""
+        """How the publish went (published, not published and why, failed and why)."""
 
     # -- restore --------------------------------------------------------------------------------
     def lookup(self) -> Manifest | None:
@@ -135,11 +137,14 @@ class SnapshotBoot:
                 "snapshot publish", lambda p: self._publish(model, facts, p), self.timeout_s
             )
         except Exception as e:  # noqa: BLE001 - serving goes on without a snapshot
+            self.publish_note = f"publish failed: {_describe(e)}"
             log.warning("snapshot publish to %s failed: %s", self.store.url, _describe(e))
             return None
         if manifest is None:
+            self.publish_note = f"not published: {written}"
             log.info("snapshot %s not published: %s", self.key, written)
             return None
+        self.publish_note = f"published {self.key}"
         log.info(
             "published snapshot %s to %s: %.3f GB of tensors, %.3f GB new",
             self.key,
