@@ -71,6 +71,7 @@ def restore_rows(store_root: Path, reps: int, model: str) -> list[dict]:
     gb = manifest.tensor_bytes / 1e9
     return [
         {
+            "model": model,
             "mode": mode,
             "gb": gb,
             "median_s": statistics.median(ts),
@@ -298,7 +299,7 @@ def fault_rows(model: Path, golden: Path, s3: dict, cold_tokens) -> list[dict]:
             untouched = before is None or _tree(ctx["outside"]) == before
         rows.append({"fault": name, "path": info.path, "ready_s": ready_s, "same_tokens": same,
                      "store_after": left, "outside_untouched": untouched,
-                     "reason": info.reason[:160]})  # fmt: skip
+                     "reason": info.reason})  # fmt: skip
         print(f"{name:34s} {info.path:15s} {ready_s:6.2f} s  same={same}  {info.reason[:90]}")
         del llm
     return rows
@@ -392,11 +393,13 @@ def report(meta: dict, restore: list[dict], faults: list[dict], cold_s: float) -
         f"with no store {cold_s:.2f} s)",
         "",
         "| fault | path | ready s | tokens = cold | store after a publishing start | reason "
-        "(start) |",
+        "(restore, or the publish) |",
         "| --- | --- | ---: | --- | --- | --- |",
     ]
     for r in faults:
-        reason = r["reason"].replace("|", "/")[:110]
+        parts = r["reason"].replace("|", "/").split("; ")
+        note = parts[-1] if "publish" in r["fault"] and len(parts) > 1 else parts[0]
+        reason = note[:110]
         after = r["store_after"] + ("" if r["outside_untouched"] else "; **wrote outside**")
         lines.append(f"| {r['fault']} | {r['path']} | {r['ready_s']:.2f} | "
                      f"{'yes' if r['same_tokens'] else '**no**'} | {after} | {reason} |")  # fmt: skip

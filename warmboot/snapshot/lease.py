@@ -17,6 +17,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from warmboot.snapshot.image import IntegrityError
 from warmboot.snapshot.store_api import KEY_RE, Store
 
 PUBLISH_LEASE_S = 900.0
@@ -30,7 +31,7 @@ class Lease:
 
     def release(self) -> None:
         """Drop the lease if it is still ours (an expired one may have been taken over)."""
-        held = _holder(self.store.get_lease(self.name))
+        held = _holder(_read(self.store, self.name))
         if held is not None and held.get("token") == self.token:
             self.store.delete_lease(self.name)
 
@@ -51,7 +52,7 @@ def try_lease(store: Store, name: str, ttl_s: float = PUBLISH_LEASE_S) -> Lease 
     for _ in range(2):
         if store.create_lease(name, body):
             return Lease(store, name, token)
-        held = _holder(store.get_lease(name))
+        held = _holder(_read(store, name))
         if held is not None and _expires(held) > time.time() and not _dead_here(held):
             return None
         store.delete_lease(name)  # NOTE: expired, unreadable, or its holder is gone
@@ -60,8 +61,17 @@ def try_lease(store: Store, name: str, ttl_s: float = PUBLISH_LEASE_S) -> Lease 
 
 def holder(store: Store, name: str) -> str:
     """Who holds the lease, for log lines."""
-    held = _holder(store.get_lease(name)) or {}
+    held = _holder(_read(store, name)) or {}
     return f"{held.get('host', '?')} pid {held.get('pid', '?')}"
+
+
+def _read(store: Store, name: str) -> bytes | None:
+    """The lease's bytes; a FIFO, a link or a directory in its place reads as garbage (and so
+    is removed as an unreadable lease)."""
+    try:
+        return store.get_lease(name)
+    except IntegrityError:
+        return b""
 
 
 def _holder(data: bytes | None) -> dict | None:
