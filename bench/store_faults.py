@@ -19,6 +19,7 @@ import argparse
 import errno
 import json
 import os
+import re
 import shutil
 import statistics
 import tempfile
@@ -295,6 +296,7 @@ def fault_rows(model: Path, golden: Path, s3: dict, cold_tokens) -> list[dict]:
                 llm, ready_s = _boot(model, url, snapshot_publish="publish" in name)
                 info = llm.engine.start_info
                 same = _tokens(llm) == cold_tokens
+            _wait_abandoned()  # NOTE: an abandoned publish cleans up when its request returns
             left = _left(url) if "publish" in name else ""
             untouched = before is None or _tree(ctx["outside"]) == before
         rows.append({"fault": name, "path": info.path, "ready_s": ready_s, "same_tokens": same,
@@ -303,6 +305,14 @@ def fault_rows(model: Path, golden: Path, s3: dict, cold_tokens) -> list[dict]:
         print(f"{name:34s} {info.path:15s} {ready_s:6.2f} s  same={same}  {info.reason[:90]}")
         del llm
     return rows
+
+
+def _wait_abandoned(timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while any(t.name.startswith("store-") for t in threading.enumerate()):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.05)
 
 
 def _left(url: str) -> str:
@@ -397,9 +407,9 @@ def report(meta: dict, restore: list[dict], faults: list[dict], cold_s: float) -
         "| --- | --- | ---: | --- | --- | --- |",
     ]
     for r in faults:
-        parts = r["reason"].replace("|", "/").split("; ")
-        note = parts[-1] if "publish" in r["fault"] and len(parts) > 1 else parts[0]
-        reason = note[:110]
+        text = r["reason"].replace("|", "/")
+        found = re.search(r"(publish failed|not published|published) .*$", text)
+        reason = (found.group(0) if found and "publish" in r["fault"] else text)[:110]
         after = r["store_after"] + ("" if r["outside_untouched"] else "; **wrote outside**")
         lines.append(f"| {r['fault']} | {r['path']} | {r['ready_s']:.2f} | "
                      f"{'yes' if r['same_tokens'] else '**no**'} | {after} | {reason} |")  # fmt: skip
