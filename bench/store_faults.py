@@ -408,14 +408,16 @@ def report(meta: dict, restore: list[dict], faults: list[dict], cold_s: float) -
     ]
     for r in faults:
         text = r["reason"].replace("|", "/")
-        found = re.search(r"(publish failed|not published|published) .*$", text)
+        found = re.search(r"(publish failed|not published|published)\b.*$", text)
         reason = (found.group(0) if found and "publish" in r["fault"] else text)[:110]
         after = r["store_after"] + ("" if r["outside_untouched"] else "; **wrote outside**")
         lines.append(f"| {r['fault']} | {r['path']} | {r['ready_s']:.2f} | "
                      f"{'yes' if r['same_tokens'] else '**no**'} | {after} | {reason} |")  # fmt: skip
     plt = pyplot()
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5), gridspec_kw={"width_ratios": [1, 3]})
-    a.bar([f"{r['model']}\n{r['mode']}" for r in restore], [r["gb_per_s"] for r in restore],
+    short = {"demo-135m": "135M", "llama-0.49b": "0.49B"}
+    a.bar([f"{short.get(r['model'], r['model'])}\n{r['mode']}" for r in restore],
+          [r["gb_per_s"] for r in restore],
           color=["#888", "#2a7"] * len(restore))  # fmt: skip
     a.set_ylabel("restore GB/s (median, hash-verified)")
     a.set_title("tier-A restore, bf16")
@@ -425,7 +427,7 @@ def report(meta: dict, restore: list[dict], faults: list[dict], cold_s: float) -
     b.axvline(cold_s + TIMEOUT_S, color="r", ls=":", label=f"cold + timeout ({TIMEOUT_S:g} s)")
     b.invert_yaxis()
     b.set_xlabel("seconds to a ready engine")
-    b.legend(loc="lower right")
+    b.legend(loc="center right")
     b.set_title("each fault ends in a ready engine")
     rows = [{"kind": "restore", **r} for r in restore] + [{"kind": "fault", **r} for r in faults]
     save_report(OUT, "store_faults", meta | {"cold_s": cold_s}, rows, lines, fig)
