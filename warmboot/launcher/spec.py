@@ -81,7 +81,7 @@ def process_key_fields(engine: dict, runsc_version: str, spec) -> dict[str, str]
         "cpu": host_cpu_features(),
         "sandbox_spec": json.dumps(
             {
-                "argv": spec.argv,
+                "argv": [*spec.argv[:-1], _keyed_settings(spec.argv[-1])],
                 "cwd": spec.cwd,
                 "env": spec.env,
                 "binds": [dst for _, dst in spec.binds()],
@@ -90,6 +90,15 @@ def process_key_fields(engine: dict, runsc_version: str, spec) -> dict[str, str]
             sort_keys=True,
         ),
     }
+
+
+NOT_KEYED = ("snapshot_timeout",)
+"""Worker settings that cannot change a restored process (used only while it first boots)."""
+
+
+def _keyed_settings(engine_json: str) -> str:
+    engine = json.loads(engine_json)
+    return json.dumps({k: v for k, v in engine.items() if k not in NOT_KEYED}, sort_keys=True)
 
 
 def process_key(fields: dict[str, str]) -> str:
