@@ -1,4 +1,4 @@
-"""Command line: ``warmboot generate`` and ``warmboot demo``."""
+"""Command line: ``warmboot generate | serve | demo | fleet | snapshot``."""
 
 from __future__ import annotations
 
@@ -42,9 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-tokens", type=int, default=32)
     _sandbox_arg(demo)
     _engine_args(demo)
+    from warmboot.fleet.cli import add_fleet_parser, run_fleet_cli
     from warmboot.snapshot.cli import add_snapshot_parser, run_snapshot
 
     add_snapshot_parser(sub)
+    add_fleet_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s"
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "snapshot":
         return run_snapshot(args)
     try:
-        commands = {"generate": _generate, "demo": _demo, "serve": _serve}
+        commands = {"generate": _generate, "demo": _demo, "serve": _serve, "fleet": run_fleet_cli}
         return commands[args.command](args)
     except (ValueError, FileNotFoundError, NotImplementedError) as e:
         print(f"error: {e}", file=sys.stderr)
