@@ -51,10 +51,11 @@ def build_app(cfg: FleetConfig, app_name: str = APP_NAME):
             "look_back_period_s": max(
                 2 * scaling.metrics_interval_s, min(10.0, scaling.downscale_delay_s / 2)
             ),
-            "metrics_interval_s": scaling.metrics_interval_s,
         },
     )
-    ingress = serve.deployment(Ingress, name=INGRESS, num_replicas=1,
+    # NOTE: the ingress takes every request at once (Serve's default of 5 would queue the
+    # rest in the proxy, unbounded): it bounds the queue itself, with a 503 and Retry-After
+    ingress = serve.deployment(Ingress, name=INGRESS, num_replicas=1, max_ongoing_requests=100_000,
                                ray_actor_options={"num_cpus": 0})  # fmt: skip
     config_json = cfg.to_json()
     return ingress.bind(config_json, replica.bind(config_json, INGRESS, app_name), REPLICA,
@@ -115,9 +116,12 @@ def run_fleet(cfg: FleetConfig, port: int, address: str | None = None, blocking:
 
 
 def shutdown() -> None:
+    """Stop the fleet (its replicas drain) and the Ray this process started. Idempotent."""
     import ray
     from ray import serve
 
+    if not ray.is_initialized():
+        return
     try:
         serve.shutdown()
     finally:
