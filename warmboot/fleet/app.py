@@ -62,6 +62,15 @@ def build_app(cfg: FleetConfig, app_name: str = APP_NAME):
                         app_name)  # fmt: skip
 
 
+def build_openai_app(config: dict, app_name: str = APP_NAME):
+    """``ray.serve.llm.build_openai_app``'s shape: ``{"llm_configs": [LLMConfig-shaped dict]}``
+    (one model per fleet for now)."""
+    configs = config.get("llm_configs", [])
+    if len(configs) != 1:
+        raise ValueError(f"a warmboot fleet serves one model; got {len(configs)} llm_configs")
+    return build_app(FleetConfig.from_llm_config(configs[0]), app_name)
+
+
 def serve_env(cfg: FleetConfig) -> dict[str, str]:
     """What Serve's processes must see in their environment."""
     interval = str(cfg.autoscaling.metrics_interval_s)

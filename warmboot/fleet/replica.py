@@ -14,6 +14,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from warmboot.fleet.config import FleetConfig
@@ -29,7 +30,7 @@ class Replica:
 
         t0 = time.monotonic()
         self.cfg = FleetConfig.from_json(config_json)
-        self.id = f"{socket.gethostname()}-{os.getpid()}"
+        self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         client, self.start = boot_engine(self.cfg)
         self.start["seconds"] = time.monotonic() - t0
         self.holder = EngineHolder(lambda: client)

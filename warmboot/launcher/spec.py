@@ -92,7 +92,7 @@ def process_key_fields(engine: dict, runsc_version: str, spec) -> dict[str, str]
     }
 
 
-NOT_KEYED = ("snapshot_timeout",)
+NOT_KEYED = ("snapshot_timeout", "snapshot_publish")
 """Worker settings that cannot change a restored process (used only while it first boots)."""
 
 
