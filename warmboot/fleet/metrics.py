@@ -62,8 +62,10 @@ class FleetView:
             "waiting": waiting,
             "scale_ups": self.scale_ups,
             "starts_by_path": dict(paths),
-            "starts": [{"replica": rid, **{k: s.get(k) for k in ("path", "seconds", "reason")}}
-                       for rid, s in sorted(self.starts.items())],  # fmt: skip
+            "starts": [
+                {"replica": rid, **{k: s.get(k) for k in ("path", "seconds", "reason")}}
+                for rid, s in sorted(self.starts.items())
+            ],  # fmt: skip
         }
 
 

@@ -65,8 +65,13 @@ class Replica:
                     return
                 msg = getter.result()
                 if msg["type"] == "http.response.start":
-                    yield {"status": msg["status"], "headers": [
-                        (k.decode("latin-1"), v.decode("latin-1")) for k, v in msg["headers"]]}  # fmt: skip
+                    headers = [
+                        (k.decode("latin-1"), v.decode("latin-1")) for k, v in msg["headers"]
+                    ]
+                    yield {
+                        "status": msg["status"],
+                        "headers": [*headers, ("x-warmboot-replica", self.id)],
+                    }
                 elif msg["type"] == "http.response.body":
                     if msg.get("body"):
                         yield bytes(msg["body"])
