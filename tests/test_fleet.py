@@ -85,6 +85,7 @@ async def stream(base: str, prompt: str, max_tokens: int) -> dict:
     async with httpx.AsyncClient(base_url=base, timeout=WAIT_S) as c:
         async with c.stream("POST", "/v1/completions", json=body) as r:
             out["status"], out["retry_after"] = r.status_code, r.headers.get("retry-after")
+            out["replica"] = r.headers.get("x-warmboot-replica")
             if r.status_code != 200:
                 return out
             async for line in r.aiter_lines():
@@ -124,6 +125,23 @@ def test_scale_from_zero_to_first_token_and_back(fleet, path):
                           if line.startswith("warmboot_fleet_scale_up_decision_seconds ")))  # fmt: skip
     assert 0 < decision < 5, f"the scale-up decision took {decision:.2f} s"
     wait_for(client, idle, "zero replicas after idle")
+
+
+def test_a_burst_within_one_replicas_batch_boots_one(fleet):
+    """No wasted boot: a burst that one replica's batch takes scales 0 -> 1, not 0 -> 1 -> 2."""
+    cfg, client = fleet
+    wait_for(client, idle, "zero replicas")
+    before = client.get("/health").json()["scale_ups"]
+    base = f"http://127.0.0.1:{PORT}"
+
+    async def burst():
+        return await asyncio.gather(*[stream(base, f"small {i}", 8) for i in range(2)])
+
+    results = asyncio.run(burst())
+    assert all(r["status"] == 200 and r["done"] for r in results), results
+    assert len({r["replica"] for r in results}) == 1
+    assert client.get("/health").json()["scale_ups"] == before + 1
+    wait_for(client, idle, "zero replicas after the small burst")
 
 
 def test_a_burst_scales_to_two_and_every_stream_completes_across_the_downscale(fleet):

@@ -131,3 +131,20 @@ def test_a_stream_whose_replica_goes_away_ends_with_an_error_event():
     error = json.loads(tail.split("\n\n")[0].removeprefix("data: "))
     assert error["error"]["code"] == 503 and tail.endswith("data: [DONE]\n\n")
     assert asyncio.run(collect(False)) == chunks[:1], "a non-SSE body just ends"
+
+
+def test_joining_a_ray_address_that_does_not_answer_fails_fast():
+    pytest.importorskip("ray")
+    import socket
+    import time
+
+    from warmboot.fleet.app import start_ray
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = FleetConfig(model_id="m", model_source="/m")
+    t0 = time.monotonic()
+    with pytest.raises(ConnectionError, match=f"127.0.0.1:{port} does not answer"):
+        start_ray(cfg, address=f"ray://127.0.0.1:{port}")
+    assert time.monotonic() - t0 < 15

@@ -36,7 +36,7 @@ def build_app(cfg: FleetConfig, app_name: str = APP_NAME):
     replica = serve.deployment(
         Replica,
         name=REPLICA,
-        max_ongoing_requests=2 * scaling.target_ongoing_requests,
+        max_ongoing_requests=scaling.max_ongoing_requests or 2 * scaling.target_ongoing_requests,
         max_queued_requests=cfg.max_queued_requests,
         graceful_shutdown_timeout_s=cfg.drain_timeout_s,
         graceful_shutdown_wait_loop_s=0.5,

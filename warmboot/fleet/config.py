@@ -21,6 +21,9 @@ class AutoscalingConfig:
     target_ongoing_requests: int = 8
     """Requests one replica takes before another is wanted: its batch (``max_num_seqs``), so a
     burst scales to the need at once rather than 0 -> 1 -> 2 with a wasted boot."""
+    max_ongoing_requests: int | None = None
+    """Requests one replica runs at once; more wait in the handles' queues (None: twice the
+    target)."""
     upscale_delay_s: float = 0.0
     downscale_delay_s: float = 30.0
     """Idle this long before a replica goes (to zero included)."""

@@ -9,6 +9,8 @@ import time
 from collections import Counter
 
 STALE_REPORT_S = 10.0
+START_FIELDS = ("path", "seconds", "reason", "began", "ready")
+"""What /health shows of each replica start (``began`` / ``ready``: wall-clock seconds)."""
 STATES = ("STARTING", "RUNNING", "STOPPING", "RECOVERING", "UPDATING")
 
 
@@ -63,9 +65,9 @@ class FleetView:
             "scale_ups": self.scale_ups,
             "starts_by_path": dict(paths),
             "starts": [
-                {"replica": rid, **{k: s.get(k) for k in ("path", "seconds", "reason")}}
-                for rid, s in sorted(self.starts.items())
-            ],  # fmt: skip
+                {"replica": rid, **{k: s.get(k) for k in START_FIELDS}}
+                for rid, s in sorted(self.starts.items(), key=lambda i: i[1].get("began", 0))
+            ],
         }
 
 

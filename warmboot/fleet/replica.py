@@ -28,11 +28,11 @@ class Replica:
         from warmboot.server.app import ServerConfig, create_app
         from warmboot.server.engine_holder import EngineHolder
 
-        t0 = time.monotonic()
+        t0, began = time.monotonic(), time.time()
         self.cfg = FleetConfig.from_json(config_json)
         self.id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         client, self.start = boot_engine(self.cfg)
-        self.start["seconds"] = time.monotonic() - t0
+        self.start |= {"seconds": time.monotonic() - t0, "began": began, "ready": time.time()}
         self.holder = EngineHolder(lambda: client)
         self.holder.boot()
         self.app = create_app(self.holder, ServerConfig(served_model_name=self.cfg.model_id))
