@@ -150,8 +150,9 @@ def test_a_burst_scales_to_two_and_every_stream_completes_across_the_downscale(f
     base = f"http://127.0.0.1:{PORT}"
 
     async def burst():
-        short = [stream(base, f"burst {i}", 12) for i in range(5)]
-        long = stream(base, "the long one", 100)  # still running when the others' replica goes
+        # NOTE: more than one replica's batch (4) waits while the first boots (6: the bound)
+        short = [stream(base, f"burst {i}", 60) for i in range(5)]
+        long = stream(base, "the long one", 110)  # still running when the others' replica goes
         return await asyncio.gather(long, *short)
 
     seen = []
