@@ -19,8 +19,8 @@ from tests.test_fleet import WAIT_S, stream
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.slow
 PORT = 18767
-SHORT_TOKENS = 60
-LONG_TOKENS = 200
+SHORT_TOKENS = 150
+LONG_TOKENS = 280
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def demo_fleet(tmp_path_factory):
     cfg = FleetConfig(
         model_id="tiny",  # NOTE: the name tests.test_fleet.stream asks for
         model_source=str(ensure_default_model()),
-        engine_kwargs={"max_model_len": 256, "max_num_seqs": 4, "cpu_threads": 1},
+        engine_kwargs={"max_model_len": 320, "max_num_seqs": 4, "cpu_threads": 1},
         snapshot_store=str(tmp_path_factory.mktemp("drain") / "store"),
         sandbox="none",
         drain_timeout_s=120,
