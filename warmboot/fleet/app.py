@@ -51,6 +51,9 @@ def build_app(cfg: FleetConfig, app_name: str = APP_NAME):
             "look_back_period_s": max(
                 2 * scaling.metrics_interval_s, min(10.0, scaling.downscale_delay_s / 2)
             ),
+            # NOTE: deprecated, yet what a handle's router still pushes its queue on: its
+            # default (10 s) held the decision to leave zero for seconds after the first time
+            "metrics_interval_s": scaling.metrics_interval_s,
         },
     )
     # NOTE: the ingress takes every request at once (Serve's default of 5 would queue the
