@@ -291,3 +291,4 @@ def test_a_stalled_store_never_holds_a_tier_p_start(published, faulty, monkeypat
         release.set()
     assert "process image fetch: no progress for 2 s" in info.reason, info.reason
     assert info.path == "cold" and answer == published[1]
+    assert _image_chunk(cfg)[2]["files"], "a stalled store is no reason to discard the image"

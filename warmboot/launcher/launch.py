@@ -28,7 +28,7 @@ from warmboot.launcher import process_image
 from warmboot.launcher import spec as spec_mod
 from warmboot.launcher.remote import Channel, LaunchInfo, RemoteLLM, WorkerError
 from warmboot.snapshot.canary import canary_mismatch
-from warmboot.snapshot.deadline import run_with_deadline
+from warmboot.snapshot.deadline import StoreTimeout, run_with_deadline
 from warmboot.snapshot.lease import holder, try_lease
 
 log = logging.getLogger("warmboot")
@@ -85,11 +85,11 @@ def launch(cfg: LaunchConfig):
     except Exception as e:  # noqa: BLE001 - any failure of a restore means a cold boot
         reason = f"process snapshot {key[:12]} unusable: {e}"
         fallbacks = ("canary_mismatch" if "canary mismatch" in str(e) else "restore_failed",)
-        log.warning("%s; discarding it and booting cold", reason)
-        try:
-            _bounded(cfg, "process image discard", lambda: process_image.discard(store, key))
-        except Exception as e:  # noqa: BLE001 - a read-only or full store: boot cold regardless
-            log.warning("could not discard process snapshot %s: %s", key[:12], e)
+        if isinstance(e, StoreTimeout):  # NOTE: a stalled store says nothing of the image
+            log.warning("%s; booting cold", reason)
+        else:
+            log.warning("%s; discarding it and booting cold", reason)
+            _discard(cfg, store, key)
     try:
         client = _create(cfg, store, key, fields, spec, reason, t0)
     except Exception as e:  # noqa: BLE001 - the in-process boot is the last resort
@@ -247,6 +247,13 @@ def _start(cfg, sandbox, proc, channel, work: Path, canary: list | None, phases:
 
 def _store_timeout(cfg: LaunchConfig) -> float:
     return float(cfg.engine.get("snapshot_timeout") or 30.0)
+
+
+def _discard(cfg: LaunchConfig, store, key: str) -> None:
+    try:
+        _bounded(cfg, "process image discard", lambda: process_image.discard(store, key))
+    except Exception as e:  # noqa: BLE001 - a read-only or full store: boot cold regardless
+        log.warning("could not discard process snapshot %s: %s", key[:12], e)
 
 
 def _bounded(cfg: LaunchConfig, what: str, fn):
