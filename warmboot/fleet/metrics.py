@@ -48,12 +48,12 @@ class FleetView:
         if live > 0:
             self._waiting_since = None
         self._live = live
-        for rid, rep in self.reports.items():
+        for rid, rep in list(self.reports.items()):  # NOTE: reports arrive on another thread
             self.starts[rid] = rep["start"]
 
     def live_reports(self) -> list[dict]:
         now = time.time()
-        return [r for r in self.reports.values() if now - r.get("time", 0) < STALE_REPORT_S]
+        return [r for r in list(self.reports.values()) if now - r.get("time", 0) < STALE_REPORT_S]
 
     def health(self, model: str, waiting: int) -> dict:
         paths = Counter(s["path"] for s in self.starts.values())
