@@ -148,3 +148,25 @@ def test_joining_a_ray_address_that_does_not_answer_fails_fast():
     with pytest.raises(ConnectionError, match=f"127.0.0.1:{port} does not answer"):
         start_ray(cfg, address=f"ray://127.0.0.1:{port}")
     assert time.monotonic() - t0 < 15
+
+
+def test_the_ingress_checks_the_api_key():
+    pytest.importorskip("ray.serve")
+    import types
+
+    from starlette.requests import Request
+
+    from warmboot.fleet.ingress import Ingress
+
+    fake = types.SimpleNamespace(cfg=FleetConfig(model_id="m", model_source="/m", api_key="k1"))
+
+    def request(auth: str | None) -> Request:
+        headers = [(b"authorization", auth.encode())] if auth is not None else []
+        return Request({"type": "http", "headers": headers})
+
+    assert Ingress._denied(fake, request("Bearer k1")) is None
+    assert Ingress._denied(fake, request("bearer k1")) is None
+    for bad in ("Bearer k2", "Basic k1", "", None):
+        assert Ingress._denied(fake, request(bad)).status_code == 401, bad
+    open_fleet = types.SimpleNamespace(cfg=FleetConfig(model_id="m", model_source="/m"))
+    assert Ingress._denied(open_fleet, request(None)) is None

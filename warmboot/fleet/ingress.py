@@ -16,6 +16,7 @@ torch) in front of the warmboot replicas.
 # NOTE: no `from __future__ import annotations`: FastAPI reads the routes' annotations at
 # class-definition time, and string annotations on a Serve ingress class do not resolve.
 import asyncio
+import hmac
 import json
 import logging
 
@@ -106,12 +107,15 @@ class Ingress:
                "headers": _forwarded_headers(request), "body": await request.body()}  # fmt: skip
         self.waiting += 1
         self.view.note_waiting()
+        stream = self.replicas.options(stream=True).handle.remote(req)
         try:
-            stream = self.replicas.options(stream=True).handle.remote(req)
             head = await asyncio.wait_for(stream.__anext__(), self.cfg.request_timeout_s)
         except BackPressureError:
             return _busy("every replica's queue is full")
-        except TimeoutError:
+        except (TimeoutError, asyncio.CancelledError) as e:
+            stream.cancel()  # NOTE: no replica runs a request nobody waits for any more
+            if isinstance(e, asyncio.CancelledError):
+                raise
             return _busy(f"no replica took the request within {self.cfg.request_timeout_s:g} s")
         finally:
             self.waiting -= 1
@@ -125,7 +129,7 @@ class Ingress:
         if key is None:
             return None
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() == "bearer" and token == key:
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), key.encode()):
             return None
         return JSONResponse({"error": {"message": "invalid or missing API key",
                              "type": "authentication_error", "code": "invalid_api_key"}},
