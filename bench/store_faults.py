@@ -209,23 +209,23 @@ def f_s3_clean(stack, ctx) -> str:
     return ctx["s3"]
 
 
-def f_s3_stall_restore(stack, ctx) -> str:
+def _stall_s3_on(stack, ctx, method: str) -> None:
+    """The proxy stops answering as the S3 store's ``method`` is first called."""
     from warmboot.snapshot.s3_store import S3Store
 
-    proxy, real = ctx["proxy"], S3Store.read_chunk
+    proxy, real = ctx["proxy"], getattr(S3Store, method)
     stack.callback(proxy.resume)
-    stack.enter_context(_patched(S3Store, "read_chunk",
-                                 lambda self, h, out: proxy.stall() or real(self, h, out)))  # fmt: skip
+    stack.enter_context(_patched(S3Store, method,
+                                 lambda self, h, buf: proxy.stall() or real(self, h, buf)))  # fmt: skip
+
+
+def f_s3_stall_restore(stack, ctx) -> str:
+    _stall_s3_on(stack, ctx, "read_chunk")
     return ctx["s3"]
 
 
 def f_s3_stall_publish(stack, ctx) -> str:
-    from warmboot.snapshot.s3_store import S3Store
-
-    proxy, real = ctx["proxy"], S3Store.put_chunk
-    stack.callback(proxy.resume)
-    stack.enter_context(_patched(S3Store, "put_chunk",
-                                 lambda self, h, d: proxy.stall() or real(self, h, d)))  # fmt: skip
+    _stall_s3_on(stack, ctx, "put_chunk")
     return ctx["s3"] + "-empty"
 
 

@@ -152,15 +152,20 @@ def test_a_restored_engine_ignores_what_happens_to_the_store(path, golden, store
 
 
 # -- a stalled or failing local store ---------------------------------------------------------
-def test_a_local_read_that_never_returns_is_abandoned(path, golden, store, monkeypatch):
-    release = threading.Event()
-    real = LocalStore.read_chunk
+def _hang(monkeypatch, method: str) -> threading.Event:
+    """``LocalStore.method`` blocks until the returned event is set (at most a minute)."""
+    release, real = threading.Event(), getattr(LocalStore, method)
 
-    def hang(self, h, out):
+    def hang(self, h, buf):
         release.wait(60)
-        return real(self, h, out)
+        return real(self, h, buf)
 
-    monkeypatch.setattr(LocalStore, "read_chunk", hang)
+    monkeypatch.setattr(LocalStore, method, hang)
+    return release
+
+
+def test_a_local_read_that_never_returns_is_abandoned(path, golden, store, monkeypatch):
+    release = _hang(monkeypatch, "read_chunk")
     try:
         healthy(path, store.root, golden, reason="snapshot restore: no progress for 2 s")
     finally:
@@ -198,14 +203,7 @@ def test_a_read_only_store_restores_and_a_cold_boot_serves(path, golden, store, 
 
 
 def test_a_stalled_publish_does_not_hold_the_start(path, golden, tmp_path, monkeypatch):
-    release = threading.Event()
-    real = LocalStore.put_chunk
-
-    def hang(self, h, data):
-        release.wait(60)
-        return real(self, h, data)
-
-    monkeypatch.setattr(LocalStore, "put_chunk", hang)
+    release = _hang(monkeypatch, "put_chunk")
     root = tmp_path / "stalled"
     try:
         healthy(path, root, golden, reason="publish failed: snapshot publish: no progress for 2 s")

@@ -17,6 +17,17 @@ SUPPORTED_ARCHITECTURES = (
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (one we may not signal counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def cache_root() -> Path:
     """Root of every cache warmboot keeps (demo models, snapshots, autotune results):
     ``$WARMBOOT_CACHE`` or ``~/.cache/warmboot``."""

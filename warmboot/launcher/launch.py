@@ -159,22 +159,16 @@ def _publish_lease(cfg: LaunchConfig, store, key: str):
 
 def _boot(cfg, spec, work: Path, phases: dict) -> RemoteLLM:
     """Run a worker and serve it as it booted (no checkpoint)."""
-    from warmboot.launcher.sandbox import Sandbox
-
-    sandbox = Sandbox(spec, work / "boot")
+    sandbox, proc, channel = _run_worker(cfg, spec, work, phases)
     try:
-        t = time.monotonic()
-        proc = sandbox.run()
-        channel = Channel(proc.stdin, proc.stdout, "sandboxed worker")
-        channel.expect("booted", cfg.boot_timeout)
-        phases["sandboxed_boot"] = time.monotonic() - t
         return _start(cfg, sandbox, proc, channel, work, None, phases)
     except BaseException:
         sandbox.delete()
         raise
 
 
-def _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, phases):
+def _run_worker(cfg, spec, work: Path, phases: dict):
+    """(sandbox, process, channel) of a fresh sandboxed worker that has said ``booted``."""
     from warmboot.launcher.sandbox import Sandbox
 
     sandbox = Sandbox(spec, work / "boot")
@@ -184,6 +178,15 @@ def _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, ph
         channel = Channel(proc.stdin, proc.stdout, "sandboxed worker")
         channel.expect("booted", cfg.boot_timeout)
         phases["sandboxed_boot"] = time.monotonic() - t
+    except BaseException:
+        sandbox.delete()
+        raise
+    return sandbox, proc, channel
+
+
+def _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, phases):
+    sandbox, _, channel = _run_worker(cfg, spec, work, phases)
+    try:
         channel.send({"t": "prepare_checkpoint"})
         quiescent = channel.expect("quiescent", 120)
         image = work / "image"

@@ -12,6 +12,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from warmboot.config import pid_alive
 from warmboot.launcher.sandbox import SandboxSpec, delete_containers
 from warmboot.snapshot.key import HOST_CPU_ENV, host_cpu_features
 
@@ -118,20 +119,11 @@ def sweep_leftovers(work_root: Path) -> int:
     swept = 0
     for entry in Path(work_root).glob("*-*") if Path(work_root).is_dir() else ():
         pid = entry.name.partition("-")[0]
-        if not pid.isdigit() or not entry.is_dir() or entry.is_symlink() or _alive(int(pid)):
+        if not pid.isdigit() or not entry.is_dir() or entry.is_symlink() or pid_alive(int(pid)):
             continue
         for state in entry.glob("*/state"):
             delete_containers(state)
         shutil.rmtree(entry, ignore_errors=True)
         swept += 1
     return swept
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True

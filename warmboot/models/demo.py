@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from warmboot.config import cache_root
+from warmboot.config import cache_root, pid_alive
 
 DEFAULT_MODEL_NAME = "warmboot-demo-135m"
 DEFAULT_SHAPE = dict(
@@ -247,15 +247,6 @@ def _remove_stale_tmp_dirs(path: Path) -> None:
     """Delete ``.tmp-<name>-<pid>-*`` siblings whose creating process is gone."""
     for tmp in path.parent.glob(f"{_TMP_PREFIX}{path.name}-*"):
         pid = tmp.name.removeprefix(f"{_TMP_PREFIX}{path.name}-").split("-", 1)[0]
-        if not (pid.isdigit() and _pid_alive(int(pid))):
+        if not (pid.isdigit() and pid_alive(int(pid))):
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True

@@ -17,6 +17,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from warmboot.config import pid_alive
 from warmboot.snapshot.image import IntegrityError
 from warmboot.snapshot.store_api import KEY_RE, Store
 
@@ -90,13 +91,7 @@ def _dead_here(held: dict) -> bool:
     pid = held.get("pid")
     if held.get("host") != socket.gethostname() or type(pid) is not int or pid <= 0:
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return not pid_alive(pid)
 
 
 def _expires(held: dict) -> float:

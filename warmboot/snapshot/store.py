@@ -178,9 +178,12 @@ class LocalStore(Store):
     def delete_manifest(self, key: str) -> None:
         self._unlink(("manifests",), self._manifest_path(key).name)
 
+    def _lease_name(self, name: str) -> str:
+        return self._manifest_path(name).with_suffix(".lease").name  # NOTE: checks the name
+
     def create_lease(self, name: str, data: bytes) -> bool:
         """A hard link from a written temporary file: it appears whole, and only once."""
-        lease = self._manifest_path(name).with_suffix(".lease").name
+        lease = self._lease_name(name)
         tmp_fd = self._dir("tmp", create=True)
         try:
             lease_fd = self._dir("leases", create=True)
@@ -192,7 +195,7 @@ class LocalStore(Store):
             os.close(tmp_fd)
 
     def get_lease(self, name: str) -> bytes | None:
-        path = self.root / "leases" / self._manifest_path(name).with_suffix(".lease").name
+        path = self.root / "leases" / self._lease_name(name)
         try:
             fd = open_regular(path, self.root)
         except FileNotFoundError:
@@ -201,7 +204,7 @@ class LocalStore(Store):
             return f.read(MAX_LEASE_BYTES)
 
     def delete_lease(self, name: str) -> None:
-        self._unlink(("leases",), self._manifest_path(name).with_suffix(".lease").name)
+        self._unlink(("leases",), self._lease_name(name))
 
     def remove_stale_tmp(self, older_than: float = STALE_TMP_SECONDS) -> int:
         """Delete temporary files left by crashed publishers; returns how many. Only entries
