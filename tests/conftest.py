@@ -1,14 +1,34 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.tiny_models import KINDS, make_tiny_model
+from warmboot.config import EAGER_ENV
 
 torch.set_num_threads(2)
+# NOTE: engines that do not say run eagerly in the suite (a compile per engine would cost
+# minutes); the parity, loop and snapshot tests that cover the compiled steps ask for them
+# (``compiled_default``) or pass enforce_eager=False.
+os.environ.setdefault(EAGER_ENV, "1")
+
+
+@pytest.fixture(params=["compiled", "eager"])
+def step_mode(request, monkeypatch):
+    """Run the test twice: engines that do not say compile their steps (the product's CPU
+    default), then run eagerly (``enforce_eager=True``)."""
+    monkeypatch.setenv(EAGER_ENV, "0" if request.param == "compiled" else "1")
+    return request.param
+
+
+@pytest.fixture
+def compiled_default(monkeypatch):
+    """Engines that do not say compile their steps, as outside the suite."""
+    monkeypatch.setenv(EAGER_ENV, "0")
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,8 @@ from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM, SamplingParams
 from warmboot.core.types import ScheduledRequest
 
+pytestmark = pytest.mark.usefixtures("step_mode")  # compiled steps, then enforce_eager
+
 LENGTHS = (5, 13, 31, 47, 2, 20)
 MAX_NEW = 24
 
@@ -131,3 +133,21 @@ def test_n_completions_share_the_prompt_blocks(tiny_model_dir, hf_model):
     texts = {tuple(c.token_ids) for c in seeded.outputs}
     assert len(texts) == 3, "different completions of one seeded request must differ"
     assert_engine_clean(llm)
+
+
+def test_compiled_steps_trace_once_for_every_batch_shape(step_mode, tiny_model_dir, hf_model):
+    """Decode, prefill and mixed steps of any row count run the two graphs compiled at
+    start-up (no recompile while serving); greedy tokens still match transformers."""
+    path = tiny_model_dir("llama")
+    llm = LLM(str(path), max_model_len=128, block_size=4, num_kv_blocks=256)
+    info = llm.engine.stats()["compile"]
+    assert info["compiled"] is (step_mode == "compiled")
+    if step_mode == "eager":
+        return
+    assert info["graphs"] == 2 and "compile" in llm.engine.startup_times
+    prompts = random_prompts([1, 3, 17, 5, 30, 2, 9], VOCAB_SIZE, seed=11)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    hf = hf_model(path)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 6) for p in prompts]
+    assert llm.engine.stats()["compile"]["graphs"] == 2, "a step recompiled while serving"

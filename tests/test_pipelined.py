@@ -332,6 +332,21 @@ def test_pipelined_equals_sync_on_random_workloads(path):
     assert coverage["length"] > 0, coverage
 
 
+def test_pipelined_equals_sync_with_compiled_steps(path, compiled_default):
+    """The heavy workload (preemption, aborts, stops, penalties) through the compiled steps:
+    both loops give the same outputs, and the same as the eager reference."""
+    tok, greedy_ref = greedy_reference(path)
+    specs, engine_kw = HEAVY
+    reqs = [_build(s, greedy_ref) for s in specs]
+    results = {}
+    for pipelined in (False, True):
+        llm = make_llm(path, pipelined, max_model_len=MAX_MODEL_LEN, **engine_kw)
+        assert llm.stats()["compile"]["compiled"], llm.stats()["compile"]
+        results[pipelined] = drive(llm, reqs)
+        assert llm.stats()["compile"]["graphs"] == 2, "a step recompiled while serving"
+    assert compare_runs(reqs, results[False], results[True], tok)
+
+
 # -- 2. abort of a request whose token is in flight ----------------------------------------------
 def test_abort_of_in_flight_request(path, hf):
     llm = make_llm(path, pipelined=True)

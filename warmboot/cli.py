@@ -92,7 +92,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--enforce-eager",
         action="store_true",
-        help="never replay decode steps as CUDA graphs (they are captured by default on CUDA)",
+        default=None,
+        help="run every step eagerly: no compiled steps (the CPU default) and no CUDA graphs "
+        "(the CUDA default)",
+    )
+    p.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=None,
+        help="torch compute threads on the CPU (default: the thread policy, all cores but "
+        "one for the host loop, pinned where the OS allows)",
     )
     p.add_argument(
         "--snapshot-store",
@@ -131,7 +140,8 @@ def _engine_kwargs(args, model: str) -> dict:
         device=args.device,
         max_model_len=args.max_model_len,
         pipelined=args.pipelined,
-        cuda_graphs=False if args.enforce_eager else None,
+        enforce_eager=args.enforce_eager,
+        cpu_threads=args.cpu_threads,
         snapshot_store=args.snapshot_store,
         snapshot_publish=args.snapshot_publish,
         snapshot_timeout=args.snapshot_timeout,

@@ -28,6 +28,17 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+EAGER_ENV = "WARMBOOT_ENFORCE_EAGER"
+
+
+def resolve_eager(enforce_eager: bool | None) -> bool:
+    """``enforce_eager``, or when unsaid ``$WARMBOOT_ENFORCE_EAGER=1`` (the test suite's
+    default, and a quick way to rule the compiler out)."""
+    if enforce_eager is not None:
+        return enforce_eager
+    return os.environ.get(EAGER_ENV, "0") not in ("", "0")
+
+
 def cache_root() -> Path:
     """Root of every cache warmboot keeps (demo models, snapshots, autotune results):
     ``$WARMBOOT_CACHE`` or ``~/.cache/warmboot``."""
@@ -208,8 +219,14 @@ class EngineConfig:
     """Pipelined decode loop; None picks it where it pays (CUDA, CPUs with >= 4 cores)."""
     cuda_graphs: bool | None = None
     """Replay decode-only steps as CUDA graphs; None: on for CUDA devices."""
+    enforce_eager: bool | None = None
+    """Run every step eagerly: no compiled steps, no CUDA graphs (as vLLM's flag). None: the
+    environment's ``WARMBOOT_ENFORCE_EAGER=1``, else False."""
+    compile_steps: bool | None = None
+    """Compile the model steps (``device.compiled``); None: on for the CPU, off on CUDA
+    (CUDA graphs replay the eager step there; compiled-then-captured is not measured yet)."""
     cpu_threads: int | None = None
-    """torch intra-op threads on the CPU; None = all cores (sync) or all but one (pipelined)."""
+    """torch intra-op threads on the CPU; None: the thread policy (``engine.threads``)."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     snapshot_store: str | None = None

@@ -19,6 +19,7 @@ from warmboot.core.types import (
     SchedulerOutput,
     TokenEvent,
 )
+from warmboot.device.compiled import CompiledSteps, CompileStats
 from warmboot.device.graphs import DecodeGraphs
 from warmboot.device.inputs import InputBuilder
 from warmboot.device.sampler import (
@@ -76,6 +77,7 @@ class ModelRunner:
             block_size, num_request_slots, max_model_len, tokens, max_num_seqs, device
         )
         self.graphs: DecodeGraphs | None = None
+        self.compiled: CompiledSteps | None = None
 
     # -- start-up phases -----------------------------------------------------------------------
     def load_model(self, model_dir: str | Path) -> None:
@@ -119,6 +121,8 @@ class ModelRunner:
         else:
             cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
+        if self.compiled is not None:  # NOTE: the graphs look the caches up per step
+            self.compiled.kv_caches = self.kv_caches
         self._settle()
 
     def _settle(self) -> None:
@@ -127,16 +131,31 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def setup_compiled(self) -> CompileStats:
+        """Compile the model steps (after the weights and the KV pool; again after either
+        changes): every later forward runs the compiled graphs."""
+        self.compiled = None
+        compiled = CompiledSteps(self.model, self.kv_caches, self.attention, self.dtype)
+        stats = compiled.warm_up(self.scratch_block, self.block_size)
+        self.compiled = compiled
+        return stats
+
+    def _forward_fns(self):
+        """(hidden, logits) functions of a step: the compiled graphs when set up."""
+        if self.compiled is not None:
+            return self.compiled.hidden, self.compiled.logits
+        model, kv, attention = self.model, self.kv_caches, self.attention
+        return (lambda ids, pos, meta: model(ids, pos, kv, meta, attention)), model.compute_logits
+
     def setup_decode_graphs(self, batch_sizes: tuple[int, ...], emulate: bool = False) -> None:
         """Capture decode steps as CUDA graphs, block tables as wide as ``max_model_len``
         (``emulate``: static buffers and padding only, run eagerly; for CPU tests). Call again
         after the weights or the KV pool change."""
         self.graphs = None  # NOTE: frees the old graphs' pool before capturing anew
-        model, attention = self.model, self.attention
+        hidden_fn, logits_fn = self._forward_fns()
 
         def forward(ids, positions, meta):
-            hidden = model(ids, positions, self.kv_caches, meta, attention)
-            return model.compute_logits(hidden)
+            return logits_fn(hidden_fn(ids, positions, meta))
 
         width, scratch = self.inputs.table_width, self.inputs.scratch_block
         graphs = DecodeGraphs(
@@ -211,6 +230,7 @@ class ModelRunner:
         fed_index = staging.put("fed_index", [i for i, _ in fed])
         fed_slots = staging.put("fed_slots", [slot for _, slot in fed])
         up = self._upload
+        hidden_fn, logits_fn = self._forward_fns()
 
         def patch(input_ids: torch.Tensor) -> None:
             if fed:
@@ -225,14 +245,13 @@ class ModelRunner:
                 return
             input_ids = up(step.input_ids)
             patch(input_ids)
-            meta = step.meta.to(up)
-            hidden = self.model(input_ids, up(step.positions), self.kv_caches, meta, self.attention)
+            hidden = hidden_fn(input_ids, up(step.positions), step.meta.to(up))
             if step.sample_rows:
-                handle.logits = self.model.compute_logits(hidden[up(step.sample_index)])
+                handle.logits = logits_fn(hidden[up(step.sample_index)])
             if step.prompt_rows:
                 k = max(top for _, _, top in step.prompt_rows)
                 index, targets = up(step.prompt_index), up(step.prompt_targets)
-                lps = prompt_logprobs(hidden, self.model.compute_logits, index, targets, k)
+                lps = prompt_logprobs(hidden, logits_fn, index, targets, k)
                 handle.prompt_result = lps.to_host()
 
         self.stream.submit(forward)
@@ -307,11 +326,11 @@ class ModelRunner:
         step = self.inputs.build(scheduled, 0, self.slots, None)
         for s in scheduled:
             self.slots.park(s.req_id)
+        hidden_fn, logits_fn = self._forward_fns()
         with torch.inference_mode():
             up = self._upload
             ids, positions, meta = up(step.input_ids), up(step.positions), step.meta.to(up)
-            hidden = self.model(ids, positions, self.kv_caches, meta, self.attention)
-            return self.model.compute_logits(hidden)
+            return logits_fn(hidden_fn(ids, positions, meta))
 
     # -- checks --------------------------------------------------------------------------------
     def in_flight(self) -> list[StepHandle]:

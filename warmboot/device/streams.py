@@ -19,6 +19,8 @@ from typing import Protocol
 
 import torch
 
+from warmboot.device.threads import compute_cpus, pin_this_thread
+
 
 class Event(Protocol):
     def wait(self) -> None:
@@ -55,6 +57,8 @@ class CpuStream:
 
     def __init__(self, threads: int | None = None, name: str = "warmboot-device"):
         self._threads = threads
+        self.pinned = False
+        """Whether the compute threads are pinned to their cores (``device.threads``)."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._busy = 0.0
         self._error: BaseException | None = None
@@ -80,6 +84,7 @@ class CpuStream:
         if self._threads:
             # NOTE: OpenMP thread counts are per calling thread: set it on the device thread.
             torch.set_num_threads(self._threads)
+            self.pinned = pin_this_thread(compute_cpus(self._threads))
         with torch.inference_mode():
             while True:
                 item = self._queue.get()

@@ -32,6 +32,8 @@ class LLM:
         attention_backend: str = "auto",
         pipelined: bool | None = None,
         cuda_graphs: bool | None = None,
+        enforce_eager: bool | None = None,
+        compile_steps: bool | None = None,
         cpu_threads: int | None = None,
         seed: int = 0,
         snapshot_store: str | None = None,
@@ -47,6 +49,8 @@ class LLM:
             attention_backend=attention_backend,
             pipelined=pipelined,
             cuda_graphs=cuda_graphs,
+            enforce_eager=enforce_eager,
+            compile_steps=compile_steps,
             cpu_threads=cpu_threads,
             cache=CacheConfig(
                 block_size=block_size,

@@ -153,6 +153,7 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "loop": self.loop.name,
             "cuda_graphs": self.startup.graphs_note,
+            "compile": dict(self.startup.compile_info),
             "graph_steps": None if graphs is None else sum(graphs.replays.values()),
             "bubble_fraction": meter.bubble_fraction,
             "decode_steps_measured": meter.steps,
@@ -193,6 +194,7 @@ class LLMEngine:
         swapped = self.startup.restore_weights(self.runner, mapped=True)
         if not swapped or self.runner.model is old or snap.manifest is None:
             return {}
+        self.startup.compile(self)
         self.startup.recapture_graphs(self)
         return snap.manifest.chunk_refs()
 

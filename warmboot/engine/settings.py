@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from warmboot.config import EngineConfig, ModelConfig, SchedulerConfig
+from warmboot.config import EngineConfig, ModelConfig, SchedulerConfig, resolve_eager
+from warmboot.device.threads import default_threads, usable_cpus
 from warmboot.kernels.backend import AttentionBackend
 from warmboot.kernels.torch_attention import TorchAttentionBackend
 from warmboot.tokenizer import Tokenizer
@@ -40,20 +41,35 @@ class Settings:
     """``max_model_len`` filled in."""
     pipelined: bool
     cuda_graphs: bool
+    compiled: bool
+    """Model steps compiled (``device.compiled``)."""
     cpu_threads: int | None
 
 
 def resolve(config: EngineConfig, model: ModelConfig, max_model_len: int | None) -> Settings:
     device = resolve_device(config.device)
     pipelined = resolve_pipelined(config.pipelined, device)
+    eager = resolve_eager(config.enforce_eager)
+    if eager and config.cuda_graphs:
+        raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other")
+    if eager and config.compile_steps:
+        raise ValueError("enforce_eager=True and compile_steps=True contradict each other")
     return Settings(
         device=device,
         dtype=resolve_dtype(config.dtype, model, device),
         scheduler=resolve_scheduler(config.scheduler, model, max_model_len),
         pipelined=pipelined,
-        cuda_graphs=resolve_cuda_graphs(config.cuda_graphs, device),
+        cuda_graphs=not eager and resolve_cuda_graphs(config.cuda_graphs, device),
+        compiled=not eager and resolve_compiled(config.compile_steps, device),
         cpu_threads=cpu_threads(config, device, pipelined),
     )
+
+
+def resolve_compiled(compile_steps: bool | None, device: torch.device) -> bool:
+    """Default: compiled on the CPU (1.3-2x eager decode, docs/benchmarks/decode.md); off on
+    CUDA, where CUDA graphs already remove the step's dispatch and the compiled path has not
+    been measured on a GPU yet (``bench/gpu_run.sh`` times both)."""
+    return device.type == "cpu" if compile_steps is None else compile_steps
 
 
 def resolve_scheduler(
@@ -83,10 +99,13 @@ def resolve_cuda_graphs(cuda_graphs: bool | None, device: torch.device) -> bool:
 
 
 def cpu_threads(config: EngineConfig, device: torch.device, pipelined: bool) -> int | None:
-    """On the CPU the "device" is an executor thread; pipelined leaves one core to the host."""
+    """On the CPU the "device" is an executor thread with ``cpu_threads`` torch threads;
+    default: the thread policy's (``device.threads``), either loop."""
     if device.type != "cpu":
         return None
-    threads = config.cpu_threads or max(1, (os.cpu_count() or 1) - int(pipelined))
+    if config.cpu_threads is not None and config.cpu_threads < 1:
+        raise ValueError(f"cpu_threads must be >= 1, got {config.cpu_threads}")
+    threads = config.cpu_threads or default_threads(len(usable_cpus()))
     torch.set_num_threads(threads)  # the loading phases run on this thread
     return threads
 
@@ -101,14 +120,25 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """auto: on CUDA the checkpoint's half type (bf16 for fp32 checkpoints); on a CPU with
+    native bf16 (AVX-512 BF16 or AMX) bf16 for a bf16 checkpoint, as vLLM does; else fp32."""
     if name == "auto":
-        if device.type == "cpu":
-            return torch.float32
         ckpt = _DTYPES.get(cfg.checkpoint_dtype, torch.bfloat16)
+        if device.type == "cpu":
+            native = ckpt == torch.bfloat16 and native_bf16()
+            return torch.bfloat16 if native else torch.float32
         return torch.bfloat16 if ckpt == torch.float32 else ckpt
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; use auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
+
+
+def native_bf16() -> bool:
+    """The host CPU computes bf16 natively (read from the host's flags, also in gVisor)."""
+    from warmboot.snapshot.key import host_cpu_features
+
+    flags = set(host_cpu_features().partition(" | ")[2].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def wants_pretune(setting: bool | None, device: torch.device, backend: str, publishing: bool):

@@ -1,8 +1,11 @@
 """Start-up as explicit, timed phases, and the idle-engine operations that redo some of them.
 
     config -> tokenizer -> [snapshot_key -> snapshot_lookup -> restore_weights] | load_weights
-    -> allocate_kv -> warmup (the canary; a restored image whose canary differs boots cold)
-    -> [autotune] -> [cuda_graphs] -> [snapshot_publish] -> ready
+    -> allocate_kv -> [compile] -> warmup (the canary; a restored image whose canary differs
+    boots cold) -> [autotune] -> [cuda_graphs] -> [snapshot_publish] -> ready
+
+``compile`` traces and compiles the model steps (``device.compiled``); a restored snapshot
+that carries inductor's artifacts loads them first, so the phase only re-traces.
 
 Every phase is timed into ``Startup.times`` (``stats()["startup_times"]``), and the engine's
 ``start_info`` says which path it took and why.
@@ -90,6 +93,8 @@ class Startup:
         self.restored = False
         self.graphs_note = "off"
         """CUDA graphs: on, off, emulated (CPU tests), or off with the capture's error."""
+        self.compile_info: dict[str, Any] = {"compiled": False}
+        """What the compile phase did: graphs traced, inductor seconds, cache hits/misses."""
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -211,7 +216,8 @@ class Startup:
 
     # -- from a booted engine to ready ---------------------------------------------------------
     def finish(self, engine: BootingEngine) -> StartInfo:
-        """Warm up (checking a restored image's canary), tune, capture, publish."""
+        """Compile, warm up (checking a restored image's canary), tune, capture, publish."""
+        self.compile(engine)
         with self.phase("warmup"):
             canary = run_canary(engine)
             engine.block_manager.check_invariants()
@@ -220,6 +226,7 @@ class Startup:
             log.warning("snapshot canary failed (%s); booting cold", self.snapshot.reason)
             with self.phase("load_weights"):
                 engine.runner.load_model(self.model_dir)
+            self.compile(engine)
             with self.phase("warmup"):
                 canary = run_canary(engine)
         publishing = bool(self.snapshot and not self.restored and self.config.snapshot_publish)
@@ -232,6 +239,15 @@ class Startup:
                 facts = asdict(engine.facts) | {"canary": canary, "cold_boot": dict(self.times)}
                 self.snapshot.publish(engine.runner.model, facts)
         return self._ready()
+
+    def compile(self, engine: BootingEngine) -> None:
+        """Trace and compile the model steps (again after the weights change)."""
+        if not engine.settings.compiled:
+            return
+        with self.phase("compile"):
+            stats = engine.runner.setup_compiled()
+        self.compile_info = {"compiled": True, **asdict(stats)}
+        log.info("model steps compiled: %s", self.compile_info)
 
     def _pretune(self, engine: BootingEngine, publishing: bool) -> None:
         runner = engine.runner

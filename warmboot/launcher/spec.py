@@ -12,7 +12,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from warmboot.config import pid_alive
+from warmboot.config import pid_alive, resolve_eager
 from warmboot.launcher.sandbox import SandboxSpec, delete_containers
 from warmboot.snapshot.key import HOST_CPU_ENV, host_cpu_features
 
@@ -61,6 +61,8 @@ def sandboxed(engine: dict) -> dict:
         engine["model"] = str(Path(engine["model"]).resolve())
     if engine.get("cpu_threads") is None:
         engine["cpu_threads"] = 1
+    if engine.get("enforce_eager") is None:  # NOTE: the worker's environment is fixed
+        engine["enforce_eager"] = resolve_eager(None)
     return engine
 
 

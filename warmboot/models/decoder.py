@@ -76,6 +76,8 @@ class DecoderModel(nn.Module):
         self.norm = nn.Parameter(torch.empty(cfg.hidden_size))
         if not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head: nn.Module | None = None
+        """The LM head as a module of its own, when set (a compiled step's packed twin)."""
         self.rope_cos: torch.Tensor | None = None  # (max_positions, head_dim), set by the loader
         self.rope_sin: torch.Tensor | None = None
 
@@ -95,5 +97,7 @@ class DecoderModel(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(M, hidden) -> (M, vocab) float32."""
+        if self.head is not None:
+            return self.head(hidden).float()
         weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head.weight
         return F.linear(hidden, weight).float()

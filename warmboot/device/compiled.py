@@ -1,0 +1,183 @@
+"""Compiled model steps: the decoder traced once by ``torch.compile`` (inductor) for every
+step the engine runs (decode, prefill, mixed), the token count symbolic.
+
+What it buys on the CPU (``docs/benchmarks/decode.md``): RMSNorm, rope, SiLU-and-mul and the
+residual adds fused into a few C++ loops, the step's Python dispatch gone, and every GEMM on
+weights prepacked once for oneDNN (``kernels.step_ops.PackedLinears``). Attention and the
+GEMMs are opaque ops that find the paged cache, the step's metadata and the packed weights
+in the bound step context: the graph sees the token count and ints only, so no batch make-up
+recompiles, and the graph is the same in every process of one model, which lets inductor's
+caches, and the snapshot that carries them (``artifacts``), skip the compile.
+
+Regional compilation: one graph for a decoder layer, reused by every layer (dynamo keys it on
+the layer's type and shapes, not its identity; the ops read the running layer from the
+context), and one for the LM head (hidden rows -> float32 logits). The embedding, rope
+gathers and final norm run eagerly around them. Tracing one layer instead of the unrolled
+model makes a warm compile (inductor's caches hit) a second or two, not tens of seconds.
+``warm_up`` compiles both at start-up on scratch rows, so no request waits for a compile.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from warmboot.kernels.backend import AttentionBackend, AttentionMetadata
+from warmboot.kernels.step_ops import (
+    HEAD_SLOT,
+    OpAttention,
+    PackedLinear,
+    PackedLinears,
+    StepContext,
+    bound,
+    can_pack,
+)
+from warmboot.models.decoder import DecoderModel, rms_norm
+
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+@dataclass
+class CompileStats:
+    graphs: int = 0
+    """Graphs handed to inductor (one dynamo trace each)."""
+    seconds: float = 0.0
+    """Time inside inductor: lowering, codegen and C++ builds, or cache loads when warm."""
+    cache_hits: int = 0
+    cache_misses: int = 0
+    """Inductor FX-graph cache lookups: a miss is a real compile."""
+
+
+class CompiledSteps:
+    def __init__(
+        self,
+        model: DecoderModel,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        dtype: torch.dtype,
+    ):
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.linears = PackedLinears()
+        self.packed = can_pack(dtype, kv_caches[0][0].device)
+        self.twin = packed_twin(model, self.linears) if self.packed else model
+        cfg = model.cfg
+        self._eps = cfg.rms_norm_eps
+        self._scale = cfg.head_dim**-0.5
+        self._windows = tuple(cfg.sliding_windows)
+        self.stats = CompileStats()
+        self._layer = self._compile(_layer_step)
+        self._head = self._compile(_head_step)
+
+    def _compile(self, fn: Callable) -> Callable:
+        # NOTE: every engine of a process traces the same code objects; each model (shape,
+        # architecture, dtype) adds an entry, and tests build dozens of engines
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        return torch.compile(fn, backend=self._inductor, dynamic=True, fullgraph=True)
+
+    def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        from torch._dynamo.utils import counters
+        from torch._inductor.compile_fx import compile_fx
+
+        stats, inductor = self.stats, counters["inductor"]
+        hits, misses = inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]
+        t0 = time.perf_counter()
+        compiled = compile_fx(gm, example_inputs)
+        stats.seconds += time.perf_counter() - t0
+        stats.graphs += 1
+        stats.cache_hits += inductor["fxgraph_cache_hit"] - hits
+        stats.cache_misses += inductor["fxgraph_cache_miss"] - misses
+        return compiled
+
+    def context(self, meta: AttentionMetadata | None) -> StepContext:
+        return StepContext(
+            self.backend, self.kv_caches, meta, self._scale, self._windows, self.linears
+        )
+
+    def hidden(
+        self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """(N,) ids and positions of a step -> (N, hidden), final-normed: the decoder's loop
+        (``DecoderModel.forward``) with each layer through the one compiled layer graph."""
+        twin, ctx = self.twin, self.context(meta)
+        x = twin.embed_tokens(ids)
+        cos, sin = twin.rope_cos[positions], twin.rope_sin[positions]
+        _symbolic_rows(x, cos, sin)
+        with bound(ctx):
+            for i, layer in enumerate(twin.layers):
+                ctx.layer = i
+                x = self._layer(layer, x, cos, sin)
+        return rms_norm(x, twin.norm, self._eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(M, hidden) -> (M, vocab) float32."""
+        _symbolic_rows(hidden)
+        with bound(self.context(None)):
+            return self._head(self.twin, hidden)
+
+    def warm_up(self, scratch_block: int, block_size: int) -> CompileStats:
+        """Compile both graphs on two scratch decode rows (they write only the scratch block,
+        which no request owns): every later step, of any token count, reuses them."""
+        device = self.kv_caches[0][0].device
+        i64 = dict(dtype=torch.int64, device=device)
+        rows = 2
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((rows,), scratch_block * block_size, **i64),
+            num_decode_tokens=rows,
+            decode_block_tables=torch.full((rows, 1), scratch_block, **i64),
+            decode_seq_lens=torch.ones(rows, **i64),
+            prefills=[],
+            block_size=block_size,
+        )
+        # NOTE: inputs made outside inference mode, as the runner's are (else every step
+        # fails a dispatch-key guard and recompiles)
+        ids, positions = torch.zeros(rows, **i64), torch.zeros(rows, **i64)
+        with torch.inference_mode():
+            self.logits(self.hidden(ids, positions, meta))
+        return self.stats
+
+
+_OP_ATTENTION = OpAttention()
+
+
+def _layer_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """What the layer graph traces: one decoder layer, its caches and metadata in the context."""
+    return layer(x, cos, sin, (None, None), None, _OP_ATTENTION)
+
+
+def _head_step(model: DecoderModel, hidden: torch.Tensor) -> torch.Tensor:
+    return model.compute_logits(hidden)
+
+
+def packed_twin(model: DecoderModel, table: PackedLinears) -> DecoderModel:
+    """A decoder sharing ``model``'s norms, embedding and rope tables whose projections and
+    LM head are slots of ``table`` (packed copies of ``model``'s weights)."""
+    cfg = model.cfg
+    with torch.device("meta"):
+        twin = DecoderModel(cfg)
+    twin.embed_tokens, twin.norm = model.embed_tokens, model.norm
+    twin.rope_cos, twin.rope_sin = model.rope_cos, model.rope_sin
+    for ours, theirs in zip(twin.layers, model.layers, strict=True):
+        ours.input_layernorm = theirs.input_layernorm
+        ours.post_attention_layernorm = theirs.post_attention_layernorm
+        if cfg.qk_norm:
+            ours.q_norm, ours.k_norm = theirs.q_norm, theirs.k_norm
+        linears = [getattr(theirs, name) for name in PROJECTIONS]
+        table.add_layer(linears)
+        for slot, (name, linear) in enumerate(zip(PROJECTIONS, linears, strict=True)):
+            setattr(ours, name, PackedLinear(slot, linear.out_features))
+    head = model.embed_tokens.weight if cfg.tie_word_embeddings else model.lm_head.weight
+    table.head = table.pack(head)
+    twin.head = PackedLinear(HEAD_SLOT, cfg.vocab_size)
+    if not cfg.tie_word_embeddings:
+        del twin.lm_head
+    return twin.eval()
+
+
+def _symbolic_rows(*tensors: torch.Tensor) -> None:
+    """Dim 0 as an unbacked size: dynamo then neither specialises nor guards on 1 rows."""
+    for t in tensors:
+        torch._dynamo.decorators.mark_unbacked(t, 0)

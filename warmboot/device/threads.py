@@ -1,0 +1,43 @@
+"""The CPU thread policy: how many torch compute threads the device thread runs, and where.
+
+Measured on 2 cores (docs/benchmarks/threads.md): one compute thread pinned to its own core,
+leaving the other to the host loop (scheduling, detokenising, the server), decodes faster
+than two at every batch size, and holds up when another process loads the machine: with two
+threads every op's OpenMP barrier waits for whichever core the other process holds (10x
+slower steps seen), with one the kernel scheduler shares the cores fairly. vLLM's CPU build
+makes the same choice (one bound OpenMP thread, one core reserved).
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def usable_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity mask, e.g. a container's cpuset)."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 1))
+
+
+def default_threads(cpus: int) -> int:
+    """All cores but one, which the host loop keeps; one on a single core."""
+    return max(1, cpus - 1)
+
+
+def compute_cpus(threads: int) -> list[int]:
+    """The cores the compute threads are pinned to: the last ``threads`` usable ones (the
+    host loop keeps the first)."""
+    cpus = usable_cpus()
+    return cpus[-threads:] if threads < len(cpus) else cpus
+
+
+def pin_this_thread(cpus: list[int]) -> bool:
+    """Pin the calling thread (and the OpenMP workers it starts later) to ``cpus``; False
+    where the OS refuses (some sandboxes)."""
+    try:
+        os.sched_setaffinity(0, cpus)  # NOTE: on Linux, pid 0 is the calling thread
+    except (AttributeError, OSError):
+        return False
+    return True
