@@ -50,17 +50,19 @@ def resolve(config: EngineConfig, model: ModelConfig, max_model_len: int | None)
     device = resolve_device(config.device)
     pipelined = resolve_pipelined(config.pipelined, device)
     eager = resolve_eager(config.enforce_eager)
-    if eager and config.cuda_graphs:
-        raise ValueError("enforce_eager=True and cuda_graphs=True contradict each other")
-    if eager and config.compile_steps:
-        raise ValueError("enforce_eager=True and compile_steps=True contradict each other")
+    for name in ("cuda_graphs", "compile_steps"):
+        if config.enforce_eager and getattr(config, name):
+            raise ValueError(f"enforce_eager=True and {name}=True contradict each other")
+    # NOTE: an explicit cuda_graphs / compile_steps wins over the environment's eager default
+    graphs = resolve_cuda_graphs(config.cuda_graphs, device) and (config.cuda_graphs or not eager)
+    compiled = resolve_compiled(config.compile_steps, device)
     return Settings(
         device=device,
         dtype=resolve_dtype(config.dtype, model, device),
         scheduler=resolve_scheduler(config.scheduler, model, max_model_len),
         pipelined=pipelined,
-        cuda_graphs=not eager and resolve_cuda_graphs(config.cuda_graphs, device),
-        compiled=not eager and resolve_compiled(config.compile_steps, device),
+        cuda_graphs=graphs,
+        compiled=compiled and (bool(config.compile_steps) or not eager),
         cpu_threads=cpu_threads(config, device, pipelined),
     )
 

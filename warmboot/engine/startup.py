@@ -31,6 +31,7 @@ from warmboot.engine import settings as resolve
 from warmboot.engine.settings import RuntimeFacts, Settings
 from warmboot.sampling_params import SamplingParams
 from warmboot.snapshot.canary import CANARY_PROMPT, CANARY_TOKENS
+from warmboot.snapshot.compile_artifacts import saved_artifacts
 from warmboot.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -164,6 +165,7 @@ class Startup:
             "max_num_seqs": sched.max_num_seqs,
             "max_num_batched_tokens": sched.max_num_batched_tokens,
             "attention_backend": attention,
+            "compiled": settings.compiled,
         }
         store, device = self.config.snapshot_store, settings.device
         with self.phase("snapshot_key"):
@@ -237,16 +239,22 @@ class Startup:
         if publishing:
             with self.phase("snapshot_publish"):
                 facts = asdict(engine.facts) | {"canary": canary, "cold_boot": dict(self.times)}
-                self.snapshot.publish(engine.runner.model, facts)
+                artifacts = saved_artifacts() if engine.settings.compiled else None
+                self.snapshot.publish(engine.runner.model, facts, artifacts)
         return self._ready()
 
     def compile(self, engine: BootingEngine) -> None:
-        """Trace and compile the model steps (again after the weights change)."""
+        """Trace and compile the model steps (again after the weights change); a restored
+        image's compile artifacts are loaded first, so inductor's caches hit."""
         if not engine.settings.compiled:
             return
+        note = "cold boot: compiled here"
+        if self.restored:
+            with self.phase("compile_artifacts"):
+                note = self.snapshot.compile_artifacts()
         with self.phase("compile"):
             stats = engine.runner.setup_compiled()
-        self.compile_info = {"compiled": True, **asdict(stats)}
+        self.compile_info = {"compiled": True, **asdict(stats), "artifacts": note}
         log.info("model steps compiled: %s", self.compile_info)
 
     def _pretune(self, engine: BootingEngine, publishing: bool) -> None:

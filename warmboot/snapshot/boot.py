@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from warmboot.snapshot.canary import canary_mismatch
+from warmboot.snapshot.compile_artifacts import ARTIFACT_FILE, load_artifacts
 from warmboot.snapshot.deadline import run_with_deadline
-from warmboot.snapshot.image import Manifest, SnapshotError, dtype_name
+from warmboot.snapshot.image import Manifest, SnapshotError, dtype_name, verify_chunk
 from warmboot.snapshot.key import diff_fields, key_digest, key_fields
 from warmboot.snapshot.lease import holder, try_lease
 from warmboot.snapshot.publish import publish_image, runtime_files, triton_cache_dir
@@ -129,12 +130,37 @@ class SnapshotBoot:
         return why is None
 
     # -- publish --------------------------------------------------------------------------------
-    def publish(self, model: torch.nn.Module, facts: dict[str, Any]) -> Manifest | None:
+    def compile_artifacts(self) -> str:
+        """Load the restored image's compile artifacts (verified chunk, then our MAC) into
+        inductor's caches; returns what happened, in words. Never raises."""
+        files = self.manifest.files if self.manifest else ()
+        facts = self.manifest.facts.get("compile_artifacts") if self.manifest else None
+        entry = next((f for f in files if f.path == ARTIFACT_FILE), None)
+        if facts is None or entry is None:
+            return "the snapshot carries no compile artifacts"
+
+        def step(progress) -> str:
+            data = self.store.get_chunk(entry.chunk.hash, entry.chunk.size)
+            progress(len(data))
+            verify_chunk(data, entry.chunk.hash, f"file {entry.path}")
+            return load_artifacts(data, facts)
+
+        try:
+            return run_with_deadline("compile artifacts", step, self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - then the engine compiles, and says why
+            return f"compile artifacts not loaded: {_describe(e)}"
+
+    def publish(
+        self, model: torch.nn.Module, facts: dict[str, Any], artifacts=None
+    ) -> Manifest | None:
         """Publish this engine's image under a lease (one publisher per key across servers);
-        a failure or a stalled store (lease, chunks or manifest) is logged, never raised."""
+        ``artifacts``: (blob, facts) of the compiles (``compile_artifacts.saved_artifacts``).
+        A failure or a stalled store (lease, chunks or manifest) is logged, never raised."""
         try:
             manifest, written = run_with_deadline(
-                "snapshot publish", lambda p: self._publish(model, facts, p), self.timeout_s
+                "snapshot publish",
+                lambda p: self._publish(model, facts, artifacts, p),
+                self.timeout_s,
             )
         except Exception as e:  # noqa: BLE001 - serving goes on without a snapshot
             self.publish_note = f"publish failed: {_describe(e)}"
@@ -154,7 +180,7 @@ class SnapshotBoot:
         )
         return manifest
 
-    def _publish(self, model, facts, progress) -> tuple[Manifest | None, int | str]:
+    def _publish(self, model, facts, artifacts, progress) -> tuple[Manifest | None, int | str]:
         """(manifest, bytes written), or (None, why not) when another server publishes."""
         name = f"publish-{self.key}"
         lease = try_lease(self.store, name)
@@ -165,9 +191,12 @@ class SnapshotBoot:
             if self.store.get_manifest(self.key) is not None:
                 return None, "another server published it meanwhile"
             tensors = [(n, p) for n, p in model.named_parameters()]
-            files = runtime_files(self.model_dir, self.device)
+            files: dict[str, Path | bytes] = dict(runtime_files(self.model_dir, self.device))
             extra = {"model_dir": str(self.model_dir)}
             facts = facts | _autotune_facts()
+            if artifacts is not None:
+                files[ARTIFACT_FILE] = artifacts[0]
+                facts = facts | {"compile_artifacts": artifacts[1]}
             return publish_image(
                 self.store, self.key, self.fields, tensors, files, facts, progress, extra=extra
             )

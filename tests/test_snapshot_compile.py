@@ -1,0 +1,78 @@
+"""Tier-A images carry the compile: a restore in a process with empty compiler caches loads
+the image's artifacts and compiles nothing; artifacts under another key are never loaded."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BOOT = """
+import json, sys
+from warmboot import LLM, SamplingParams
+llm = LLM(sys.argv[1], snapshot_store=sys.argv[2], enforce_eager=False, max_model_len=64,
+          block_size=4, num_kv_blocks=64)
+out = llm.generate({"prompt_token_ids": [5, 9, 2, 7, 11]},
+                   SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+info = llm.engine.start_info
+print(json.dumps({"path": info.path, "reason": info.reason, "phases": info.phase_times,
+                  "compile": llm.engine.stats()["compile"],
+                  "tokens": out[0].outputs[0].token_ids}))
+"""
+
+
+def _boot(model: Path, store: Path, caches: Path, key: str) -> dict:
+    """One engine start in a fresh process whose compiler caches start empty."""
+    caches.mkdir()
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(caches), WARMBOOT_ARTIFACT_KEY=key)
+    env["PYTHONPATH"] = str(ROOT)
+    run = subprocess.run(
+        [sys.executable, "-c", BOOT, str(model), str(store)],
+        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def published(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("compile-snap")
+    model, store = tiny_model_dir("qwen3"), root / "store"
+    cold = _boot(model, store, root / "cold-cache", key="fleet-key-1")
+    return model, store, root, cold
+
+
+def test_cold_boot_compiles_and_publishes_the_artifacts(published):
+    _, store, _, cold = published
+    assert cold["path"] == "cold" and "published" in cold["reason"], cold["reason"]
+    assert cold["compile"]["compiled"] and cold["compile"]["cache_misses"] >= 1
+    manifest = json.loads(next((store / "manifests").iterdir()).read_text())
+    art = manifest["facts"]["compile_artifacts"]
+    assert art["bytes"] > 0 and len(art["hmac"]) == 64
+    assert any(f["path"] == "compile/inductor.bin" for f in manifest["files"])
+
+
+def test_restore_loads_the_artifacts_and_compiles_nothing(published):
+    model, store, root, cold = published
+    warm = _boot(model, store, root / "restore-cache", key="fleet-key-1")
+    assert warm["path"] == "restored_image", warm["reason"]
+    info = warm["compile"]
+    assert info["artifacts"].startswith("compile artifacts loaded"), info
+    assert info["cache_misses"] == 0 and info["cache_hits"] == info["graphs"] == 2, info
+    assert warm["tokens"] == cold["tokens"]
+    assert "compile_artifacts" in warm["phases"] and "load_weights" not in warm["phases"]
+
+
+def test_artifacts_under_another_key_are_not_loaded(published):
+    model, store, root, cold = published
+    other = _boot(model, store, root / "other-key-cache", key="someone-else")
+    assert other["path"] == "restored_image", other["reason"]
+    info = other["compile"]
+    assert "not signed with this host's key" in info["artifacts"], info
+    assert info["cache_misses"] >= 1, "compiled from scratch instead"
+    assert other["tokens"] == cold["tokens"]
