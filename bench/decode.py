@@ -1,8 +1,11 @@
-"""Decode throughput: warmboot vs transformers ``generate`` on the same model, same run.
+"""Decode throughput: compiled and eager warmboot vs vLLM's CPU build and transformers, on
+the same model in the same run, fp32 and bf16.
 
-Prompt 128 random tokens, 128 new tokens, greedy, EOS ignored, batch 1 / 8 / 32. Reports output
-tokens/s (prefill included, as a user sees it) and the ratio, checks that both produced the same
-tokens, and writes ``docs/benchmarks/decode.{json,md,png}``.
+Prompt 128 random tokens, 128 new tokens, greedy, EOS ignored, batch 1 / 8 / 32, offline APIs
+(``LLM.generate`` each). vLLM runs in its own venv under the cache (``bench/peers``), started
+once per dtype and driven run by run, so the engines' runs interleave and drift hits all alike.
+Reports output tokens/s (prefill included, as a user sees it) and the ratios to vLLM, checks
+token agreement, and writes ``docs/benchmarks/decode.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -10,13 +13,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
+import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from bench.common import cpu_name, pyplot
 from warmboot import LLM, SamplingParams
 from warmboot.models.demo import ensure_default_model
 
@@ -56,136 +60,174 @@ def run_transformers(model, prompts, new_tokens: int) -> tuple[float, list[list[
     return time.perf_counter() - t0, out[:, width:].tolist()
 
 
+ENGINES = ("warmboot", "warmboot_eager", "vllm", "transformers")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None, help="model dir (default: the built-in demo model)")
-    ap.add_argument("--batches", default="1,8,32,32m", help="'m': mixed prompt lengths")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--no-vllm", action="store_true", help="leave vLLM out (no peer venv)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
+    model_dir = args.model or str(ensure_default_model())
+    batches = [int(b) for b in args.batches.split(",")]
+    rows, boots = [], {}
+    for dtype in args.dtypes.split(","):
+        engines = start_engines(args, model_dir, dtype, max(batches))
+        boots[dtype] = {k: v for k, v in engines.items() if k.endswith("_boot_s")}
+        try:
+            for batch in batches:
+                rows.append(measure(args, engines, dtype, batch))
+        finally:
+            if engines.get("vllm") is not None:
+                engines["vllm"].close()
+    write_report(args, model_dir, rows, boots)
+
+
+def start_engines(args, model_dir: str, dtype: str, top: int) -> dict:
     from transformers import AutoModelForCausalLM
 
-    model_dir = args.model or str(ensure_default_model())
-    configs = [(int(b.rstrip("m")), b.endswith("m")) for b in args.batches.split(",")]
-    batches = [b for b, _ in configs]
     max_len = 2 * args.prompt_len + args.new_tokens
-    llm = LLM(
-        model_dir,
-        dtype="float32",
-        max_model_len=max_len,
-        max_num_seqs=max(batches),
-        max_num_batched_tokens=max(batches) * args.prompt_len,
-    )
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    vocab = llm.engine.model_config.vocab_size
-    rows = []
-    for batch, mixed in configs:
-        prompts = prompts_for(batch, args.prompt_len, vocab, seed=batch, mixed=mixed)
-        ours, theirs, same = [], [], True
-        for _ in range(args.repeats):  # interleaved, so drift hits both alike
-            t, a = run_warmboot(llm, prompts, args.new_tokens)
-            ours.append(t)
-            t, b = run_transformers(hf, prompts, args.new_tokens)
-            theirs.append(t)
-            same &= a == b
-        tokens = batch * args.new_tokens
-        row = {
-            "batch": batch,
-            "mixed_lengths": mixed,
-            "warmboot_tok_s": tokens / statistics.median(ours),
-            "transformers_tok_s": tokens / statistics.median(theirs),
-            "identical_tokens": same,
-            "warmboot_s": ours,
-            "transformers_s": theirs,
-        }
-        row["ratio"] = row["warmboot_tok_s"] / row["transformers_tok_s"]
-        rows.append(row)
-        print(
-            f"batch {batch:3d}{' mixed' if mixed else ''}: warmboot {row['warmboot_tok_s']:8.1f} tok/s  transformers "
-            f"{row['transformers_tok_s']:8.1f} tok/s  ratio {row['ratio']:.2f}x  same={same}",
-            flush=True,
-        )
-    write_report(args, model_dir, rows)
+    kw = dict(dtype=dtype, max_model_len=max_len, max_num_seqs=top)
+    kw["max_num_batched_tokens"] = top * args.prompt_len
+    out: dict = {}
+    for name, eager in (("warmboot", False), ("warmboot_eager", True)):
+        t0 = time.perf_counter()
+        out[name] = LLM(model_dir, enforce_eager=eager, **kw)
+        out[f"{name}_boot_s"] = time.perf_counter() - t0
+    torch_dtype = getattr(torch, dtype)
+    out["transformers"] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
+    out["vllm"] = None
+    if not args.no_vllm:
+        from bench.peers import vllm_cpu
+
+        t0 = time.perf_counter()
+        out["vllm"] = vllm_cpu.VllmDecoder(
+            model_dir, dtype=dtype, max_model_len=max_len, max_num_seqs=top,
+            max_num_batched_tokens=top * args.prompt_len,
+        )  # fmt: skip
+        out["vllm_boot_s"] = time.perf_counter() - t0
+        out["vllm_version"] = out["vllm"].version
+    return out
 
 
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+def measure(args, engines: dict, dtype: str, batch: int) -> dict:
+    vocab = engines["warmboot"].engine.model_config.vocab_size
+    prompts = prompts_for(batch, args.prompt_len, vocab, seed=batch)
+    times: dict[str, list[float]] = {e: [] for e in ENGINES}
+    tokens: dict[str, list] = {}
+    for _ in range(args.repeats):  # interleaved, so drift hits every engine alike
+        for name in ENGINES:
+            engine = engines.get(name)
+            if engine is None:
+                continue
+            if name == "transformers":
+                t, toks = run_transformers(engine, prompts, args.new_tokens)
+            elif name == "vllm":
+                t, toks = engine.run(prompts, args.new_tokens)
+            else:
+                t, toks = run_warmboot(engine, prompts, args.new_tokens)
+            times[name].append(t)
+            tokens[name] = toks
+    n = batch * args.new_tokens
+    row = {"dtype": dtype, "batch": batch, "seconds": times}
+    for name, ts in times.items():
+        row[f"{name}_tok_s"] = n / statistics.median(ts) if ts else None
+    ref = tokens["warmboot"]
+    row["same_tokens"] = {k: _agreement(ref, v) for k, v in tokens.items() if k != "warmboot"}
+    if row["vllm_tok_s"]:
+        row["ratio_vs_vllm"] = row["warmboot_tok_s"] / row["vllm_tok_s"]
+        row["eager_ratio_vs_vllm"] = row["warmboot_eager_tok_s"] / row["vllm_tok_s"]
+    print(json.dumps({k: v for k, v in row.items() if k != "seconds"}), flush=True)
+    return row
 
 
-def write_report(args, model_dir: str, rows: list[dict]) -> None:
+def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of the rows whose greedy tokens are identical."""
+    return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+
+
+def write_report(args, model_dir: str, rows: list[dict], boots: dict) -> None:
     import transformers
 
-    args.out.mkdir(parents=True, exist_ok=True)
     meta = {
         "date": datetime.date.today().isoformat(),
-        "machine": machine(),
+        "machine": f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}",
         "transformers": transformers.__version__,
+        "vllm": None if args.no_vllm else "vllm-cpu 0.32.0",
         "model": Path(model_dir).name,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
+        "boot_s": boots,
     }
+    args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = [
-        "# Decode throughput: warmboot vs transformers `generate`",
+        "# Decode throughput: warmboot (compiled, eager) vs vLLM's CPU build and transformers",
         "",
-        f"{meta['date']} · {meta['machine']} · transformers {meta['transformers']} · "
-        f"model `{meta['model']}` (float32) · prompt {args.prompt_len}, {args.new_tokens} new "
-        f"tokens, greedy, EOS ignored · median of {args.repeats} interleaved runs · "
-        "`python bench/decode.py`",
+        f"{meta['date']} · {meta['machine']} · {meta['vllm']} (own venv, its defaults: compiled, "
+        f"one bound OpenMP thread) · transformers {meta['transformers']} · model "
+        f"`{meta['model']}` · prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, "
+        f"EOS ignored, offline API · median of {args.repeats} interleaved runs · warmboot at its "
+        "defaults (compiled steps, one compute thread on 2 cores) · `python bench/decode.py`",
         "",
-        "| batch | prompt lengths | warmboot tok/s | transformers tok/s | ratio | same tokens |",
-        "| ---: | :--- | ---: | ---: | ---: | :---: |",
+        "| dtype | batch | warmboot tok/s | eager tok/s | vLLM tok/s | transformers tok/s "
+        "| warmboot / vLLM | eager / vLLM | same tokens (eager, vLLM, transformers) |",
+        "| :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :--- |",
     ]
     for r in rows:
-        lengths = (
-            f"{args.prompt_len // 8}..{2 * args.prompt_len - args.prompt_len // 8}"
-            if r["mixed_lengths"]
-            else str(args.prompt_len)
-        )
+        same = r["same_tokens"]
+        agree = ", ".join(f"{same.get(k, float('nan')):.0%}" for k in ENGINES[1:])
         lines.append(
-            f"| {r['batch']} | {lengths} | {r['warmboot_tok_s']:.1f} | {r['transformers_tok_s']:.1f} | "
-            f"{r['ratio']:.2f}x | {'yes' if r['identical_tokens'] else 'no'} |"
+            f"| {r['dtype']} | {r['batch']} | {_f(r['warmboot_tok_s'])} | "
+            f"{_f(r['warmboot_eager_tok_s'])} | {_f(r['vllm_tok_s'])} | "
+            f"{_f(r['transformers_tok_s'])} | {_x(r.get('ratio_vs_vllm'))} | "
+            f"{_x(r.get('eager_ratio_vs_vllm'))} | {agree} |"
         )
+    lines += ["", "Start-up of each engine in this run (s): " + json.dumps(_rounded(boots))]
     (args.out / "decode.md").write_text("\n".join(lines) + "\n")
     plot(args.out / "decode.png", meta, rows)
-    print(f"wrote {args.out / 'decode.md'}")
+    print("\n".join(lines))
+
+
+def _f(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _rounded(d: dict) -> dict:
+    return {k: _rounded(v) if isinstance(v, dict) else round(v, 1) for k, v in d.items()}
 
 
 def plot(path: Path, meta: dict, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['batch']}{' mixed' if r['mixed_lengths'] else ''}" for r in rows]
-    x = range(len(rows))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar([i - 0.2 for i in x], [r["warmboot_tok_s"] for r in rows], 0.4, label="warmboot")
-    ax.bar([i + 0.2 for i in x], [r["transformers_tok_s"] for r in rows], 0.4, label="transformers")
-    for i, r in enumerate(rows):
-        ax.annotate(
-            f"{r['ratio']:.2f}x",
-            (i, max(r["warmboot_tok_s"], r["transformers_tok_s"])),
-            ha="center",
-            va="bottom",
-        )
-    ax.set_xticks(list(x), labels)
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title(f"Decode throughput, {meta['model']} fp32 (CPU)", fontsize=10)
+    plt = pyplot()
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(5 * len(dtypes), 4), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes, strict=True):
+        sub = [r for r in rows if r["dtype"] == dtype]
+        width = 0.2
+        for j, name in enumerate(ENGINES):
+            vals = [r[f"{name}_tok_s"] or 0 for r in sub]
+            ax.bar([i + (j - 1.5) * width for i in range(len(sub))], vals, width, label=name)
+        for i, r in enumerate(sub):
+            if r.get("ratio_vs_vllm"):
+                top = max(r[f"{n}_tok_s"] or 0 for n in ENGINES)
+                ax.annotate(f"{r['ratio_vs_vllm']:.2f}x", (i, top), ha="center", va="bottom")
+        ax.set_xticks(range(len(sub)), [str(r["batch"]) for r in sub])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"{meta['model']} {dtype} (label: warmboot / vLLM)", fontsize=9)
+        ax.legend(fontsize=7)
     fig.text(0.01, 0.01, f"{meta['date']} · {meta['machine']}", fontsize=6)
-    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
