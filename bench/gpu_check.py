@@ -187,20 +187,30 @@ def decode(out: dict, args) -> None:
 
     model = ensure_default_model() if not args.smoke else _small_model()
     vocab = 49152 if not args.smoke else 4096
+    # NOTE: the compiled steps next to the eager ones, each with and without CUDA graphs (the
+    # CUDA default is eager steps + graphs; compiled steps are the CPU default)
+    modes = {"eager": (False, False), "graphs": (True, False)}
+    modes |= {"compiled": (False, True), "compiled_graphs": (True, True)}
     llms = {
         mode: make_llm(
             args,
             model,
-            mode == "graphs",
+            graphs,
             max_model_len=512,
             max_num_seqs=64,
             max_num_batched_tokens=64 * 128,
             num_kv_blocks=64 * 512 // 16,
+            compile_steps=compiled,
+            enforce_eager=False if graphs or compiled else True,
         )
-        for mode in ("eager", "graphs")
+        for mode, (graphs, compiled) in modes.items()
     }
     out["graph_capture_s"] = llms["graphs"].engine.startup_times.get("cuda_graphs")
     out["graphs_state"] = llms["graphs"].stats()["cuda_graphs"]
+    out["compile"] = {
+        m: llms[m].stats()["compile"] | {"phase_s": llms[m].engine.startup_times.get("compile")}
+        for m in ("compiled", "compiled_graphs")
+    }
     rows = []
     batches, new_tokens = ((1, 8), 8) if args.smoke else ((1, 8, 32, 64), 128)
     for batch in batches:

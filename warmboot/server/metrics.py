@@ -105,30 +105,44 @@ class _EngineCollector:
         )
         graph_steps.add_metric([], float(state.get("graph_steps") or 0))
         yield graph_steps
-        start = InfoMetricFamily("warmboot_start", "How this replica started and why")
-        start.add_metric([], {"path": state["start_path"], "reason": state["start_reason"]})
-        yield start
-        fallbacks = CounterMetricFamily(
-            "warmboot_start_fallbacks",
-            "Start-up fallbacks of this replica by kind (a failed restore, a canary mismatch...)",
-            labels=["kind"],
-        )
-        for kind in sorted(set(state["start_fallbacks"])):
-            fallbacks.add_metric([kind], float(state["start_fallbacks"].count(kind)))
-        yield fallbacks
-        restarts = CounterMetricFamily(
-            "warmboot_engine_restarts", "Engines rebooted after the previous one died"
-        )
-        restarts.add_metric([], float(state["engine_restarts"]))
-        yield restarts
-        ready_s = GaugeMetricFamily(
-            "warmboot_time_to_ready_seconds", "Seconds from process start to engine ready"
-        )
-        ready_s.add_metric([], float(state["time_to_ready_s"]))
-        yield ready_s
-        phases = GaugeMetricFamily(
-            "warmboot_startup_phase_seconds", "Seconds per start-up phase", labels=["phase"]
-        )
-        for phase, seconds in state["startup_times"].items():
-            phases.add_metric([phase], float(seconds))
-        yield phases
+        yield from _start_families(state)
+
+
+def _start_families(state: dict):
+    """How this replica started: path, fallbacks, restarts, phase times, compiled graphs."""
+    start = InfoMetricFamily("warmboot_start", "How this replica started and why")
+    start.add_metric([], {"path": state["start_path"], "reason": state["start_reason"]})
+    yield start
+    fallbacks = CounterMetricFamily(
+        "warmboot_start_fallbacks",
+        "Start-up fallbacks of this replica by kind (a failed restore, a canary mismatch...)",
+        labels=["kind"],
+    )
+    for kind in sorted(set(state["start_fallbacks"])):
+        fallbacks.add_metric([kind], float(state["start_fallbacks"].count(kind)))
+    yield fallbacks
+    restarts = CounterMetricFamily(
+        "warmboot_engine_restarts", "Engines rebooted after the previous one died"
+    )
+    restarts.add_metric([], float(state["engine_restarts"]))
+    yield restarts
+    ready_s = GaugeMetricFamily(
+        "warmboot_time_to_ready_seconds", "Seconds from process start to engine ready"
+    )
+    ready_s.add_metric([], float(state["time_to_ready_s"]))
+    yield ready_s
+    phases = GaugeMetricFamily(
+        "warmboot_startup_phase_seconds", "Seconds per start-up phase", labels=["phase"]
+    )
+    for phase, seconds in state["startup_times"].items():
+        phases.add_metric([phase], float(seconds))
+    yield phases
+    compile_info = state.get("compile") or {}
+    graphs = GaugeMetricFamily(
+        "warmboot_compile_graphs",
+        "Model-step graphs compiled at start-up, by inductor cache outcome (miss: compiled)",
+        labels=["cache"],
+    )
+    for outcome, key in (("hit", "cache_hits"), ("miss", "cache_misses")):
+        graphs.add_metric([outcome], float(compile_info.get(key, 0)))
+    yield graphs

@@ -10,19 +10,22 @@ besides the chunk hash every image entry has, the blob carries an HMAC under a k
 host (or fleet) holds, ``$WARMBOOT_ARTIFACT_KEY`` or a 0600 key file made on first use
 (``artifact.key`` in the cache root). A blob whose MAC does not verify under our key is
 never loaded: the engine compiles instead and says why. Weights stay plain tensors, never
-unpickled, whatever the key.
+unpickled, whatever the key. A sandboxed (tier-P) worker signs with the key of its own
+sandbox: the host's key is never handed into a process image.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 from pathlib import Path
 
 from warmboot.config import cache_root
 
+log = logging.getLogger("warmboot")
 ARTIFACT_FILE = "compile/inductor.bin"
 KEY_ENV = "WARMBOOT_ARTIFACT_KEY"
 
@@ -50,15 +53,21 @@ def mac(blob: bytes) -> str:
 
 
 def saved_artifacts() -> tuple[bytes, dict] | None:
-    """(blob, facts for the manifest) of this process's compiles, or None if it had none."""
+    """(blob, facts for the manifest) of this process's compiles, or None if it had none or
+    they cannot be signed (an image without them is still a good image)."""
     import torch
 
-    saved = torch.compiler.save_cache_artifacts()
-    if saved is None or not saved[0]:
+    try:
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None or not saved[0]:
+            return None
+        blob, info = saved
+        signature = mac(blob)
+    except Exception as e:  # noqa: BLE001 - publish the weights without the compile
+        log.warning("compile artifacts left out of the snapshot: %s: %s", type(e).__name__, e)
         return None
-    blob, info = saved
     counts = {kind: len(keys) for kind, keys in info.artifacts.items()}
-    return blob, {"file": ARTIFACT_FILE, "hmac": mac(blob), "bytes": len(blob), "entries": counts}
+    return blob, {"file": ARTIFACT_FILE, "hmac": signature, "bytes": len(blob), "entries": counts}
 
 
 def load_artifacts(blob: bytes, facts: object) -> str:
