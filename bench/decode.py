@@ -63,6 +63,11 @@ def run_transformers(model, prompts, new_tokens: int) -> tuple[float, list[list[
 ENGINES = ("warmboot", "warmboot_eager", "vllm", "transformers")
 
 
+def machine() -> str:
+    """The CPU model, this process's torch threads and torch version (other benches use it)."""
+    return f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None, help="model dir (default: the built-in demo model)")

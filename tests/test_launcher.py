@@ -292,3 +292,24 @@ def test_a_stalled_store_never_holds_a_tier_p_start(published, faulty, monkeypat
     assert "process image fetch: no progress for 2 s" in info.reason, info.reason
     assert info.path == "cold" and answer == published[1]
     assert _image_chunk(cfg)[2]["files"], "a stalled store is no reason to discard the image"
+
+
+def test_a_compiled_worker_restores_without_compiling(path, tmp_path):
+    """Compiled steps inside gVisor: the first start compiles in the worker and publishes
+    the compiled process; its restore runs those graphs (no compile phase in this start's
+    phases) and answers as the cold start did."""
+    store = tmp_path / "store"
+    engine = {"model": str(path), "max_model_len": 128, "snapshot_store": str(store)}
+    cfg = LaunchConfig(engine=engine | {"enforce_eager": False}, store=str(store),
+                       work_dir=tmp_path / "work")  # fmt: skip
+    info, answer = _launch(cfg)
+    assert info.path == "cold" and "published" in info.reason, info
+    client = launch(cfg)
+    try:
+        assert client.start_info.path == "restored_process", client.start_info
+        stats = client.stats()
+        assert stats["compile"]["compiled"] and stats["compile"]["graphs"] == 2, stats["compile"]
+        assert not any("compile" in p for p in stats["startup_times"]), stats["startup_times"]
+        assert _answer(client) == answer
+    finally:
+        client.shutdown()
