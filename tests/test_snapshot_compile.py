@@ -63,6 +63,7 @@ def test_restore_loads_the_artifacts_and_compiles_nothing(published):
     assert warm["path"] == "restored_image", warm["reason"]
     info = warm["compile"]
     assert info["artifacts"].startswith("compile artifacts loaded"), info
+    assert "cache files written" in info["artifacts"], "the kernels come with the image"
     assert info["cache_misses"] == 0 and info["cache_hits"] == info["graphs"] == 2, info
     assert warm["tokens"] == cold["tokens"]
     assert "compile_artifacts" in warm["phases"] and "load_weights" not in warm["phases"]

@@ -1,6 +1,6 @@
 """The CPU thread policy: how many torch compute threads the device thread runs, and where.
 
-Measured on 2 cores (docs/benchmarks/threads.md): one compute thread pinned to its own core,
+Measured on 2 cores (docs/benchmarks/contention.md): one compute thread pinned to its core,
 leaving the other to the host loop (scheduling, detokenising, the server), decodes faster
 than two at every batch size, and holds up when another process loads the machine: with two
 threads every op's OpenMP barrier waits for whichever core the other process holds (10x

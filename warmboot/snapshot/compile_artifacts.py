@@ -1,9 +1,9 @@
 """Inductor's compile artifacts in a tier-A image, so a restored engine does not compile.
 
-``torch.compiler.save_cache_artifacts`` packs what this process's compiles produced and
-looked up (dynamo's AOT-autograd and inductor's FX-graph cache entries: generated code and
-the kernels built from it) into one blob; ``load_cache_artifacts`` puts it back into the
-local caches, and the next trace of the same graphs hits them.
+The blob is inductor's cache directory (AOT-autograd and FX-graph entries, the generated
+code and the C++ kernels built from it) or, when that directory is large (a shared one on a
+developer's machine), ``torch.compiler.save_cache_artifacts``'s entries. A restore puts it
+back into the local cache before its compile phase, whose trace then hits every entry.
 
 That blob is code, serialised with pickle inside torch, so the store's word is not enough:
 besides the chunk hash every image entry has, the blob carries an HMAC under a key this
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import logging
 import os
 import secrets
@@ -27,6 +28,8 @@ from warmboot.config import cache_root
 
 log = logging.getLogger("warmboot")
 ARTIFACT_FILE = "compile/inductor.bin"
+MAGIC = b"warmboot-inductor-cache-1\n"
+MAX_CACHE_DIR_BYTES = 64 << 20
 KEY_ENV = "WARMBOOT_ARTIFACT_KEY"
 
 
@@ -54,20 +57,22 @@ def mac(blob: bytes) -> str:
 
 def saved_artifacts() -> tuple[bytes, dict] | None:
     """(blob, facts for the manifest) of this process's compiles, or None if it had none or
-    they cannot be signed (an image without them is still a good image)."""
-    import torch
+    they cannot be signed (an image without them is still a good image).
 
+    The blob is inductor's whole cache directory when that is small (a fresh replica's is
+    about 1 MB: graph entries, generated code and the built kernels, so a restore runs no
+    C compiler either), else ``save_cache_artifacts``'s entries (a restore then rebuilds the
+    kernels from the cached code)."""
     try:
-        saved = torch.compiler.save_cache_artifacts()
-        if saved is None or not saved[0]:
+        packed = _pack_cache_dir() or _mega_cache()
+        if packed is None:
             return None
-        blob, info = saved
-        signature = mac(blob)
+        blob, facts = packed
+        facts |= {"file": ARTIFACT_FILE, "hmac": mac(blob), "bytes": len(blob)}
     except Exception as e:  # noqa: BLE001 - publish the weights without the compile
         log.warning("compile artifacts left out of the snapshot: %s: %s", type(e).__name__, e)
         return None
-    counts = {kind: len(keys) for kind, keys in info.artifacts.items()}
-    return blob, {"file": ARTIFACT_FILE, "hmac": signature, "bytes": len(blob), "entries": counts}
+    return blob, facts
 
 
 def load_artifacts(blob: bytes, facts: object) -> str:
@@ -76,8 +81,73 @@ def load_artifacts(blob: bytes, facts: object) -> str:
         return "the snapshot's compile artifacts record no MAC: not loaded"
     if not hmac.compare_digest(facts["hmac"], mac(blob)):
         return f"compile artifacts not signed with this host's key ({KEY_ENV}): not loaded"
+    if facts.get("kind") == "cache_dir":
+        written = _unpack_cache_dir(blob, inductor_cache_dir())
+        return f"compile artifacts loaded ({len(blob)} bytes, {written} cache files written)"
     import torch
 
     info = torch.compiler.load_cache_artifacts(blob)
     counts = {kind: len(keys) for kind, keys in info.artifacts.items()} if info else {}
     return f"compile artifacts loaded ({len(blob)} bytes, {counts})"
+
+
+def inductor_cache_dir() -> Path:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir())
+
+
+def _mega_cache() -> tuple[bytes, dict] | None:
+    import torch
+
+    saved = torch.compiler.save_cache_artifacts()
+    if saved is None or not saved[0]:
+        return None
+    blob, info = saved
+    return blob, {"kind": "mega_cache", "entries": {k: len(v) for k, v in info.artifacts.items()}}
+
+
+def _pack_cache_dir() -> tuple[bytes, dict] | None:
+    """The cache directory's regular files as one blob: a magic line, the JSON index's length
+    (8 bytes), the index (relative path and size per file), the contents. None if too big."""
+    root = inductor_cache_dir()
+    files = sorted(p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+    files = [p for p in files if "locks" not in p.relative_to(root).parts]
+    if not files or sum(p.stat().st_size for p in files) > MAX_CACHE_DIR_BYTES:
+        return None
+    datas = [p.read_bytes() for p in files]
+    index = [
+        {"path": p.relative_to(root).as_posix(), "size": len(d)}
+        for p, d in zip(files, datas, strict=True)
+    ]
+    head = json.dumps(index).encode()
+    blob = b"".join([MAGIC, len(head).to_bytes(8, "little"), head, *datas])
+    return blob, {"kind": "cache_dir", "files": len(files)}
+
+
+def _unpack_cache_dir(blob: bytes, root: Path) -> int:
+    """Write the blob's files under ``root`` (existing files kept); returns how many."""
+    if not blob.startswith(MAGIC):
+        raise ValueError("compile artifacts: not a cache-dir blob")
+    n = int.from_bytes(blob[len(MAGIC) : len(MAGIC) + 8], "little")
+    at = len(MAGIC) + 8
+    index = json.loads(blob[at : at + n])
+    at += n
+    written = 0
+    for entry in index:
+        rel, size = entry["path"], int(entry["size"])
+        parts = Path(rel).parts
+        if not rel or Path(rel).is_absolute() or ".." in parts or size < 0:
+            raise ValueError(f"compile artifacts: bad entry {rel[:80]!r}")
+        data, at = blob[at : at + size], at + size
+        target = root / rel
+        if target.exists():
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+        written += 1
+    if at != len(blob):
+        raise ValueError("compile artifacts: the blob's index does not match its length")
+    return written
