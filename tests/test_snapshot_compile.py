@@ -20,7 +20,9 @@ llm = LLM(sys.argv[1], snapshot_store=sys.argv[2], enforce_eager=False, max_mode
 out = llm.generate({"prompt_token_ids": [5, 9, 2, 7, 11]},
                    SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
 info = llm.engine.start_info
-print(json.dumps({"path": info.path, "reason": info.reason, "phases": info.phase_times,
+assert llm.engine.wait_compiled(300)
+print(json.dumps({"path": info.path, "reason": info.reason, "phases": llm.engine.startup_times,
+                  "ready_phases": info.phase_times,
                   "compile": llm.engine.stats()["compile"],
                   "tokens": out[0].outputs[0].token_ids}))
 """
@@ -67,6 +69,8 @@ def test_restore_loads_the_artifacts_and_compiles_nothing(published):
     assert info["cache_misses"] == 0 and info["cache_hits"] == info["graphs"] == 2, info
     assert warm["tokens"] == cold["tokens"]
     assert "compile_artifacts" in warm["phases"] and "load_weights" not in warm["phases"]
+    assert warm["compile"]["background"], "a restore serves while its steps compile"
+    assert "compile" not in warm["ready_phases"], "the restore waited for the compile"
 
 
 def test_artifacts_under_another_key_are_not_loaded(published):

@@ -169,8 +169,7 @@ def packed_twin(model: DecoderModel, table: PackedLinears) -> DecoderModel:
         table.add_layer(linears)
         for slot, (name, linear) in enumerate(zip(PROJECTIONS, linears, strict=True)):
             setattr(ours, name, PackedLinear(slot, linear.out_features))
-    head = model.embed_tokens.weight if cfg.tie_word_embeddings else model.lm_head.weight
-    table.head = table.pack(head)
+    table.set_head(model.embed_tokens.weight if cfg.tie_word_embeddings else model.lm_head.weight)
     twin.head = PackedLinear(HEAD_SLOT, cfg.vocab_size)
     if not cfg.tie_word_embeddings:
         del twin.lm_head

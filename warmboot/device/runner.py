@@ -137,6 +137,7 @@ class ModelRunner:
         self.compiled = None
         compiled = CompiledSteps(self.model, self.kv_caches, self.attention, self.dtype)
         stats = compiled.warm_up(self.scratch_block, self.block_size)
+        compiled.kv_caches = self.kv_caches  # NOTE: the pool may have been reallocated meanwhile
         self.compiled = compiled
         return stats
 

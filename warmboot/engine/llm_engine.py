@@ -161,6 +161,10 @@ class LLMEngine:
             "startup_times": dict(self.startup_times),
         }
 
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait until a restore's background compile is done (see ``Startup.compile``)."""
+        return self.startup.wait_compiled(timeout)
+
     # -- idle-engine operations (tests, the tier-P worker) -----------------------------------
     @property
     def startup_times(self) -> dict[str, float]:
@@ -194,6 +198,7 @@ class LLMEngine:
         swapped = self.startup.restore_weights(self.runner, mapped=True)
         if not swapped or self.runner.model is old or snap.manifest is None:
             return {}
+        self.startup.wait_compiled()
         self.startup.compile(self)
         self.startup.recapture_graphs(self)
         return snap.manifest.chunk_refs()

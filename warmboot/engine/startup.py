@@ -14,6 +14,7 @@ Every phase is timed into ``Startup.times`` (``stats()["startup_times"]``), and 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -96,6 +97,8 @@ class Startup:
         """CUDA graphs: on, off, emulated (CPU tests), or off with the capture's error."""
         self.compile_info: dict[str, Any] = {"compiled": False}
         """What the compile phase did: graphs traced, inductor seconds, cache hits/misses."""
+        self.compile_thread: threading.Thread | None = None
+        """A restore's background compile (``compile``)."""
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -219,13 +222,15 @@ class Startup:
     # -- from a booted engine to ready ---------------------------------------------------------
     def finish(self, engine: BootingEngine) -> StartInfo:
         """Compile, warm up (checking a restored image's canary), tune, capture, publish."""
-        self.compile(engine)
+        on_cpu = engine.runner.device.type == "cpu"  # NOTE: CUDA graphs capture compiled steps
+        self.compile(engine, background=self.restored and on_cpu)
         with self.phase("warmup"):
             canary = run_canary(engine)
             engine.block_manager.check_invariants()
         if self.restored and not self.snapshot.canary_matches(canary):
             self.restored = False
             log.warning("snapshot canary failed (%s); booting cold", self.snapshot.reason)
+            self.wait_compiled()
             with self.phase("load_weights"):
                 engine.runner.load_model(self.model_dir)
             self.compile(engine)
@@ -243,19 +248,46 @@ class Startup:
                 self.snapshot.publish(engine.runner.model, facts, artifacts)
         return self._ready()
 
-    def compile(self, engine: BootingEngine) -> None:
+    def compile(self, engine: BootingEngine, background: bool = False) -> None:
         """Trace and compile the model steps (again after the weights change); a restored
-        image's compile artifacts are loaded first, so inductor's caches hit."""
+        image's compile artifacts are loaded first, so inductor's caches hit. ``background``
+        (a restore): the engine serves eager steps at once and switches to the compiled ones
+        when they are ready, so no request waits for the trace."""
         if not engine.settings.compiled:
             return
+        self.compile_info = {"compiled": False, "state": "compiling"}
+        if not background:
+            self._compile_now(engine)
+            return
+        self.compile_thread = threading.Thread(
+            target=self._compile_now, args=(engine,), name="warmboot-compile", daemon=True
+        )
+        self.compile_thread.start()
+
+    def _compile_now(self, engine: BootingEngine) -> None:
         note = "cold boot: compiled here"
-        if self.restored:
-            with self.phase("compile_artifacts"):
-                note = self.snapshot.compile_artifacts()
-        with self.phase("compile"):
-            stats = engine.runner.setup_compiled()
+        try:
+            if self.restored:
+                with self.phase("compile_artifacts"):
+                    note = self.snapshot.compile_artifacts()
+            with self.phase("compile"):
+                stats = engine.runner.setup_compiled()
+        except Exception as e:  # noqa: BLE001 - eager steps go on serving
+            if self.compile_thread is None:
+                raise
+            self.compile_info = {"compiled": False, "state": f"failed: {_describe(e)}"}
+            log.error("compiling the model steps failed, serving eagerly: %s", _describe(e))
+            return
+        ready = time.perf_counter() - self.t0
         self.compile_info = {"compiled": True, **asdict(stats), "artifacts": note}
+        self.compile_info |= {"background": self.compile_thread is not None, "ready_s": ready}
         log.info("model steps compiled: %s", self.compile_info)
+
+    def wait_compiled(self, timeout: float | None = None) -> bool:
+        """Wait for a background compile; True when the compiled steps run (or none)."""
+        if self.compile_thread is not None:
+            self.compile_thread.join(timeout)
+        return not self.compile_thread or not self.compile_thread.is_alive()
 
     def _pretune(self, engine: BootingEngine, publishing: bool) -> None:
         runner = engine.runner

@@ -35,16 +35,45 @@ class PackedLinears:
     def __init__(self) -> None:
         self.layers: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
         self.head: torch.Tensor | None = None
+        self._sources: list[list[torch.Tensor]] = []
+        self._head_source: torch.Tensor | None = None
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
     def add_layer(self, linears: list[nn.Linear]) -> None:
+        self._sources.append([lin.weight for lin in linears])
         self.layers.append([(self.pack(lin.weight), _detached(lin.bias)) for lin in linears])
 
+    def set_head(self, weight: torch.Tensor) -> None:
+        self._head_source, self.head = weight, self.pack(weight)
+
+    def release(self) -> int:
+        """Drop the packed copies (before a process checkpoint: the image then holds none);
+        returns the bytes freed. ``repack`` makes them again from the model's weights."""
+        freed = sum(w.numel() * w.element_size() for w in self._sources_flat())
+        self.layers = [[(None, b) for _, b in row] for row in self.layers]
+        self.head = None
+        return freed
+
+    def repack(self) -> None:
+        if self.head is not None:
+            return
+        self.layers = [
+            [(self.pack(w), b) for w, (_, b) in zip(src, row, strict=True)]
+            for src, row in zip(self._sources, self.layers, strict=True)
+        ]
+        self.head = self.pack(self._head_source)
+
+    def _sources_flat(self) -> list[torch.Tensor]:
+        return [w for row in self._sources for w in row] + [self._head_source]
+
     def lookup(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return (self.head, None) if slot == HEAD_SLOT else self.layers[layer][slot]
+        weight, bias = (self.head, None) if slot == HEAD_SLOT else self.layers[layer][slot]
+        if weight is None:
+            raise RuntimeError("the packed weights are released (repack() after a restore)")
+        return weight, bias
 
 
 HEAD_SLOT = -1

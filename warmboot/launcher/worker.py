@@ -96,11 +96,15 @@ class Worker:
         if self.engine.has_unfinished_requests():
             self.writer.send({"t": "error", "message": "cannot checkpoint a busy worker"})
             return
+        self.engine.wait_compiled()  # NOTE: never checkpoint a compile in flight
         mapped = self.engine.remap_weights_from_snapshot()  # NOTE: a tier-A restore copies them
         if mapped:
             log.info("weights now mapped from the tier-A snapshot (kept out of the image)")
         canary = self._canary()
         self.engine.resize_kv_cache(CHECKPOINT_KV_BLOCKS)
+        compiled = self.engine.runner.compiled
+        if compiled is not None:  # NOTE: packed again from the mapped weights after a restore
+            log.info("packed weights released: %d bytes", compiled.linears.release())
         gc.collect()
         _trim_heap()
         self.writer.send({"t": "quiescent", "canary": canary, "mapped_chunks": mapped})
@@ -111,6 +115,8 @@ class Worker:
 
         if self.engine.facts.num_kv_blocks != self.full_kv_blocks:
             self.engine.resize_kv_cache(self.full_kv_blocks)
+        if self.engine.runner.compiled is not None:
+            self.engine.runner.compiled.linears.repack()
         torch.manual_seed(int(f.get("seed", 0)))
         t0 = time.perf_counter()
         canary = self._canary()

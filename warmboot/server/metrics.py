@@ -146,3 +146,9 @@ def _start_families(state: dict):
     for outcome, key in (("hit", "cache_hits"), ("miss", "cache_misses")):
         graphs.add_metric([outcome], float(compile_info.get(key, 0)))
     yield graphs
+    ready = GaugeMetricFamily(
+        "warmboot_compiled_steps", "1 once the compiled model steps run (a restore compiles "
+        "them in the background while eager steps serve)"
+    )  # fmt: skip
+    ready.add_metric([], 1.0 if compile_info.get("compiled") else 0.0)
+    yield ready
