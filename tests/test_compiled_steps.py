@@ -100,3 +100,17 @@ def _tiny_config(dtype: str) -> ModelConfig:
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
          "vocab_size": 100, "max_position_embeddings": 64, "dtype": dtype}
     )  # fmt: skip
+
+
+def test_compiling_again_frees_the_old_steps(tiny_model_dir):
+    """Nothing (dynamo's code cache included) keeps replaced compiled steps and their packed
+    weights alive: a process image would carry them."""
+    import gc
+    import weakref
+
+    llm = LLM(str(tiny_model_dir("llama")), enforce_eager=False, max_model_len=64,
+              num_kv_blocks=32)  # fmt: skip
+    old = weakref.ref(llm.engine.runner.compiled)
+    llm.engine.runner.setup_compiled()
+    gc.collect()
+    assert old() is None

@@ -19,6 +19,7 @@ model makes a warm compile (inductor's caches hit) a second or two, not tens of 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,21 +77,10 @@ class CompiledSteps:
         # NOTE: every engine of a process traces the same code objects; each model (shape,
         # architecture, dtype) adds an entry, and tests build dozens of engines
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        return torch.compile(fn, backend=self._inductor, dynamic=True, fullgraph=True)
-
-    def _inductor(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
-        from torch._dynamo.utils import counters
-        from torch._inductor.compile_fx import compile_fx
-
-        stats, inductor = self.stats, counters["inductor"]
-        hits, misses = inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]
-        t0 = time.perf_counter()
-        compiled = compile_fx(gm, example_inputs)
-        stats.seconds += time.perf_counter() - t0
-        stats.graphs += 1
-        stats.cache_hits += inductor["fxgraph_cache_hit"] - hits
-        stats.cache_misses += inductor["fxgraph_cache_miss"] - misses
-        return compiled
+        # NOTE: the backend holds the stats, never self: dynamo keeps backends alive with its
+        # code cache, and a CompiledSteps kept alive keeps its weights (in a process image too)
+        backend = functools.partial(_inductor, self.stats)
+        return torch.compile(fn, backend=backend, dynamic=True, fullgraph=True)
 
     def context(self, meta: AttentionMetadata | None) -> StepContext:
         return StepContext(
@@ -138,6 +128,21 @@ class CompiledSteps:
         with torch.inference_mode():
             self.logits(self.hidden(ids, positions, meta))
         return self.stats
+
+
+def _inductor(stats: CompileStats, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    from torch._dynamo.utils import counters
+    from torch._inductor.compile_fx import compile_fx
+
+    inductor = counters["inductor"]
+    hits, misses = inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]
+    t0 = time.perf_counter()
+    compiled = compile_fx(gm, example_inputs)
+    stats.seconds += time.perf_counter() - t0
+    stats.graphs += 1
+    stats.cache_hits += inductor["fxgraph_cache_hit"] - hits
+    stats.cache_misses += inductor["fxgraph_cache_miss"] - misses
+    return compiled
 
 
 _OP_ATTENTION = OpAttention()
