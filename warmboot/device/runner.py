@@ -59,6 +59,7 @@ class ModelRunner:
         self.model: DecoderModel | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
+        self.cpu_threads = cpu_threads
         self.stream = make_stream(device, cpu_threads)
         weakref.finalize(self, self.stream.close)
         self._generators: dict[str, torch.Generator] = {}
@@ -135,7 +136,8 @@ class ModelRunner:
         """Compile the model steps (after the weights and the KV pool; again after either
         changes): every later forward runs the compiled graphs."""
         self.compiled = None
-        compiled = CompiledSteps(self.model, self.kv_caches, self.attention, self.dtype)
+        threads = self.cpu_threads
+        compiled = CompiledSteps(self.model, self.kv_caches, self.attention, self.dtype, threads)
         stats = compiled.warm_up(self.scratch_block, self.block_size)
         compiled.kv_caches = self.kv_caches  # NOTE: the pool may have been reallocated meanwhile
         self.compiled = compiled

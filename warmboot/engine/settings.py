@@ -107,9 +107,9 @@ def cpu_threads(config: EngineConfig, device: torch.device, pipelined: bool) -> 
         return None
     if config.cpu_threads is not None and config.cpu_threads < 1:
         raise ValueError(f"cpu_threads must be >= 1, got {config.cpu_threads}")
-    threads = config.cpu_threads or default_threads(len(usable_cpus()))
-    torch.set_num_threads(threads)  # the loading phases run on this thread
-    return threads
+    # NOTE: only the device thread takes it (``CpuStream``): the caller's own torch threads,
+    # which the loading phases use, are the caller's business
+    return config.cpu_threads or default_threads(len(usable_cpus()))
 
 
 def resolve_device(device: str) -> torch.device:

@@ -255,7 +255,9 @@ class Startup:
         when they are ready, so no request waits for the trace."""
         if not engine.settings.compiled:
             return
+        self.wait_compiled()
         self.compile_info = {"compiled": False, "state": "compiling"}
+        self.compile_thread = None
         if not background:
             self._compile_now(engine)
             return
