@@ -22,6 +22,7 @@ model makes a warm compile (inductor's caches hit) a second or two, not tens of 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,9 +81,6 @@ class CompiledSteps:
         self._head = self._compile(_head_step)
 
     def _compile(self, fn: Callable) -> Callable:
-        # NOTE: every engine of a process traces the same code objects; each model (shape,
-        # architecture, dtype) adds an entry, and tests build dozens of engines
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         # NOTE: the backend holds the stats, never self: dynamo keeps backends alive with its
         # code cache, and a CompiledSteps kept alive keeps its weights (in a process image too)
         backend = functools.partial(_inductor, self.stats)
@@ -98,6 +96,7 @@ class CompiledSteps:
     ) -> torch.Tensor:
         """(N,) ids and positions of a step -> (N, hidden), final-normed: the decoder's loop
         (``DecoderModel.forward``) with each layer through the one compiled layer graph."""
+        _allow_entries()
         twin, ctx = self.twin, self.context(meta)
         x = twin.embed_tokens(ids)
         cos, sin = twin.rope_cos[positions], twin.rope_sin[positions]
@@ -110,6 +109,7 @@ class CompiledSteps:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(M, hidden) -> (M, vocab) float32."""
+        _allow_entries()
         _symbolic_rows(hidden)
         with bound(self.context(None)):
             return self._head(self.twin, hidden)
@@ -134,8 +134,15 @@ class CompiledSteps:
         import torch._inductor.config as inductor_config
 
         threads = {"cpp.threads": self.cpu_threads} if self.cpu_threads else {}
-        with torch.inference_mode(), inductor_config.patch(threads):
-            self.logits(self.hidden(ids, positions, meta))
+        caller = torch.get_num_threads()
+        # NOTE: dynamo guards on the torch thread count: trace with the device thread's, or
+        # its first step recompiles
+        torch.set_num_threads(self.cpu_threads or caller)
+        try:
+            with torch.inference_mode(), inductor_config.patch(threads):
+                self.logits(self.hidden(ids, positions, meta))
+        finally:
+            torch.set_num_threads(caller)
         return self.stats
 
 
@@ -188,6 +195,20 @@ def packed_twin(model: DecoderModel, table: PackedLinears) -> DecoderModel:
     if not cfg.tie_word_embeddings:
         del twin.lm_head
     return twin.eval()
+
+
+_THREAD = threading.local()
+
+
+def _allow_entries() -> None:
+    """Every engine of a process traces the same code objects, and each model (shape,
+    architecture, dtype) adds a cache entry: tests build dozens. Dynamo's limits are
+    per thread (the device thread's, a background compile's), so each sets its own."""
+    if not getattr(_THREAD, "limits_set", False):
+        config = torch._dynamo.config
+        config.recompile_limit = max(config.recompile_limit, 64)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)
+        _THREAD.limits_set = True
 
 
 def _symbolic_rows(*tensors: torch.Tensor) -> None:

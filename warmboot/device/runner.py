@@ -330,10 +330,15 @@ class ModelRunner:
         for s in scheduled:
             self.slots.park(s.req_id)
         hidden_fn, logits_fn = self._forward_fns()
-        with torch.inference_mode():
-            up = self._upload
-            ids, positions, meta = up(step.input_ids), up(step.positions), step.meta.to(up)
-            return logits_fn(hidden_fn(ids, positions, meta))
+        caller = torch.get_num_threads()
+        torch.set_num_threads(self.cpu_threads or caller)  # NOTE: as the device thread runs
+        try:
+            with torch.inference_mode():
+                up = self._upload
+                ids, positions, meta = up(step.input_ids), up(step.positions), step.meta.to(up)
+                return logits_fn(hidden_fn(ids, positions, meta))
+        finally:
+            torch.set_num_threads(caller)
 
     # -- checks --------------------------------------------------------------------------------
     def in_flight(self) -> list[StepHandle]:
