@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from warmboot.config import resolve_eager
 from warmboot.launcher import launch as launch_mod
 from warmboot.launcher import process_image
 from warmboot.launcher.launch import LaunchConfig, launch
@@ -159,9 +160,16 @@ def test_a_sandboxed_worker_runs_one_torch_thread_unless_told(tmp_path):
     argv = launch_mod.worker_spec(cfg).argv
     assert argv[1:4] == ["-P", "-m", "warmboot.launcher.worker"], "cwd never shadows modules"
     engine = json.loads(argv[-1])
-    assert engine == {"model": str(tmp_path), "cpu_threads": 1}
+    # NOTE: the worker's environment is fixed, so the eager default is resolved out here
+    assert engine == {
+        "model": str(tmp_path),
+        "cpu_threads": 1,
+        "enforce_eager": resolve_eager(None),
+    }
+    cfg = replace(cfg, engine={"model": str(tmp_path), "cpu_threads": 3, "enforce_eager": False})
+    told = json.loads(launch_mod.worker_spec(cfg).argv[-1])
+    assert told["cpu_threads"] == 3 and told["enforce_eager"] is False
     cfg = replace(cfg, engine={"model": str(tmp_path), "cpu_threads": 3})
-    assert json.loads(launch_mod.worker_spec(cfg).argv[-1])["cpu_threads"] == 3
     assert cfg.engine == {"model": str(tmp_path), "cpu_threads": 3}  # not mutated
 
 
