@@ -68,7 +68,7 @@ def resolve(config: EngineConfig, model: ModelConfig, max_model_len: int | None)
 
 
 def resolve_compiled(compile_steps: bool | None, device: torch.device) -> bool:
-    """Default: compiled on the CPU (1.3-2x eager decode, docs/benchmarks/decode.md); off on
+    """Default: compiled on the CPU (1.2-1.6x eager decode, docs/benchmarks/decode.md); off on
     CUDA, where CUDA graphs already remove the step's dispatch and the compiled path has not
     been measured on a GPU yet (``bench/gpu_run.sh`` times both)."""
     return device.type == "cpu" if compile_steps is None else compile_steps

@@ -124,6 +124,8 @@ def _context(op: str) -> StepContext:
     return ctx
 
 
+# NOTE: declared functional: its one side effect, the KV write, is on state the graph never
+# sees, and each layer graph calls it once with an output that is always used
 @torch.library.custom_op("warmboot::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     ctx = _context("paged_attention")
