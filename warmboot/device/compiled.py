@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from warmboot.device.threads import torch_threads
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata
 from warmboot.kernels.step_ops import (
     HEAD_SLOT,
@@ -134,15 +135,13 @@ class CompiledSteps:
         import torch._inductor.config as inductor_config
 
         threads = {"cpp.threads": self.cpu_threads} if self.cpu_threads else {}
-        caller = torch.get_num_threads()
-        # NOTE: dynamo guards on the torch thread count: trace with the device thread's, or
-        # its first step recompiles
-        torch.set_num_threads(self.cpu_threads or caller)
-        try:
-            with torch.inference_mode(), inductor_config.patch(threads):
-                self.logits(self.hidden(ids, positions, meta))
-        finally:
-            torch.set_num_threads(caller)
+        # NOTE: traced with the device thread's torch thread count, or its first step recompiles
+        with (
+            torch.inference_mode(),
+            inductor_config.patch(threads),
+            torch_threads(self.cpu_threads),
+        ):
+            self.logits(self.hidden(ids, positions, meta))
         return self.stats
 
 

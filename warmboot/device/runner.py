@@ -32,6 +32,7 @@ from warmboot.device.sampler import (
 from warmboot.device.slots import RequestSlots
 from warmboot.device.staging import StepHandle, upload
 from warmboot.device.streams import make_stream
+from warmboot.device.threads import torch_threads
 from warmboot.kernels.backend import AttentionBackend
 from warmboot.models.decoder import DecoderModel
 from warmboot.models.loader import assemble_model, load_model
@@ -330,15 +331,10 @@ class ModelRunner:
         for s in scheduled:
             self.slots.park(s.req_id)
         hidden_fn, logits_fn = self._forward_fns()
-        caller = torch.get_num_threads()
-        torch.set_num_threads(self.cpu_threads or caller)  # NOTE: as the device thread runs
-        try:
-            with torch.inference_mode():
-                up = self._upload
-                ids, positions, meta = up(step.input_ids), up(step.positions), step.meta.to(up)
-                return logits_fn(hidden_fn(ids, positions, meta))
-        finally:
-            torch.set_num_threads(caller)
+        with torch.inference_mode(), torch_threads(self.cpu_threads):
+            up = self._upload
+            ids, positions, meta = up(step.input_ids), up(step.positions), step.meta.to(up)
+            return logits_fn(hidden_fn(ids, positions, meta))
 
     # -- checks --------------------------------------------------------------------------------
     def in_flight(self) -> list[StepHandle]:

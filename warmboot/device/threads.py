@@ -11,6 +11,8 @@ makes the same choice (one bound OpenMP thread, one core reserved).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 def usable_cpus() -> list[int]:
@@ -41,3 +43,18 @@ def pin_this_thread(cpus: list[int]) -> bool:
     except (AttributeError, OSError):
         return False
     return True
+
+
+@contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``threads`` torch threads on this thread (None: as it is), as the
+    device thread runs: dynamo guards on the count, so a trace or a call made elsewhere with
+    another count would recompile."""
+    import torch
+
+    caller = torch.get_num_threads()
+    torch.set_num_threads(threads or caller)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(caller)

@@ -63,7 +63,7 @@ def resolve(config: EngineConfig, model: ModelConfig, max_model_len: int | None)
         pipelined=pipelined,
         cuda_graphs=graphs,
         compiled=compiled and (bool(config.compile_steps) or not eager),
-        cpu_threads=cpu_threads(config, device, pipelined),
+        cpu_threads=cpu_threads(config, device),
     )
 
 
@@ -100,7 +100,7 @@ def resolve_cuda_graphs(cuda_graphs: bool | None, device: torch.device) -> bool:
     return device.type == "cuda" if cuda_graphs is None else cuda_graphs
 
 
-def cpu_threads(config: EngineConfig, device: torch.device, pipelined: bool) -> int | None:
+def cpu_threads(config: EngineConfig, device: torch.device) -> int | None:
     """On the CPU the "device" is an executor thread with ``cpu_threads`` torch threads;
     default: the thread policy's (``device.threads``), either loop."""
     if device.type != "cpu":

@@ -25,6 +25,7 @@ import secrets
 from pathlib import Path
 
 from warmboot.config import cache_root
+from warmboot.snapshot.restore import new_file_target, write_new_file
 
 log = logging.getLogger("warmboot")
 ARTIFACT_FILE = "compile/inductor.bin"
@@ -135,19 +136,14 @@ def _unpack_cache_dir(blob: bytes, root: Path) -> int:
     at += n
     written = 0
     for entry in index:
-        rel, size = entry["path"], int(entry["size"])
-        parts = Path(rel).parts
-        if not rel or Path(rel).is_absolute() or ".." in parts or size < 0:
-            raise ValueError(f"compile artifacts: bad entry {rel[:80]!r}")
+        rel, size = str(entry["path"]), int(entry["size"])
+        if size < 0:
+            raise ValueError(f"compile artifacts: bad size for {rel[:80]!r}")
         data, at = blob[at : at + size], at + size
-        target = root / rel
-        if target.exists():
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, target)
-        written += 1
+        target = new_file_target(root, rel, f"{ARTIFACT_FILE}: {rel}")
+        if target is not None:
+            write_new_file(target, data)
+            written += 1
     if at != len(blob):
         raise ValueError("compile artifacts: the blob's index does not match its length")
     return written

@@ -266,18 +266,28 @@ def restore_files(store: Store, manifest: Manifest, group: str, dest: Path) -> i
     for f in manifest.files:
         if not f.path.startswith(group + "/"):
             continue
-        rel = f.path.removeprefix(group + "/")
-        parts = Path(rel).parts
-        if not rel or Path(rel).is_absolute() or ".." in parts or "" in rel.split("/"):
-            raise IntegrityError(f"file entry {f.path[:80]!r} is not a plain relative path")
-        target = dest / rel
-        if target.exists():
+        target = new_file_target(dest, f.path.removeprefix(group + "/"), f.path)
+        if target is None:
             continue
         data = store.get_chunk(f.chunk.hash, f.chunk.size)
         verify_chunk(data, f.chunk.hash, f"file {f.path}")
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, target)
+        write_new_file(target, data)
         written += 1
     return written
+
+
+def new_file_target(dest: Path, rel: str, what: str) -> Path | None:
+    """``dest / rel`` for a plain relative path (else ``IntegrityError``), None if it exists
+    (existing files are kept)."""
+    if not rel or Path(rel).is_absolute() or ".." in Path(rel).parts or "" in rel.split("/"):
+        raise IntegrityError(f"file entry {what[:80]!r} is not a plain relative path")
+    target = dest / rel
+    return None if target.exists() else target
+
+
+def write_new_file(target: Path, data: bytes) -> None:
+    """Write ``data`` to ``target`` atomically (a temporary name, then a rename)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, target)
