@@ -14,12 +14,15 @@ from pathlib import Path
 
 import torch
 
+from tests.family_specs import all_specs
 from warmboot.tokenizer.train import train_tokenizer
 
 VOCAB_SIZE = 512
 SEED = 1234
 INIT_STD = 0.2
 KINDS = ("llama", "llama_tied_mqa", "qwen2", "qwen3", "mistral")
+"""The original four families, tested in depth (``test_engine_vs_hf``); every other family
+is in ``tests/family_specs`` (``FAMILY_KINDS``, ``test_families``)."""
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 _COMMON = dict(
@@ -100,6 +103,10 @@ _SPECS: dict[str, tuple[str, dict]] = {
 }
 
 
+_SPECS.update(all_specs())
+FAMILY_KINDS = tuple(k for k in _SPECS if k not in KINDS)
+
+
 def make_tiny_model(
     kind: str, out_dir: Path, dtype: str = "float32", attn_implementation: str = "eager"
 ) -> Path:
@@ -107,9 +114,9 @@ def make_tiny_model(
     import transformers
 
     if kind not in _SPECS:
-        raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {KINDS}")
+        raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {sorted(_SPECS)}")
     config_cls, spec = _SPECS[kind]
-    config = getattr(transformers, config_cls)(**_COMMON, **spec)
+    config = getattr(transformers, config_cls)(**(_COMMON | spec))
     torch.manual_seed(SEED)
     model = transformers.AutoModelForCausalLM.from_config(
         config, attn_implementation=attn_implementation

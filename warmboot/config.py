@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MistralForCausalLM",
-)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+from warmboot.models.registry import UnsupportedModelError, resolve_architecture
 
 
 def pid_alive(pid: int) -> bool:
@@ -51,86 +47,77 @@ class ModelFilesError(FileNotFoundError):
 
 
 @dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int | None = None
-
-
-@dataclass(frozen=True)
 class ModelConfig:
-    """The architecture facts of a checkpoint, parsed from its ``config.json``."""
+    """The architecture facts the engine needs, parsed from a checkpoint's ``config.json``;
+    the family's model class reads the rest from ``hf``."""
 
     architecture: str
+    """The model class's registry name (``models.registry``)."""
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
     num_layers: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
-    rope: RopeConfig
     max_position_embeddings: int
     tie_word_embeddings: bool
-    qkv_bias: bool
-    """Bias on the q/k/v projections (Qwen2 always, Llama with ``attention_bias``)."""
-    o_bias: bool
-    qk_norm: bool
-    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
-    sliding_windows: tuple[int | None, ...]
-    """Per layer: attend to the last ``w`` positions only, or None for full attention."""
     checkpoint_dtype: str
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    hf: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
+    """The whole ``config.json`` (read-only)."""
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
             raise ModelFilesError(f"model directory {model_dir} has no config.json")
-        return cls.from_dict(json.loads(path.read_text()))
+        try:
+            cfg = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise UnsupportedModelError(f"{path} is not valid JSON: {e}") from None
+        if not isinstance(cfg, dict):
+            raise UnsupportedModelError(f"{path} does not hold a JSON object")
+        return cls.from_dict(cfg)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
-        archs = cfg.get("architectures") or []
-        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"warmboot supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        arch = resolve_architecture(cfg)
+        try:
+            num_heads = cfg["num_attention_heads"]
+            eos = cfg.get("eos_token_id")
+            return cls(
+                architecture=arch,
+                vocab_size=cfg["vocab_size"],
+                hidden_size=cfg["hidden_size"],
+                num_layers=cfg["num_hidden_layers"],
+                num_heads=num_heads,
+                num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+                head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+                max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype") or "float32",
+                eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+                bos_token_id=cfg.get("bos_token_id"),
+                hf=MappingProxyType(dict(cfg)),
             )
-        if cfg.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only 'silu'")
-        num_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
-        layers = cfg["num_hidden_layers"]
-        attention_bias = bool(cfg.get("attention_bias", False))
-        eos = cfg.get("eos_token_id")
-        return cls(
-            architecture=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=layers,
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-            head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope=_parse_rope(cfg),
-            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
-            o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
-            sliding_windows=_parse_sliding_windows(cfg, arch, layers),
-            checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype") or "float32",
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [eos] if eos is not None else []),
-            bos_token_id=cfg.get("bos_token_id"),
-        )
+        except KeyError as e:
+            raise UnsupportedModelError(f"config.json lacks {e.args[0]!r} ({arch})") from None
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``config.json``'s ``key``, or ``default`` when absent or null."""
+        value = self.hf.get(key)
+        return default if value is None else value
+
+    @property
+    def context_limit(self) -> int:
+        """The longest context the checkpoint supports: ``max_position_embeddings``, times
+        the rope ``factor`` for the scalings that extend it (linear, dynamic, yarn; as vLLM)."""
+        rope = self.get("rope_parameters") or self.get("rope_scaling") or {}
+        kind = rope.get("rope_type", rope.get("type")) if isinstance(rope, dict) else None
+        if kind in ("linear", "dynamic", "yarn") and rope.get("factor"):
+            return int(self.max_position_embeddings * rope["factor"])
+        return self.max_position_embeddings
 
     @property
     def q_size(self) -> int:
@@ -139,41 +126,6 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
-
-
-def _parse_rope(cfg: dict[str, Any]) -> RopeConfig:
-    # transformers >= 5 writes "rope_parameters"; older checkpoints "rope_theta" + "rope_scaling".
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(
-            f"unsupported rope_type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
-        )
-    return RopeConfig(
-        theta=float(theta),
-        rope_type=rope_type,
-        factor=float(params.get("factor", 1.0)),
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=params.get("original_max_position_embeddings"),
-    )
-
-
-def _parse_sliding_windows(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | None, ...]:
-    window = cfg.get("sliding_window")
-    if arch == "MistralForCausalLM" or arch == "LlamaForCausalLM":
-        return (window,) * layers
-    # Qwen2/Qwen3: sliding only where layer_types (or use_sliding_window/max_window_layers) say so.
-    if not cfg.get("use_sliding_window", False) or window is None:
-        return (None,) * layers
-    types = cfg.get("layer_types")
-    if types is None:
-        first_full = cfg.get("max_window_layers", layers)
-        types = [
-            "sliding_attention" if i >= first_full else "full_attention" for i in range(layers)
-        ]
-    return tuple(window if t == "sliding_attention" else None for t in types)
 
 
 @dataclass(frozen=True)

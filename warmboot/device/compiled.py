@@ -21,7 +21,9 @@ model makes a warm compile (inductor's caches hit) a second or two, not tens of 
 
 from __future__ import annotations
 
+import copy
 import functools
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -33,16 +35,14 @@ from warmboot.device.threads import torch_threads
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata
 from warmboot.kernels.step_ops import (
     HEAD_SLOT,
-    OpAttention,
-    PackedLinear,
     PackedLinears,
     StepContext,
     bound,
     can_pack,
+    op_attention,
 )
-from warmboot.models.decoder import DecoderModel, rms_norm
-
-PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+from warmboot.models.base import CausalLM
+from warmboot.models.layers.linear import Linear, PackedMethod
 
 
 @dataclass
@@ -59,7 +59,7 @@ class CompileStats:
 class CompiledSteps:
     def __init__(
         self,
-        model: DecoderModel,
+        model: CausalLM,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         backend: AttentionBackend,
         dtype: torch.dtype,
@@ -69,11 +69,8 @@ class CompiledSteps:
         self.backend = backend
         self.linears = PackedLinears()
         self.packed = can_pack(dtype, kv_caches[0][0].device)
-        self.twin = packed_twin(model, self.linears) if self.packed else model
-        cfg = model.cfg
-        self._eps = cfg.rms_norm_eps
-        self._scale = cfg.head_dim**-0.5
-        self._windows = tuple(cfg.sliding_windows)
+        self.model = packed_view(model, self.linears) if self.packed else model
+        self.specs = model.attention_specs()
         self.stats = CompileStats()
         self.cpu_threads = cpu_threads
         """OpenMP threads of the generated C++ kernels (baked in at compile time): the
@@ -88,32 +85,29 @@ class CompiledSteps:
         return torch.compile(fn, backend=backend, dynamic=True, fullgraph=True)
 
     def context(self, meta: AttentionMetadata | None) -> StepContext:
-        return StepContext(
-            self.backend, self.kv_caches, meta, self._scale, self._windows, self.linears
-        )
+        return StepContext(self.backend, self.kv_caches, meta, self.specs, self.linears)
 
     def hidden(
         self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """(N,) ids and positions of a step -> (N, hidden), final-normed: the decoder's loop
-        (``DecoderModel.forward``) with each layer through the one compiled layer graph."""
+        """(N,) ids and positions of a step -> (N, hidden), final-normed: the model's own
+        ``forward``, each layer through the one compiled layer graph."""
         _allow_entries()
-        twin, ctx = self.twin, self.context(meta)
-        x = twin.embed_tokens(ids)
-        cos, sin = twin.rope_cos[positions], twin.rope_sin[positions]
-        _symbolic_rows(x, cos, sin)
+        ctx = self.context(meta)
+        _symbolic_rows(positions)
         with bound(ctx):
-            for i, layer in enumerate(twin.layers):
-                ctx.layer = i
-                x = self._layer(layer, x, cos, sin)
-        return rms_norm(x, twin.norm, self._eps)
+            return self.model(ids, positions, ctx, self._run_layer)
+
+    def _run_layer(self, layer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        _symbolic_rows(x)
+        return self._layer(layer, x, positions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(M, hidden) -> (M, vocab) float32."""
         _allow_entries()
         _symbolic_rows(hidden)
         with bound(self.context(None)):
-            return self._head(self.twin, hidden)
+            return self._head(self.model, hidden)
 
     def warm_up(self, scratch_block: int, block_size: int) -> CompileStats:
         """Compile both graphs on two scratch decode rows (they write only the scratch block,
@@ -160,40 +154,30 @@ def _inductor(stats: CompileStats, gm: torch.fx.GraphModule, example_inputs: lis
     return compiled
 
 
-_OP_ATTENTION = OpAttention()
-
-
-def _layer_step(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def _layer_step(layer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """What the layer graph traces: one decoder layer, its caches and metadata in the context."""
-    return layer(x, cos, sin, (None, None), None, _OP_ATTENTION)
+    return layer(x, positions, op_attention)
 
 
-def _head_step(model: DecoderModel, hidden: torch.Tensor) -> torch.Tensor:
+def _head_step(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
     return model.compute_logits(hidden)
 
 
-def packed_twin(model: DecoderModel, table: PackedLinears) -> DecoderModel:
-    """A decoder sharing ``model``'s norms, embedding and rope tables whose projections and
-    LM head are slots of ``table`` (packed copies of ``model``'s weights)."""
-    cfg = model.cfg
-    with torch.device("meta"):
-        twin = DecoderModel(cfg)
-    twin.embed_tokens, twin.norm = model.embed_tokens, model.norm
-    twin.rope_cos, twin.rope_sin = model.rope_cos, model.rope_sin
-    for ours, theirs in zip(twin.layers, model.layers, strict=True):
-        ours.input_layernorm = theirs.input_layernorm
-        ours.post_attention_layernorm = theirs.post_attention_layernorm
-        if cfg.qk_norm:
-            ours.q_norm, ours.k_norm = theirs.q_norm, theirs.k_norm
-        linears = [getattr(theirs, name) for name in PROJECTIONS]
+def packed_view(model: CausalLM, table: PackedLinears) -> CausalLM:
+    """The same model (a copy of its modules sharing every tensor) whose linears compute
+    through ``PackedMethod``: slot ``i`` of a layer is its ``i``-th ``Linear``, packed into
+    ``table`` (copies of the weights in oneDNN's layout); the LM head is ``HEAD_SLOT``."""
+    shared = itertools.chain(model.parameters(), model.buffers(), [model.cfg])
+    memo = {id(t): t for t in shared}
+    view = copy.deepcopy(model, memo)
+    for layer in view.layers:
+        linears = [m for m in layer.modules() if isinstance(m, Linear)]
         table.add_layer(linears)
-        for slot, (name, linear) in enumerate(zip(PROJECTIONS, linears, strict=True)):
-            setattr(ours, name, PackedLinear(slot, linear.out_features))
-    table.set_head(model.embed_tokens.weight if cfg.tie_word_embeddings else model.lm_head.weight)
-    twin.head = PackedLinear(HEAD_SLOT, cfg.vocab_size)
-    if not cfg.tie_word_embeddings:
-        del twin.lm_head
-    return twin.eval()
+        for slot, linear in enumerate(linears):
+            linear.method = PackedMethod(slot)
+    table.set_head(view.lm_head.weight, view.lm_head.bias)
+    view.lm_head.method = PackedMethod(HEAD_SLOT)
+    return view.eval()
 
 
 _THREAD = threading.local()

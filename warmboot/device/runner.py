@@ -34,7 +34,8 @@ from warmboot.device.staging import StepHandle, upload
 from warmboot.device.streams import make_stream
 from warmboot.device.threads import torch_threads
 from warmboot.kernels.backend import AttentionBackend
-from warmboot.models.decoder import DecoderModel
+from warmboot.kernels.step_ops import StepContext
+from warmboot.models.base import CausalLM
 from warmboot.models.loader import assemble_model, load_model
 
 
@@ -57,7 +58,8 @@ class ModelRunner:
         self.device = device
         self.attention = attention
         self.block_size = block_size
-        self.model: DecoderModel | None = None
+        self.model: CausalLM | None = None
+        self.max_model_len = max_model_len
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
         self.cpu_threads = cpu_threads
@@ -83,14 +85,15 @@ class ModelRunner:
 
     # -- start-up phases -----------------------------------------------------------------------
     def load_model(self, model_dir: str | Path) -> None:
-        self.model = load_model(model_dir, self.model_cfg, self.dtype, self.device)
+        self.model = load_model(
+            model_dir, self.model_cfg, self.dtype, self.device, self.max_model_len
+        )
         self._settle()
 
     def install_weights(self, tensors: dict[str, torch.Tensor], source: str) -> None:
         """Use weights that are already transformed (a snapshot's ``named_parameters``)."""
-        self.model = assemble_model(
-            self.model_cfg, tensors.items(), self.dtype, self.device, source
-        )
+        cfg, dtype, device = self.model_cfg, self.dtype, self.device
+        self.model = assemble_model(cfg, tensors.items(), dtype, device, self.max_model_len, source)
         self._settle()
 
     def kv_bytes_per_block(self) -> int:
@@ -100,11 +103,13 @@ class ModelRunner:
 
     def pretune_attention(self, max_q: int, max_k: int) -> int:
         """Tune the attention backend's prefill for every shape bucket (start-up, idle)."""
-        cfg = self.model_cfg
+        specs = self.model.attention_specs()
         k_cache, v_cache = self.kv_caches[0]
-        windows = set(cfg.sliding_windows)
-        scale = cfg.head_dim**-0.5
-        return self.attention.pretune(k_cache, v_cache, cfg.num_heads, scale, windows, max_q, max_k)
+        windows = {s.sliding_window for s in specs}
+        heads = self.model_cfg.num_heads
+        return self.attention.pretune(
+            k_cache, v_cache, heads, specs[0].scale, windows, max_q, max_k
+        )
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """``num_blocks`` for the block manager plus the scratch block (idle runner only)."""
@@ -149,7 +154,12 @@ class ModelRunner:
         if self.compiled is not None:
             return self.compiled.hidden, self.compiled.logits
         model, kv, attention = self.model, self.kv_caches, self.attention
-        return (lambda ids, pos, meta: model(ids, pos, kv, meta, attention)), model.compute_logits
+        specs = model.attention_specs()
+
+        def hidden(ids, positions, meta):
+            return model(ids, positions, StepContext(attention, kv, meta, specs))
+
+        return hidden, model.compute_logits
 
     def setup_decode_graphs(self, batch_sizes: tuple[int, ...], emulate: bool = False) -> None:
         """Capture decode steps as CUDA graphs, block tables as wide as ``max_model_len``

@@ -77,12 +77,10 @@ def resolve_compiled(compile_steps: bool | None, device: torch.device) -> bool:
 def resolve_scheduler(
     cfg: SchedulerConfig, model: ModelConfig, max_model_len: int | None
 ) -> SchedulerConfig:
-    limit = model.max_position_embeddings
+    limit = model.context_limit
     length = max_model_len or min(cfg.max_model_len, limit)
     if length > limit:
-        raise ValueError(
-            f"max_model_len={length} exceeds the model's max_position_embeddings={limit}"
-        )
+        raise ValueError(f"max_model_len={length} exceeds the model's context ({limit} positions)")
     return replace(cfg, max_model_len=length)
 
 

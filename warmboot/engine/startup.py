@@ -30,6 +30,8 @@ from warmboot.device.graphs import default_batch_sizes
 from warmboot.device.runner import ModelRunner
 from warmboot.engine import settings as resolve
 from warmboot.engine.settings import RuntimeFacts, Settings
+from warmboot.models.checkpoint import check_servable
+from warmboot.models.registry import ARCHITECTURES
 from warmboot.sampling_params import SamplingParams
 from warmboot.snapshot.canary import CANARY_PROMPT, CANARY_TOKENS
 from warmboot.snapshot.compile_artifacts import saved_artifacts
@@ -93,6 +95,8 @@ class Startup:
         self.times: dict[str, float] = {}
         self.snapshot: SnapshotBoot | None = None
         self.restored = False
+        self.model_class: tuple[str, str] | None = None
+        """The family module and class serving the model (part of the snapshot key)."""
         self.graphs_note = "off"
         """CUDA graphs: on, off, emulated (CPU tests), or off with the capture's error."""
         self.compile_info: dict[str, Any] = {"compiled": False}
@@ -114,6 +118,8 @@ class Startup:
             if not self.model_dir.is_dir():
                 raise ModelFilesError(f"model directory {self.model_dir} does not exist")
             model_config = ModelConfig.from_dir(self.model_dir)
+            check_servable(self.model_dir, model_config)
+            self.model_class = ARCHITECTURES[model_config.architecture]
             settings = resolve.resolve(config, model_config, self.max_model_len)
         with self.phase("tokenizer"):
             tokenizer = Tokenizer.from_dir(self.model_dir)
@@ -169,6 +175,7 @@ class Startup:
             "max_num_batched_tokens": sched.max_num_batched_tokens,
             "attention_backend": attention,
             "compiled": settings.compiled,
+            "model_class": ".".join(self.model_class),
         }
         store, device = self.config.snapshot_store, settings.device
         with self.phase("snapshot_key"):

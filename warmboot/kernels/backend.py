@@ -58,6 +58,18 @@ class AttentionMetadata:
         )
 
 
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What one layer's attention applies, declared by the model (``models.layers``)."""
+
+    scale: float
+    """Multiplies q.k (head_dim ** -0.5 unless the family overrides it)."""
+    sliding_window: int | None = None
+    """Attend to the last ``w`` positions only; None: full attention."""
+    softcap: float | None = None
+    """Scores become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2)."""
+
+
 class AttentionBackend(ABC):
     """Writes the step's new K/V into the paged cache and attends over it."""
 
@@ -74,6 +86,7 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
         scale: float,
         sliding_window: int | None,
+        softcap: float | None = None,
     ) -> torch.Tensor:  # (N, Hq, D)
         ...
 

@@ -9,10 +9,12 @@ and two engines of one model trace the same graph (inductor's caches hit).
 
 - ``warmboot::paged_attention(q, k, v)``: write the running layer's new K/V and attend.
 - ``warmboot::packed_linear(x, slot, out_features)``: ``x @ W.T + b`` with W the running
-  layer's projection ``slot`` prepacked for oneDNN (``PackedLinears``), the CPU's fast GEMM
-  path: 1.2-2x ``F.linear`` at decode sizes (fp32 and bf16).
+  layer's linear number ``slot`` prepacked for oneDNN (``PackedLinears``), the CPU's fast
+  GEMM path: 1.2-2x ``F.linear`` at decode sizes (fp32 and bf16). A ``Linear`` reaches it
+  through its ``PackedMethod`` (``models.layers.linear``).
 
-The runner sets ``StepContext.layer`` before each layer, so one traced layer serves them all.
+The model sets ``StepContext.layer`` before each layer, so one traced layer serves them all.
+An eager step calls the same ``StepContext`` directly as its attention.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from warmboot.kernels.backend import AttentionBackend, AttentionMetadata
+from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 
 
 class PackedLinears:
@@ -35,6 +37,7 @@ class PackedLinears:
     def __init__(self) -> None:
         self.layers: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
         self.head: torch.Tensor | None = None
+        self.head_bias: torch.Tensor | None = None
         self._sources: list[list[torch.Tensor]] = []
         self._head_source: torch.Tensor | None = None
 
@@ -42,12 +45,14 @@ class PackedLinears:
     def pack(weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
-    def add_layer(self, linears: list[nn.Linear]) -> None:
+    def add_layer(self, linears: list[nn.Module]) -> None:
+        """One decoder layer's linears (anything with ``weight`` and ``bias``), in slot order."""
         self._sources.append([lin.weight for lin in linears])
         self.layers.append([(self.pack(lin.weight), _detached(lin.bias)) for lin in linears])
 
-    def set_head(self, weight: torch.Tensor) -> None:
+    def set_head(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self._head_source, self.head = weight, self.pack(weight)
+        self.head_bias = _detached(bias)
 
     def release(self) -> int:
         """Drop the packed copies (before a process checkpoint: the image then holds none);
@@ -70,7 +75,9 @@ class PackedLinears:
         return [w for row in self._sources for w in row] + [self._head_source]
 
     def lookup(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        weight, bias = (self.head, None) if slot == HEAD_SLOT else self.layers[layer][slot]
+        weight, bias = (
+            (self.head, self.head_bias) if slot == HEAD_SLOT else self.layers[layer][slot]
+        )
         if weight is None:
             raise RuntimeError("the packed weights are released (repack() after a restore)")
         return weight, bias
@@ -93,14 +100,26 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 @dataclass
 class StepContext:
+    """One step's state: what attention needs per layer, and the packed weights."""
+
     backend: AttentionBackend
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     meta: AttentionMetadata | None
-    scale: float
-    windows: tuple[int | None, ...]
-    linears: PackedLinears
+    specs: list[AttentionSpec]
+    """Per layer: scale, window, soft-cap (``CausalLM.attention_specs``)."""
+    linears: PackedLinears | None = None
     layer: int = 0
-    """The layer now running: the ops read its caches and weights."""
+    """The layer now running: attention and the ops read its caches and weights."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The running layer's attention (an eager step's ``Attend``)."""
+        if self.meta is None:
+            raise RuntimeError("attention ran in a step without attention metadata")
+        k_cache, v_cache = self.kv_caches[self.layer]
+        s = self.specs[self.layer]
+        return self.backend.forward(
+            q, k, v, k_cache, v_cache, self.meta, s.scale, s.sliding_window, s.softcap
+        )
 
 
 _LOCAL = threading.local()
@@ -128,12 +147,7 @@ def _context(op: str) -> StepContext:
 # sees, and each layer graph calls it once with an output that is always used
 @torch.library.custom_op("warmboot::paged_attention", mutates_args=())
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    ctx = _context("paged_attention")
-    if ctx.meta is None:
-        raise RuntimeError("warmboot::paged_attention: the bound step has no attention metadata")
-    k_cache, v_cache = ctx.kv_caches[ctx.layer]
-    window = ctx.windows[ctx.layer]
-    return ctx.backend.forward(q, k, v, k_cache, v_cache, ctx.meta, ctx.scale, window)
+    return _context("paged_attention")(q, k, v)
 
 
 @paged_attention.register_fake
@@ -153,22 +167,6 @@ def _(x, slot, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-class PackedLinear(nn.Module):
-    """Stands in for an ``nn.Linear`` in a traced layer: slot ``slot`` of the running
-    layer's packed weights (``HEAD_SLOT``: the LM head)."""
-
-    def __init__(self, slot: int, out_features: int):
-        super().__init__()
-        self.slot, self.out_features = slot, out_features
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.warmboot.packed_linear(x, self.slot, self.out_features)
-
-
-class OpAttention(AttentionBackend):
-    """What a traced layer attends with: caches, metadata and window come from the context."""
-
-    name = "op"
-
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
-        return torch.ops.warmboot.paged_attention(q, k, v)
+def op_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """What a traced layer attends with: the op, which finds the bound step."""
+    return torch.ops.warmboot.paged_attention(q, k, v)

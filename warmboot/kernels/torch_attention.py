@@ -16,20 +16,20 @@ from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, Prefil
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap=None):
         write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, sliding_window)
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, sliding_window, softcap)
         for seq in meta.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             out[rows] = self._prefill(
-                q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale, sliding_window
+                q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale, sliding_window, softcap
             )
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, window):
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, window, softcap):
         tables = meta.decode_block_tables  # (B, max_blocks)
         batch, max_blocks = tables.shape
         _, bs, hkv, d = k_cache.shape
@@ -37,7 +37,7 @@ class TorchAttentionBackend(AttentionBackend):
         values = _gather(v_cache, tables, hkv, d).view(batch, -1, hkv, d).transpose(1, 2)
         mask = self._decode_mask(meta, max_blocks * bs, window, q.dtype)  # (B, 1, 1, L)
         qg = q.view(batch, hkv, -1, d)  # (B, Hkv, G, D)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=scale)
+        out = _sdpa(qg, keys, values, mask, scale, softcap)
         return out.reshape(batch, -1, d)
 
     @staticmethod
@@ -57,7 +57,7 @@ class TorchAttentionBackend(AttentionBackend):
             meta.cache[key] = additive.masked_fill_(~mask, float("-inf"))[:, None, None, :]
         return meta.cache[key]
 
-    def _prefill(self, q, k, v, k_cache, v_cache, seq: PrefillSeq, scale, window):
+    def _prefill(self, q, k, v, k_cache, v_cache, seq: PrefillSeq, scale, window, softcap):
         n, _, d = q.shape
         hkv, ctx = k.shape[1], seq.context_len
         if ctx == n:  # nothing cached before this chunk: attend to the new k/v directly
@@ -65,8 +65,12 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             keys = _gather(k_cache, seq.block_table, hkv, d)[:ctx].transpose(0, 1)  # (Hkv, ctx, D)
             values = _gather(v_cache, seq.block_table, hkv, d)[:ctx].transpose(0, 1)
-        causal = ctx == n and window is None
+        causal = ctx == n and window is None and softcap is None
         mask = None if causal else _causal_mask(n, ctx, window, q.device)
+        if softcap is not None:  # NOTE: GQA as (Hkv, group * n) query rows, no K/V copies
+            qg = q.transpose(0, 1).reshape(hkv, -1, d)
+            out = _sdpa(qg, keys, values, mask.repeat(q.shape[1] // hkv, 1), scale, softcap)
+            return out.view(q.shape[1], n, d).transpose(0, 1)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             keys[None],
@@ -77,6 +81,20 @@ class TorchAttentionBackend(AttentionBackend):
             enable_gqa=True,
         )
         return out[0].transpose(0, 1)
+
+
+def _sdpa(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
+    """SDPA, or with soft-capped scores the same computed in steps as transformers does:
+    ``softcap * tanh(q.k * scale / softcap)``, masked, softmax in float32. ``mask``: additive
+    or boolean, broadcast over the leading dims."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    else:
+        scores = scores + mask
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, hkv: int, d: int) -> torch.Tensor:

@@ -21,7 +21,11 @@ from warmboot.kernels.decode import paged_decode_attention
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window):
+    def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap=None):
+        if softcap is not None:
+            raise NotImplementedError(
+                "the Triton attention kernels do not soft-cap scores; use attention_backend='torch'"
+            )
         write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         window = _window(sliding_window)

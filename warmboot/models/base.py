@@ -1,0 +1,167 @@
+"""The causal LM every family builds on: embedding -> decoder layers -> final norm -> LM head,
+and the map from checkpoint tensor names to the model's own.
+
+A family subclasses ``CausalLM``: ``make_layer`` builds one decoder layer (a module called as
+``layer(x, positions, attend)``), ``make_norm`` the final norm, and the class attributes say
+how its checkpoint names map (``renames``, ``stacked``, ``ignored``). The engine's eager
+step, its compiled step and its CUDA graphs all run ``forward``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from warmboot.config import ModelConfig
+from warmboot.kernels.backend import AttentionSpec
+from warmboot.kernels.step_ops import StepContext
+from warmboot.models.layers.attention import Attention
+from warmboot.models.layers.linear import Linear
+from warmboot.models.layers.norm import RMSNorm
+from warmboot.models.layers.rope import RopeSpec, RotaryEmbedding
+
+RunLayer = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+"""Runs one decoder layer: ``(layer, x, positions) -> x`` (the compiled step's graph)."""
+
+STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class CausalLM(nn.Module):
+    renames: tuple[tuple[str, str], ...] = ((r"^model\.", ""),)
+    """(regex, replacement) applied in order to every checkpoint name."""
+    stacked: dict[str, tuple[str, int]] = STACKED
+    """Checkpoint module name -> (our stacked module, shard index)."""
+    ignored: tuple[str, ...] = (r"rotary_emb\.inv_freq$",)
+    """Checkpoint tensors known to be harmless and not read (stored rope buffers)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        # NOTE: an explicit (uninitialised) weight skips Embedding's normal_ init, which on the
+        # meta device imports torch._dynamo: 1-1.6 s of every cold boot.
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
+        self.layers = nn.ModuleList(self.make_layer(i) for i in range(cfg.num_layers))
+        self.norm = self.make_norm(cfg.hidden_size)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=self.head_bias())
+        if cfg.tie_word_embeddings:
+            del self.lm_head.weight  # NOTE: set to the embedding's by ``tie_weights``
+        self.embed_scale: float | None = None
+        """Multiplies the embeddings (Granite's ``embedding_multiplier``)."""
+        self.logit_scale: float | None = None
+        """Multiplies the logits (Cohere's ``logit_scale``, 1 / Granite's ``logits_scaling``)."""
+        self.final_softcap: float | None = None
+        """Logits become ``c * tanh(logits / c)`` (Gemma 2's ``final_logit_softcapping``)."""
+
+    # -- what a family provides ----------------------------------------------------------------
+    def make_layer(self, index: int) -> nn.Module:
+        raise NotImplementedError
+
+    def make_norm(self, size: int | tuple[int, ...]) -> nn.Module:
+        return RMSNorm(size, self.cfg.get("rms_norm_eps", 1e-6))
+
+    def head_bias(self) -> bool:
+        return False
+
+    def rope_spec(self, **overrides) -> RopeSpec:
+        """The config's rope (``rope_parameters`` or ``rope_scaling`` + ``rope_theta``)."""
+        cfg = self.cfg
+        params = cfg.get("rope_parameters") or cfg.get("rope_scaling")
+        kwargs = dict(
+            theta=cfg.get("rope_theta", 10000.0),
+            max_position_embeddings=cfg.max_position_embeddings,
+            partial_rotary_factor=cfg.get("partial_rotary_factor", 1.0),
+        )
+        return RopeSpec.parse(params, **(kwargs | overrides))
+
+    def attention(self, index: int, **kwargs) -> Attention:
+        """A self-attention block of the config's shape; ``kwargs`` override or add."""
+        cfg = self.cfg
+        window = self.sliding_window(index)
+        spec = AttentionSpec(scale=cfg.head_dim**-0.5, sliding_window=window)
+        base = dict(spec=spec, rope=self.shared_rope(self.rope_spec()))
+        return Attention(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, **(base | kwargs)
+        )
+
+    def sliding_window(self, index: int) -> int | None:
+        """Layer ``index``'s window: ``layer_types`` when given, else the config's window."""
+        cfg = self.cfg
+        types = cfg.get("layer_types")
+        if types is not None:
+            return cfg.get("sliding_window") if types[index] == "sliding_attention" else None
+        return cfg.get("sliding_window")
+
+    def shared_rope(self, spec: RopeSpec) -> RotaryEmbedding:
+        """One rotary embedding (one table) per distinct spec, shared by the layers."""
+        ropes = self.__dict__.setdefault("_ropes", {})
+        if spec not in ropes:
+            ropes[spec] = RotaryEmbedding(spec, self.cfg.head_dim)
+        return ropes[spec]
+
+    # -- the step --------------------------------------------------------------------------------
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_scale is None else x * self.embed_scale
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (N,)
+        positions: torch.Tensor,  # (N,)
+        step: StepContext,
+        run_layer: RunLayer | None = None,
+    ) -> torch.Tensor:  # (N, hidden), final-normed
+        x = self.embed(input_ids)
+        for i, layer in enumerate(self.layers):
+            step.layer = i
+            x = layer(x, positions, step) if run_layer is None else run_layer(layer, x, positions)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(M, hidden) -> (M, vocab) float32."""
+        logits = self.lm_head(hidden).float()
+        if self.logit_scale is not None:
+            logits = logits * self.logit_scale
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    # -- facts for the runner --------------------------------------------------------------------
+    def attention_layers(self) -> list[Attention]:
+        return [next(m for m in la.modules() if isinstance(m, Attention)) for la in self.layers]
+
+    def attention_specs(self) -> list[AttentionSpec]:
+        return [a.spec for a in self.attention_layers()]
+
+    def rotary_embeddings(self) -> list[RotaryEmbedding]:
+        return list(self.__dict__.get("_ropes", {}).values())
+
+    # -- checkpoint names ------------------------------------------------------------------------
+    def map_name(self, name: str) -> tuple[str, int | None] | None:
+        """Checkpoint name -> (our parameter, shard index or None); None: ignored by design."""
+        if any(re.search(p, name) for p in self.ignored):
+            return None
+        for pattern, repl in self.renames:
+            name = re.sub(pattern, repl, name)
+        parts = name.split(".")
+        if len(parts) >= 2 and parts[-2] in self.stacked:
+            target, shard = self.stacked[parts[-2]]
+            return ".".join([*parts[:-2], target, parts[-1]]), shard
+        return name, None
+
+    def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor (already under our ``name``) into our layout; default as is."""
+        return tensor
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight

@@ -1,0 +1,77 @@
+"""A model directory's checkpoint: which files hold the weights, read through ``safetensors``,
+and what warmboot refuses to serve (quantized checkpoints, adapters, pickles) with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from warmboot.config import ModelConfig, ModelFilesError
+from warmboot.models.registry import UnsupportedModelError
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
+
+
+def check_servable(model_dir: Path, cfg: ModelConfig) -> None:
+    """Refuse what cannot be served exactly, before any weight is read."""
+    quant = cfg.get("quantization_config")
+    if quant is not None:
+        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
+        raise UnsupportedModelError(
+            f"{model_dir}: quantized checkpoints (quant_method {method!r}) are not supported "
+            "yet; serve the full-precision weights"
+        )
+    adapters = [name for name in ADAPTER_FILES if (model_dir / name).exists()]
+    if adapters:
+        raise UnsupportedModelError(
+            f"{model_dir}: LoRA adapter files {adapters} are not supported yet; merge the "
+            "adapter into the base weights (peft's merge_and_unload) or remove the files"
+        )
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    single = model_dir / "model.safetensors"
+    index = model_dir / "model.safetensors.index.json"
+    if single.is_file():
+        return [single]
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelFilesError(f"{model_dir}: shards named in the index are missing: {missing}")
+        return files
+    pickles = [name for name in PICKLES if (model_dir / name).is_file()]
+    if pickles:
+        raise UnsupportedModelError(
+            f"{model_dir}: {pickles[0]} is a pickle, which warmboot never loads (it can run "
+            "code); convert it to safetensors (transformers: from_pretrained, then "
+            "save_pretrained(..., safe_serialization=True))"
+        )
+    raise ModelFilesError(
+        f"model directory {model_dir} has neither model.safetensors nor model.safetensors.index.json"
+    )
+
+
+def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, by name (memory-mapped; floating point only)."""
+    for path in checkpoint_files(model_dir):
+        try:
+            f = safe_open(path, framework="pt")
+        except (SafetensorError, OSError) as e:
+            raise UnsupportedModelError(f"{path} is not a readable safetensors file: {e}") from None
+        for name in f.keys():
+            tensor = f.get_tensor(name)
+            if tensor.dtype not in FLOAT_DTYPES:
+                raise UnsupportedModelError(
+                    f"{path.name}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}; "
+                    "quantized weights are not supported yet"
+                )
+            yield name, tensor

@@ -1,0 +1,72 @@
+"""Linear layers whose computation is delegated to a *linear method*.
+
+A ``Linear`` owns its parameters; its ``method`` decides how ``x @ W.T + b`` is computed.
+Full precision (``DenseMethod``) is the default; the compiled CPU step swaps in
+``PackedMethod`` (oneDNN-prepacked weights, ``kernels.step_ops``). Quantized weights and LoRA
+adapters plug in here as further methods: a method may create its own parameters
+(``create_weights``) and is the only code that reads them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearMethod:
+    """How a ``Linear`` computes. Subclasses override ``apply`` (and ``create_weights`` when
+    their weights are not one dense matrix)."""
+
+    def create_weights(self, layer: Linear, bias: bool) -> None:
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features))
+        layer.bias = nn.Parameter(torch.empty(layer.out_features)) if bias else None
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class DenseMethod(LinearMethod):
+    """Full precision: ``F.linear`` on the layer's own weight and bias."""
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, layer.weight, layer.bias)
+
+
+DENSE = DenseMethod()
+
+
+class PackedMethod(LinearMethod):
+    """Slot ``slot`` of the running layer's oneDNN-packed weights, looked up in the bound
+    step (``kernels.step_ops.packed_linear``): the compiled CPU step's GEMM."""
+
+    def __init__(self, slot: int):
+        self.slot = slot
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.warmboot.packed_linear(x, self.slot, layer.out_features)
+
+
+class Linear(nn.Module):
+    """``y = x @ W.T + b`` through ``method``. ``shards``: the output sizes of checkpoint
+    tensors stacked into this one (q/k/v, gate/up), in order; the loader concatenates them."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int | list[int],
+        bias: bool = False,
+        method: LinearMethod = DENSE,
+    ):
+        super().__init__()
+        shards = list(out_features) if isinstance(out_features, list) else [out_features]
+        self.in_features, self.out_features = in_features, sum(shards)
+        self.shards = tuple(shards)
+        self.method = method
+        method.create_weights(self, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {list(self.shards)}, bias={self.bias is not None}"
