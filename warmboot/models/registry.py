@@ -19,6 +19,22 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("llama", "Qwen3ForCausalLM"),
+    "GraniteForCausalLM": ("granite", "GraniteForCausalLM"),
+    "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLM"),
+    # -- gemma.py --
+    "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    # -- phi3.py, gpt_neox.py, starcoder2.py, glm4.py --
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
+    "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
+    "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
+    "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
+    # -- olmo2.py, exaone4.py, cohere.py --
+    "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
+    "Exaone4ForCausalLM": ("exaone4", "Exaone4ForCausalLM"),
+    "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
+    "Cohere2ForCausalLM": ("cohere", "Cohere2ForCausalLM"),
 }
 """Every architecture served; a test checks each against transformers."""
 
@@ -27,6 +43,22 @@ MODEL_TYPES: dict[str, str] = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    # -- gemma.py --
+    "gemma": "GemmaForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    # -- phi3.py, gpt_neox.py, starcoder2.py, glm4.py --
+    "phi3": "Phi3ForCausalLM",
+    "gpt_neox": "GPTNeoXForCausalLM",
+    "starcoder2": "Starcoder2ForCausalLM",
+    "glm4": "Glm4ForCausalLM",
+    # -- olmo2.py, exaone4.py, cohere.py --
+    "olmo2": "Olmo2ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
+    "cohere": "CohereForCausalLM",
+    "cohere2": "Cohere2ForCausalLM",
 }
 """``model_type`` -> architecture, for configs without ``architectures``."""
 
