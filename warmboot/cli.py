@@ -195,6 +195,15 @@ def _serve(args) -> int:
         from warmboot.models.demo import ensure_default_model
 
         args.model = str(ensure_default_model())
+    from warmboot.config import ModelFilesError
+    from warmboot.models.checkpoint import preflight
+    from warmboot.models.registry import UnsupportedModelError
+
+    try:
+        preflight(args.model)
+    except (UnsupportedModelError, ModelFilesError) as e:
+        print(f"error: cannot serve {args.model}: {e}", file=sys.stderr)
+        return 2
 
     def boot():
         from warmboot.launcher.launch import LaunchConfig, launch
@@ -218,6 +227,9 @@ def _serve(args) -> int:
     )
     print(f"serving {config.served_model_name!r} on http://{args.host}:{args.port}/v1", flush=True)
     serve(holder, config, args.host, args.port, "info" if args.verbose else "warning")
+    if holder.fatal is not None:
+        print(f"error: cannot serve {args.model}: {holder.fatal}", file=sys.stderr)
+        return 2
     return 0
 
 

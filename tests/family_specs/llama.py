@@ -46,3 +46,36 @@ SPECS = {
         ),
     ),
 }
+
+SPECS |= {
+    "granite": (
+        "GraniteConfig",
+        dict(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=96,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.6,
+            attention_multiplier=0.09,
+            logits_scaling=2.5,
+            attention_bias=True,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "smollm3": (
+        "SmolLM3Config",
+        dict(
+            hidden_size=48,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=80,
+            no_rope_layer_interval=2,
+            use_sliding_window=True,
+            sliding_window=10,
+            tie_word_embeddings=True,
+        ),
+    ),
+}

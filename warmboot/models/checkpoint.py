@@ -1,5 +1,6 @@
 """A model directory's checkpoint: which files hold the weights, read through ``safetensors``,
 and what warmboot refuses to serve (quantized checkpoints, adapters, pickles) with the reason.
+Importing it imports no torch (``preflight`` runs in the server process before any engine).
 """
 
 from __future__ import annotations
@@ -7,16 +8,28 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
-from safetensors import SafetensorError, safe_open
+from typing import TYPE_CHECKING
 
 from warmboot.config import ModelConfig, ModelFilesError
 from warmboot.models.registry import UnsupportedModelError
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+if TYPE_CHECKING:
+    import torch
+
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
+
+
+def preflight(model_dir: str | Path) -> ModelConfig:
+    """Everything that can be checked without reading weights: the directory, its config
+    (a served architecture), no quantization or adapters, and the weight files."""
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise ModelFilesError(f"model directory {model_dir} does not exist")
+    cfg = ModelConfig.from_dir(model_dir)
+    check_servable(model_dir, cfg)
+    checkpoint_files(model_dir)
+    return cfg
 
 
 def check_servable(model_dir: Path, cfg: ModelConfig) -> None:
@@ -62,6 +75,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
 
 def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint, by name (memory-mapped; floating point only)."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    floats = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
     for path in checkpoint_files(model_dir):
         try:
             f = safe_open(path, framework="pt")
@@ -69,7 +86,7 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise UnsupportedModelError(f"{path} is not a readable safetensors file: {e}") from None
         for name in f.keys():
             tensor = f.get_tensor(name)
-            if tensor.dtype not in FLOAT_DTYPES:
+            if tensor.dtype not in floats:
                 raise UnsupportedModelError(
                     f"{path.name}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}; "
                     "quantized weights are not supported yet"

@@ -14,7 +14,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from warmboot.config import ModelFilesError
 from warmboot.engine.client import EngineClient
+from warmboot.models.registry import UnsupportedModelError
 
 log = logging.getLogger("warmboot")
 
@@ -40,6 +42,10 @@ class EngineHolder:
         self.error: str | None = None
         self.time_to_ready: float | None = None
         self.restarts = 0
+        self.fatal: str | None = None
+        """Why the model can never be served here (a bad path, an unsupported checkpoint)."""
+        self.on_fatal: Callable[[str], None] | None = None
+        """Called once with ``fatal`` (the server then exits non-zero)."""
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
 
@@ -66,8 +72,14 @@ class EngineHolder:
         try:
             client = self._factory()
         except Exception as e:  # noqa: BLE001 - reported through /health and every API call
-            log.exception("engine failed to start")
             self.error = f"{type(e).__name__}: {e}"
+            if isinstance(e, (UnsupportedModelError, ModelFilesError)):
+                log.error("the model cannot be served: %s", e)
+                self.fatal = str(e)
+                if self.on_fatal is not None:
+                    self.on_fatal(self.fatal)
+                return
+            log.exception("engine failed to start")
             return
         self.time_to_ready = time.monotonic() - self.started_at
         self.llm = client

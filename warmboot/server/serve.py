@@ -24,8 +24,18 @@ def serve(
     app = create_app(holder, config)
     if host not in ("127.0.0.1", "localhost", "::1") and config.api_key is None:
         log.warning("serving on %s without an API key: anyone who can reach it can use it", host)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False)
+    )
+
+    def stop(reason: str) -> None:  # NOTE: the model cannot be served: exit, not 503 for ever
+        server.should_exit = True
+
+    holder.on_fatal = stop
+    if holder.fatal is not None:
+        return
     try:
-        uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
+        server.run()
     finally:
         holder.shutdown()
 
