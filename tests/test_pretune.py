@@ -82,7 +82,8 @@ def test_tuning_runs_before_the_publish(path, tmp_path, monkeypatch):
     ((shape, heads, windows, max_q, max_k),) = calls
     assert shape == (64 + 1, 4, cfg.num_kv_heads, cfg.head_dim)  # + the scratch block
     assert heads == cfg.num_heads
-    assert windows == set(cfg.sliding_windows) and (max_q, max_k) == (40, 96)
+    specs = llm.engine.runner.model.attention_specs()
+    assert windows == {s.sliding_window for s in specs} and (max_q, max_k) == (40, 96)
     phases = list(llm.engine.start_info.phase_times)
     assert phases.index("autotune") < phases.index("snapshot_publish")
     manifest = Manifest.from_json(next((store / "manifests").glob("*.json")).read_bytes())

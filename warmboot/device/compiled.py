@@ -189,8 +189,8 @@ def _allow_entries() -> None:
     per thread (the device thread's, a background compile's), so each sets its own."""
     if not getattr(_THREAD, "limits_set", False):
         config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, 64)
-        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 1024)
+        config.recompile_limit = max(config.recompile_limit, 256)
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 4096)
         _THREAD.limits_set = True
 
 

@@ -6,7 +6,7 @@ Importing it imports no torch (``preflight`` runs in the server process before a
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -73,8 +73,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     )
 
 
-def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, by name (memory-mapped; floating point only)."""
+def iter_checkpoint(
+    model_dir: Path, skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint, by name (memory-mapped; floating point only); those
+    ``skip`` names are not read (the family's harmless buffers, e.g. a bool causal mask)."""
     import torch
     from safetensors import SafetensorError, safe_open
 
@@ -85,6 +88,8 @@ def iter_checkpoint(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         except (SafetensorError, OSError) as e:
             raise UnsupportedModelError(f"{path} is not a readable safetensors file: {e}") from None
         for name in f.keys():
+            if skip is not None and skip(name):
+                continue
             tensor = f.get_tensor(name)
             if tensor.dtype not in floats:
                 raise UnsupportedModelError(

@@ -37,7 +37,8 @@ def load_model(
     model_dir = Path(model_dir)
     check_servable(model_dir, cfg)
     model = build_model(cfg)
-    named = checkpoint_weights(model, iter_checkpoint(model_dir), str(model_dir))
+    tensors = iter_checkpoint(model_dir, skip=lambda name: model.map_name(name) is None)
+    named = checkpoint_weights(model, tensors, str(model_dir))
     weights = ((name, t.to(device=device, dtype=dtype)) for name, t in named)
     return _assign_all(model, weights, dtype, device, max_positions, str(model_dir))
 

@@ -25,16 +25,26 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
-    # -- phi3.py, gpt_neox.py, starcoder2.py, glm4.py --
+    # -- phi3.py, gpt_neox.py, starcoder2.py, glm4.py, phi.py, stablelm.py --
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
     "Starcoder2ForCausalLM": ("starcoder2", "Starcoder2ForCausalLM"),
     "Glm4ForCausalLM": ("glm4", "Glm4ForCausalLM"),
+    "GlmForCausalLM": ("glm4", "GlmForCausalLM"),
+    "PhiForCausalLM": ("phi", "PhiForCausalLM"),
+    "StableLmForCausalLM": ("stablelm", "StableLmForCausalLM"),
     # -- olmo2.py, exaone4.py, cohere.py --
     "Olmo2ForCausalLM": ("olmo2", "Olmo2ForCausalLM"),
+    "Olmo3ForCausalLM": ("olmo2", "Olmo3ForCausalLM"),
     "Exaone4ForCausalLM": ("exaone4", "Exaone4ForCausalLM"),
     "CohereForCausalLM": ("cohere", "CohereForCausalLM"),
     "Cohere2ForCausalLM": ("cohere", "Cohere2ForCausalLM"),
+    "OlmoForCausalLM": ("olmo", "OlmoForCausalLM"),
+    "ArceeForCausalLM": ("arcee", "ArceeForCausalLM"),
+    "MinistralForCausalLM": ("ministral", "MinistralForCausalLM"),
+    "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
+    "SeedOssForCausalLM": ("seed_oss", "SeedOssForCausalLM"),
+    "HunYuanDenseV1ForCausalLM": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
 }
 """Every architecture served; a test checks each against transformers."""
 
@@ -49,16 +59,26 @@ MODEL_TYPES: dict[str, str] = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
-    # -- phi3.py, gpt_neox.py, starcoder2.py, glm4.py --
+    # -- phi3.py, gpt_neox.py, starcoder2.py, glm4.py, phi.py, stablelm.py --
     "phi3": "Phi3ForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
     "starcoder2": "Starcoder2ForCausalLM",
     "glm4": "Glm4ForCausalLM",
+    "glm": "GlmForCausalLM",
+    "phi": "PhiForCausalLM",
+    "stablelm": "StableLmForCausalLM",
     # -- olmo2.py, exaone4.py, cohere.py --
     "olmo2": "Olmo2ForCausalLM",
+    "olmo3": "Olmo3ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "cohere": "CohereForCausalLM",
     "cohere2": "Cohere2ForCausalLM",
+    "olmo": "OlmoForCausalLM",
+    "arcee": "ArceeForCausalLM",
+    "ministral": "MinistralForCausalLM",
+    "ernie4_5": "Ernie4_5ForCausalLM",
+    "seed_oss": "SeedOssForCausalLM",
+    "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
 }
 """``model_type`` -> architecture, for configs without ``architectures``."""
 
