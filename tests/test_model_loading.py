@@ -174,3 +174,14 @@ def test_a_missing_file_is_a_files_error(tmp_path):
         preflight(tmp_path)
     with pytest.raises(ModelFilesError, match="does not exist"):
         preflight(tmp_path / "absent")
+
+
+def test_harmless_buffers_of_any_dtype_are_not_read(tmp_path, tiny_model_dir, hf_model):
+    """Pythia checkpoints store a bool causal mask per layer (``attention.bias``): listed as
+    harmless by the family, it is skipped unread (its dtype alone would be refused)."""
+    src = tiny_model_dir("gpt_neox")
+    model = _copy(src, tmp_path)
+    _add_tensor(model, "gpt_neox.layers.0.attention.bias", torch.ones(1, 1, 8, 8, dtype=torch.bool))
+    prompt = random_prompts([10], VOCAB_SIZE, seed=8)[0]
+    out = _llm(model).generate({"prompt_token_ids": prompt}, GREEDY)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf_model(src), prompt, 8)
