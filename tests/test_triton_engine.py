@@ -40,7 +40,7 @@ def _greedy(path, backend: str, prompts, graphs: bool = False) -> list[list[int]
 
 
 @pytest.mark.slow  # the engine on Triton kernels in the interpreter
-@pytest.mark.parametrize("kind", ["llama", "mistral"])  # GQA 3 at head dim 12; window 12
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2_softcap"])  # + soft-caps
 def test_greedy_matches_torch_backend(kind, tiny_model_dir):
     path = tiny_model_dir(kind)
     prompts = random_prompts([30, 3, 17], VOCAB_SIZE, seed=11)

@@ -148,14 +148,11 @@ def wants_pretune(setting: bool | None, device: torch.device, backend: str, publ
     return publishing if setting is None else setting
 
 
-def attention_backend(name: str, device: torch.device, softcap: bool = False) -> AttentionBackend:
-    """auto: Triton on CUDA, torch elsewhere (and for a model that soft-caps attention
-    scores, which the Triton kernels do not). triton on the CPU needs Triton's interpreter."""
+def attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """auto: Triton on CUDA, torch elsewhere. triton on the CPU needs Triton's interpreter."""
     if name not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown attention_backend {name!r}; use auto, torch or triton")
-    if name == "triton" and softcap:
-        raise ValueError("attention_backend='triton' cannot soft-cap attention scores; use torch")
-    if name == "torch" or (name == "auto" and (device.type != "cuda" or softcap)):
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
         return TorchAttentionBackend()
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         raise ValueError(

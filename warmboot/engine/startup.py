@@ -125,9 +125,7 @@ class Startup:
             tokenizer = Tokenizer.from_dir(self.model_dir)
             eos = resolve.eos_ids(self.model_dir, model_config, tokenizer)
         torch.manual_seed(config.seed)
-        attention = resolve.attention_backend(
-            config.attention_backend, settings.device, self._soft_caps(model_config, settings)
-        )
+        attention = resolve.attention_backend(config.attention_backend, settings.device)
         runner = self._runner(model_config, settings, attention)
         self.snapshot = self._open_snapshot(settings, attention.name)
         self.restored = self.restore_weights(runner)
@@ -146,15 +144,6 @@ class Startup:
             attention_backend=attention.name,
         )
         return Booted(model_config, settings, tokenizer, runner, facts)
-
-    def _soft_caps(self, model_config: ModelConfig, settings: Settings) -> bool:
-        """Whether the model soft-caps attention scores (read off its layers built on the
-        meta device; asked only where the backend could be Triton's)."""
-        if settings.device.type != "cuda" and self.config.attention_backend != "triton":
-            return False
-        from warmboot.models.loader import build_model
-
-        return any(s.softcap for s in build_model(model_config).attention_specs())
 
     def _runner(self, model_config: ModelConfig, settings: Settings, attention) -> ModelRunner:
         sched = settings.scheduler

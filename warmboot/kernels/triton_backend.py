@@ -22,10 +22,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap=None):
-        if softcap is not None:
-            raise NotImplementedError(
-                "the Triton attention kernels do not soft-cap scores; use attention_backend='torch'"
-            )
+        cap = 0.0 if softcap is None else float(softcap)
         write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         window = _window(sliding_window)
@@ -39,6 +36,7 @@ class TritonAttentionBackend(AttentionBackend):
                 meta.decode_seq_lens,
                 scale,
                 window,
+                cap,
                 out=out[:nd],
             )
         if meta.prefills:
@@ -54,6 +52,7 @@ class TritonAttentionBackend(AttentionBackend):
                 scale,
                 causal=True,
                 window_size=window,
+                softcap=cap,
                 block_table=table,
                 seqused_k=seqused_k,
                 out=out[nd:],
