@@ -105,6 +105,16 @@ def family_model(kind: str, root: Path) -> Path:
         tiny._SPECS[kind] = saved[0]
 
 
+def one_kind_per_architecture() -> list[str]:
+    """The first tiny kind of each config class (one architecture each)."""
+    import tests.tiny_models as tiny
+
+    first: dict[str, str] = {}
+    for kind in [*tiny.KINDS, *tiny.FAMILY_KINDS]:
+        first.setdefault(tiny._SPECS[kind][0], kind)
+    return list(first.values())
+
+
 def transformers_decode(model: Path, batch: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -152,7 +162,9 @@ def main() -> None:
     ap.add_argument("--child", nargs="+", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--base-rev", default="ac38a1d", help="the tree before the model layer")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--kinds", default=None, help="comma-separated tiny kinds (default: all)")
+    ap.add_argument(
+        "--kinds", default=None, help="tiny kinds, comma-separated (default: one per architecture)"
+    )
     ap.add_argument("--skip-demo", action="store_true")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -163,9 +175,7 @@ def main() -> None:
         else:
             print(json.dumps(transformers_decode(Path(model), int(rest[0]))))
         return
-    from tests.tiny_models import FAMILY_KINDS, KINDS
-
-    kinds = args.kinds.split(",") if args.kinds else [*KINDS, *FAMILY_KINDS]
+    kinds = args.kinds.split(",") if args.kinds else one_kind_per_architecture()
     demo = [] if args.skip_demo else demo_rows(args.base_rev, args.repeats)
     write_report(args, demo, family_rows(kinds))
 

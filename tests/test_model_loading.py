@@ -74,6 +74,13 @@ def test_a_quantization_config_is_refused(method, path, tmp_path):
         _llm(bad)
 
 
+def test_an_autogptq_quantize_config_is_refused(path, tmp_path):
+    bad = _copy(path, tmp_path)
+    (bad / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128}))
+    with pytest.raises(UnsupportedModelError, match="quant_method 'gptq"):
+        _llm(bad)
+
+
 def test_fp8_weights_are_refused(path, tmp_path):
     bad = _copy(path, tmp_path)
     weights = load_file(bad / "model.safetensors")

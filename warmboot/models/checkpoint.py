@@ -35,6 +35,8 @@ def preflight(model_dir: str | Path) -> ModelConfig:
 def check_servable(model_dir: Path, cfg: ModelConfig) -> None:
     """Refuse what cannot be served exactly, before any weight is read."""
     quant = cfg.get("quantization_config")
+    if quant is None and (model_dir / "quantize_config.json").is_file():
+        quant = {"quant_method": "gptq (quantize_config.json)"}  # NOTE: AutoGPTQ's own file
     if quant is not None:
         method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
         raise UnsupportedModelError(
