@@ -71,6 +71,7 @@ class CompiledSteps:
         self.packed = can_pack(dtype, kv_caches[0][0].device)
         self.model = packed_view(model, self.linears) if self.packed else model
         self.specs = model.attention_specs()
+        self._first_layer = self.model.layers[0]
         self.stats = CompileStats()
         self.cpu_threads = cpu_threads
         """OpenMP threads of the generated C++ kernels (baked in at compile time): the
@@ -99,7 +100,8 @@ class CompiledSteps:
             return self.model(ids, positions, ctx, self._run_layer)
 
     def _run_layer(self, layer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        _symbolic_rows(x)
+        if layer is self._first_layer:  # NOTE: later layers take the graph's own output
+            _symbolic_rows(x)
         return self._layer(layer, x, positions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

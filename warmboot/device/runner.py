@@ -33,7 +33,7 @@ from warmboot.device.slots import RequestSlots
 from warmboot.device.staging import StepHandle, upload
 from warmboot.device.streams import make_stream
 from warmboot.device.threads import torch_threads
-from warmboot.kernels.backend import AttentionBackend
+from warmboot.kernels.backend import AttentionBackend, AttentionSpec
 from warmboot.kernels.step_ops import StepContext
 from warmboot.models.base import CausalLM
 from warmboot.models.loader import assemble_model, load_model
@@ -59,6 +59,8 @@ class ModelRunner:
         self.attention = attention
         self.block_size = block_size
         self.model: CausalLM | None = None
+        self.specs: list[AttentionSpec] = []
+        """The model's per-layer attention facts (read once, not per step)."""
         self.max_model_len = max_model_len
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
@@ -88,12 +90,14 @@ class ModelRunner:
         self.model = load_model(
             model_dir, self.model_cfg, self.dtype, self.device, self.max_model_len
         )
+        self.specs = self.model.attention_specs()
         self._settle()
 
     def install_weights(self, tensors: dict[str, torch.Tensor], source: str) -> None:
         """Use weights that are already transformed (a snapshot's ``named_parameters``)."""
         cfg, dtype, device = self.model_cfg, self.dtype, self.device
         self.model = assemble_model(cfg, tensors.items(), dtype, device, self.max_model_len, source)
+        self.specs = self.model.attention_specs()
         self._settle()
 
     def kv_bytes_per_block(self) -> int:
@@ -103,7 +107,7 @@ class ModelRunner:
 
     def pretune_attention(self, max_q: int, max_k: int) -> int:
         """Tune the attention backend's prefill for every shape bucket (start-up, idle)."""
-        specs = self.model.attention_specs()
+        specs = self.specs
         k_cache, v_cache = self.kv_caches[0]
         windows = {s.sliding_window for s in specs}
         heads = self.model_cfg.num_heads
@@ -153,8 +157,7 @@ class ModelRunner:
         """(hidden, logits) functions of a step: the compiled graphs when set up."""
         if self.compiled is not None:
             return self.compiled.hidden, self.compiled.logits
-        model, kv, attention = self.model, self.kv_caches, self.attention
-        specs = model.attention_specs()
+        model, kv, attention, specs = self.model, self.kv_caches, self.attention, self.specs
 
         def hidden(ids, positions, meta):
             return model(ids, positions, StepContext(attention, kv, meta, specs))

@@ -9,6 +9,7 @@ step, its compiled step and its CUDA graphs all run ``forward``.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Callable
 
@@ -42,9 +43,16 @@ class CausalLM(nn.Module):
     """Checkpoint module name -> (our stacked module, shard index)."""
     ignored: tuple[str, ...] = (r"rotary_emb\.inv_freq$",)
     """Checkpoint tensors known to be harmless and not read (stored rope buffers)."""
+    tied_by_default = False
+    """Whether the head is tied when ``config.json`` does not say (transformers' default for
+    the family: Cohere, Ernie 4.5, StarCoder2)."""
+    rope_class: type[RotaryEmbedding] = RotaryEmbedding
+    """What ``shared_rope`` builds (a family whose rotation casts differently subclasses it)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if self.tied_by_default and cfg.hf.get("tie_word_embeddings") is None:
+            cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
         self.cfg = cfg
         # NOTE: an explicit (uninitialised) weight skips Embedding's normal_ init, which on the
         # meta device imports torch._dynamo: 1-1.6 s of every cold boot.
@@ -58,7 +66,7 @@ class CausalLM(nn.Module):
         self.embed_scale: float | None = None
         """Multiplies the embeddings (Granite's ``embedding_multiplier``)."""
         self.logit_scale: float | None = None
-        """Multiplies the logits (Cohere's ``logit_scale``, 1 / Granite's ``logits_scaling``)."""
+        """Multiplies the logits (Cohere's ``logit_scale``)."""
         self.final_softcap: float | None = None
         """Logits become ``c * tanh(logits / c)`` (Gemma 2's ``final_logit_softcapping``)."""
 
@@ -105,7 +113,7 @@ class CausalLM(nn.Module):
         """One rotary embedding (one table) per distinct spec, shared by the layers."""
         ropes = self.__dict__.setdefault("_ropes", {})
         if spec not in ropes:
-            ropes[spec] = RotaryEmbedding(spec, self.cfg.head_dim)
+            ropes[spec] = self.rope_class(spec, self.cfg.head_dim)
         return ropes[spec]
 
     # -- the step --------------------------------------------------------------------------------
@@ -143,7 +151,9 @@ class CausalLM(nn.Module):
         return [a.spec for a in self.attention_layers()]
 
     def rotary_embeddings(self) -> list[RotaryEmbedding]:
-        return list(self.__dict__.get("_ropes", {}).values())
+        """Every rotary embedding the layers use, once each (the loader builds their tables)."""
+        found = {id(m): m for m in self.modules() if isinstance(m, RotaryEmbedding)}
+        return list(found.values())
 
     # -- checkpoint names ------------------------------------------------------------------------
     def map_name(self, name: str) -> tuple[str, int | None] | None:

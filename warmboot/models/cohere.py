@@ -6,8 +6,6 @@ by default. Cohere: optional per-head (H, D) q/k LayerNorms. Cohere 2: windows o
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
@@ -43,9 +41,10 @@ class ParallelDecoderLayer(nn.Module):
 
 
 class CohereForCausalLM(CausalLM):
+    tied_by_default = True
+    rope_class = CohereRotaryEmbedding
+
     def __init__(self, cfg: ModelConfig):
-        if "tie_word_embeddings" not in cfg.hf:  # NOTE: transformers' default here is tied
-            cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
         super().__init__(cfg)
         self.logit_scale = float(cfg.hf.get("logit_scale", 0.0625))
 
@@ -70,12 +69,6 @@ class CohereForCausalLM(CausalLM):
 
     def rope_spec(self, **overrides) -> RopeSpec:
         return super().rope_spec(**(dict(interleaved=True) | overrides))
-
-    def shared_rope(self, spec: RopeSpec) -> RotaryEmbedding:
-        ropes = self.__dict__.setdefault("_ropes", {})
-        if spec not in ropes:
-            ropes[spec] = CohereRotaryEmbedding(spec, self.cfg.head_dim)
-        return ropes[spec]
 
 
 class Cohere2ForCausalLM(CohereForCausalLM):

@@ -3,16 +3,13 @@ default, and the interleaved rope computed in float32 (float32 tables, q/k upcas
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
-from warmboot.config import ModelConfig
 from warmboot.models.cohere import CohereRotaryEmbedding
 from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.norm import RMSNorm
-from warmboot.models.layers.rope import RopeSpec, RotaryEmbedding
+from warmboot.models.layers.rope import RopeSpec
 from warmboot.models.llama import LlamaForCausalLM
 
 
@@ -24,10 +21,8 @@ class Float32RotaryEmbedding(CohereRotaryEmbedding):
 
 
 class Ernie4_5ForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig):
-        if "tie_word_embeddings" not in cfg.hf:  # NOTE: transformers' default here is tied
-            cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
-        super().__init__(cfg)
+    tied_by_default = True
+    rope_class = Float32RotaryEmbedding
 
     def make_norm(self, size: int | tuple[int, ...]) -> nn.Module:
         return RMSNorm(size, self.cfg.get("rms_norm_eps", 1e-5))
@@ -43,9 +38,3 @@ class Ernie4_5ForCausalLM(LlamaForCausalLM):
 
     def rope_spec(self, **overrides) -> RopeSpec:
         return super().rope_spec(**(dict(interleaved=True) | overrides))
-
-    def shared_rope(self, spec: RopeSpec) -> RotaryEmbedding:
-        ropes = self.__dict__.setdefault("_ropes", {})
-        if spec not in ropes:
-            ropes[spec] = Float32RotaryEmbedding(spec, self.cfg.head_dim)
-        return ropes[spec]

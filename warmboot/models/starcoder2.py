@@ -4,11 +4,8 @@ the config says otherwise."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from torch import nn
 
-from warmboot.config import ModelConfig
 from warmboot.models.base import STACKED, CausalLM
 from warmboot.models.layers.activation import MLP
 from warmboot.models.layers.decoder import DecoderLayer
@@ -16,6 +13,7 @@ from warmboot.models.layers.norm import LayerNorm
 
 
 class Starcoder2ForCausalLM(CausalLM):
+    tied_by_default = True
     renames = (
         (r"^model\.", ""),
         (r"\.mlp\.c_fc\.", ".mlp.up_proj."),
@@ -23,11 +21,6 @@ class Starcoder2ForCausalLM(CausalLM):
     )
     stacked = {k: v for k, v in STACKED.items() if v[0] == "qkv_proj"}
     """q/k/v stacked; ``up_proj`` (``c_fc``) is the plain MLP's, not a gate/up shard."""
-
-    def __init__(self, cfg: ModelConfig):
-        if cfg.hf.get("tie_word_embeddings") is None:  # NOTE: transformers' default: tied
-            cfg = dataclasses.replace(cfg, tie_word_embeddings=True)
-        super().__init__(cfg)
 
     def make_layer(self, index: int) -> nn.Module:
         cfg = self.cfg
