@@ -123,6 +123,7 @@ FWD_POINTERS = {
     "K_META": "*i32",
     "BLOCK_TABLE": "*i32",
     "ORDER": "*i32",
+    "SINKS": "*fp32",
 }
 FWD_FLOATS = {"qk_scale", "cap_log2", "tau"}
 
@@ -131,7 +132,7 @@ def fwd_constexprs(d: int, emu: int, warp_spec: bool) -> dict:
     return dict(
         HQ=32, GROUP=1, SECTION=32, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=128,
         BLOCK_N=64, HAS_LEFT=False, HAS_RIGHT=True, SOFTCAP=False, EMU_DIV=emu, PAGED=False,
-        PAGE_SIZE=1, LPT=True, RETURN_LSE=True, DOT_FP32=False, NUM_STAGES=3,
+        PAGE_SIZE=1, LPT=True, RETURN_LSE=True, HAS_SINKS=False, DOT_FP32=False, NUM_STAGES=3,
         WARP_SPEC=warp_spec, INTERPRET=False,
     )  # fmt: skip
 
@@ -171,6 +172,7 @@ def decode_kernel(arch: int, d: int) -> dict:
             DOT_FP32=False,
             NUM_STAGES=3,
             INTERPRET=False,
+            HAS_SINKS=False,
         ),  # fmt: skip
         {
             "Q": "*fp16",
@@ -181,6 +183,7 @@ def decode_kernel(arch: int, d: int) -> dict:
             "LPart": "*fp32",
             "BLOCK_TABLE": "*i32",
             "SEQ_LENS": "*i32",
+            "SINKS": "*fp32",
         },
         {"qk_scale", "cap_log2", "tau"},
         arch,

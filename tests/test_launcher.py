@@ -321,3 +321,18 @@ def test_a_compiled_worker_restores_without_compiling(path, tmp_path):
         assert _answer(client) == answer
     finally:
         client.shutdown()
+
+
+def test_a_moe_model_restores_from_a_process_image(tiny_model_dir, tmp_path):
+    """Tier P with a mixture of experts (Qwen3-MoE; eager steps: the compiled worker's
+    restore is ``test_a_compiled_worker_restores_without_compiling``): the restored process
+    answers as the cold one did."""
+    store = tmp_path / "store"
+    engine = {"model": str(tiny_model_dir("qwen3_moe")), "max_model_len": 64}
+    engine |= {"snapshot_store": str(store), "enforce_eager": True}
+    cfg = LaunchConfig(engine=engine, store=str(store), work_dir=tmp_path / "work")
+    info, answer = _launch(cfg)
+    assert info.path == "cold" and "published" in info.reason, info
+    restored, again = _launch(replace(cfg, publish=False))
+    assert restored.path == "restored_process", restored
+    assert again == answer

@@ -138,7 +138,7 @@ def _perturb(model: torch.nn.Module) -> None:
     for name, param in model.named_parameters():
         if "norm" in name:
             param.copy_(0.5 + torch.rand(param.shape, generator=gen))
-        elif name.endswith(".bias"):
+        elif name.endswith((".bias", "_proj_bias")):  # NOTE: GPT-OSS's experts' biases
             param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
 
 

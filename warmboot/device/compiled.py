@@ -35,6 +35,7 @@ from warmboot.device.threads import torch_threads
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata
 from warmboot.kernels.step_ops import (
     HEAD_SLOT,
+    ExpertTable,
     PackedLinears,
     StepContext,
     bound,
@@ -43,6 +44,7 @@ from warmboot.kernels.step_ops import (
 )
 from warmboot.models.base import CausalLM
 from warmboot.models.layers.linear import Linear, PackedMethod
+from warmboot.models.layers.moe import FusedExperts, OpExperts
 
 
 @dataclass
@@ -69,7 +71,7 @@ class CompiledSteps:
         self.backend = backend
         self.linears = PackedLinears()
         self.packed = can_pack(dtype, kv_caches[0][0].device)
-        self.model = packed_view(model, self.linears) if self.packed else model
+        self.model = packed_view(model, self.linears, self.packed)
         self.specs = model.attention_specs()
         self._first_layer = self.model.layers[0]
         self.stats = CompileStats()
@@ -165,20 +167,28 @@ def _head_step(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
     return model.compute_logits(hidden)
 
 
-def packed_view(model: CausalLM, table: PackedLinears) -> CausalLM:
-    """The same model (a copy of its modules sharing every tensor) whose linears compute
-    through ``PackedMethod``: slot ``i`` of a layer is its ``i``-th ``Linear``, packed into
-    ``table`` (copies of the weights in oneDNN's layout); the LM head is ``HEAD_SLOT``."""
+def packed_view(model: CausalLM, table: PackedLinears, pack: bool = True) -> CausalLM:
+    """The same model (a copy of its modules sharing every tensor) whose experts run as the
+    opaque ``fused_experts`` op (slot ``i`` of a layer: its ``i``-th ``FusedExperts``) and,
+    with ``pack``, whose linears compute through ``PackedMethod``: slot ``i`` of a layer is
+    its ``i``-th ``Linear``, packed into ``table`` (copies of the weights in oneDNN's
+    layout); the LM head is ``HEAD_SLOT``."""
     shared = itertools.chain(model.parameters(), model.buffers(), [model.cfg])
     memo = {id(t): t for t in shared}
     view = copy.deepcopy(model, memo)
     for layer in view.layers:
-        linears = [m for m in layer.modules() if isinstance(m, Linear)]
-        table.add_layer(linears)
-        for slot, linear in enumerate(linears):
-            linear.method = PackedMethod(slot)
-    table.set_head(view.lm_head.weight, view.lm_head.bias)
-    view.lm_head.method = PackedMethod(HEAD_SLOT)
+        experts = [m for m in layer.modules() if isinstance(m, FusedExperts)]
+        table.experts.append([ExpertTable(m, pack) for m in experts])
+        for slot, module in enumerate(experts):
+            module.method = OpExperts(slot)
+        if pack:
+            linears = [m for m in layer.modules() if isinstance(m, Linear)]
+            table.add_layer(linears)
+            for slot, linear in enumerate(linears):
+                linear.method = PackedMethod(slot)
+    if pack:
+        table.set_head(view.lm_head.weight, view.lm_head.bias)
+        view.lm_head.method = PackedMethod(HEAD_SLOT)
     return view.eval()
 
 

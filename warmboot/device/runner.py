@@ -33,7 +33,7 @@ from warmboot.device.slots import RequestSlots
 from warmboot.device.staging import StepHandle, upload
 from warmboot.device.streams import make_stream
 from warmboot.device.threads import torch_threads
-from warmboot.kernels.backend import AttentionBackend, AttentionSpec
+from warmboot.kernels.backend import AttentionBackend, AttentionSpec, KVLayout
 from warmboot.kernels.step_ops import StepContext
 from warmboot.models.base import CausalLM
 from warmboot.models.loader import assemble_model, load_model
@@ -61,6 +61,8 @@ class ModelRunner:
         self.model: CausalLM | None = None
         self.specs: list[AttentionSpec] = []
         """The model's per-layer attention facts (read once, not per step)."""
+        self.kv_layout: KVLayout | None = None
+        """What the model's KV cache holds per token and layer (``CausalLM.kv_layout``)."""
         self.max_model_len = max_model_len
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.sampler = Sampler()
@@ -90,20 +92,28 @@ class ModelRunner:
         self.model = load_model(
             model_dir, self.model_cfg, self.dtype, self.device, self.max_model_len
         )
-        self.specs = self.model.attention_specs()
-        self._settle()
+        self._adopt_model()
 
     def install_weights(self, tensors: dict[str, torch.Tensor], source: str) -> None:
         """Use weights that are already transformed (a snapshot's ``named_parameters``)."""
         cfg, dtype, device = self.model_cfg, self.dtype, self.device
         self.model = assemble_model(cfg, tensors.items(), dtype, device, self.max_model_len, source)
+        self._adopt_model()
+
+    def _adopt_model(self) -> None:
+        """Read the new model's attention facts and KV layout (the backend may refuse it)."""
         self.specs = self.model.attention_specs()
+        self.kv_layout = self.model.kv_layout()
+        self.attention.check_layout(self.kv_layout, self.model_cfg.num_heads)
         self._settle()
 
-    def kv_bytes_per_block(self) -> int:
-        cfg = self.model_cfg
+    def kv_bytes_per_token(self) -> int:
+        """KV cache bytes one token takes across all layers (the model's ``KVLayout``)."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * cfg.num_layers * self.block_size * cfg.kv_size * elem
+        return self.model_cfg.num_layers * self.kv_layout.bytes_per_token(elem)
+
+    def kv_bytes_per_block(self) -> int:
+        return self.block_size * self.kv_bytes_per_token()
 
     def pretune_attention(self, max_q: int, max_k: int) -> int:
         """Tune the attention backend's prefill for every shape bucket (start-up, idle)."""
@@ -121,7 +131,8 @@ class ModelRunner:
         self.kv_caches = []  # NOTE: drop the old pool before allocating the new one
         self.inputs.reset_tables(scratch_block=num_blocks)
         num_blocks += 1
-        shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        kv = self.kv_layout
+        shape = (cfg.num_layers, kv.entries, num_blocks, self.block_size, kv.heads, kv.dim)
         if self.device.type == "cpu":
             # NOTE: a fresh anonymous mapping reads as zeros without touching its pages, so the
             # pool costs nothing until blocks are written (and nothing in a process image).
@@ -131,7 +142,9 @@ class ModelRunner:
             cache = torch.frombuffer(self._kv_buffer, dtype=self.dtype).view(shape)
         else:
             cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.kv_caches = [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)]
+        # NOTE: a 1-entry layout hands one tensor as both caches (``write_kv`` writes it once)
+        layers = [cache[i].unbind(0) for i in range(cfg.num_layers)]
+        self.kv_caches = [(entries[0], entries[-1]) for entries in layers]
         if self.compiled is not None:  # NOTE: the graphs look the caches up per step
             self.compiled.kv_caches = self.kv_caches
         self._settle()

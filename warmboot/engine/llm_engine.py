@@ -146,6 +146,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "kv_blocks_total": kv.num_blocks,
+            "kv_bytes_per_token": self.facts.kv_bytes_per_token,
             "kv_blocks_used": kv.num_used_blocks,
             "kv_usage": kv.usage,
             "prefix_cache_queries": kv.prefix_queries,

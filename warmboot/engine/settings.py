@@ -4,7 +4,9 @@ The results go into ``Settings`` and ``RuntimeFacts``; the configs are never wri
 from __future__ import annotations
 
 import json
+import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -12,9 +14,11 @@ import torch
 
 from warmboot.config import EngineConfig, ModelConfig, SchedulerConfig, resolve_eager
 from warmboot.device.threads import default_threads, usable_cpus
-from warmboot.kernels.backend import AttentionBackend
+from warmboot.kernels.backend import AttentionBackend, KVLayout
 from warmboot.kernels.torch_attention import TorchAttentionBackend
 from warmboot.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -29,6 +33,8 @@ class RuntimeFacts:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     attention_backend: str
+    kv_bytes_per_token: int = 0
+    """KV cache bytes per token across all layers (the model's ``KVLayout``: MLA's are few)."""
 
 
 @dataclass(frozen=True)
@@ -148,8 +154,12 @@ def wants_pretune(setting: bool | None, device: torch.device, backend: str, publ
     return publishing if setting is None else setting
 
 
-def attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """auto: Triton on CUDA, torch elsewhere. triton on the CPU needs Triton's interpreter."""
+def attention_backend(
+    name: str, device: torch.device, layout: Callable[[], tuple[KVLayout, int]] | None = None
+) -> AttentionBackend:
+    """auto: Triton on CUDA (torch for a KV layout its kernels refuse: ``layout`` gives the
+    model's layout and query heads), torch elsewhere. triton on the CPU needs Triton's
+    interpreter."""
     if name not in ("auto", "torch", "triton"):
         raise ValueError(f"unknown attention_backend {name!r}; use auto, torch or triton")
     if name == "torch" or (name == "auto" and device.type != "cuda"):
@@ -162,7 +172,14 @@ def attention_backend(name: str, device: torch.device) -> AttentionBackend:
     # NOTE: imported here so the kernels are defined only when used (and after the env is set)
     from warmboot.kernels.triton_backend import TritonAttentionBackend
 
-    return TritonAttentionBackend()
+    backend = TritonAttentionBackend()
+    if name == "auto" and layout is not None:
+        try:
+            backend.check_layout(*layout())
+        except ValueError as e:
+            log.warning("%s; attention runs on the torch backend", e)
+            return TorchAttentionBackend()
+    return backend
 
 
 def eos_ids(model_dir: Path, cfg: ModelConfig, tokenizer: Tokenizer) -> tuple[int, ...]:

@@ -30,6 +30,7 @@ from warmboot.device.graphs import default_batch_sizes
 from warmboot.device.runner import ModelRunner
 from warmboot.engine import settings as resolve
 from warmboot.engine.settings import RuntimeFacts, Settings
+from warmboot.kernels.backend import KVLayout
 from warmboot.models.checkpoint import check_servable
 from warmboot.models.registry import ARCHITECTURES
 from warmboot.sampling_params import SamplingParams
@@ -125,7 +126,9 @@ class Startup:
             tokenizer = Tokenizer.from_dir(self.model_dir)
             eos = resolve.eos_ids(self.model_dir, model_config, tokenizer)
         torch.manual_seed(config.seed)
-        attention = resolve.attention_backend(config.attention_backend, settings.device)
+        attention = resolve.attention_backend(
+            config.attention_backend, settings.device, lambda: _kv_layout(model_config)
+        )
         runner = self._runner(model_config, settings, attention)
         self.snapshot = self._open_snapshot(settings, attention.name)
         self.restored = self.restore_weights(runner)
@@ -142,6 +145,7 @@ class Startup:
             max_model_len=settings.scheduler.max_model_len,
             eos_token_ids=eos,
             attention_backend=attention.name,
+            kv_bytes_per_token=runner.kv_bytes_per_token(),
         )
         return Booted(model_config, settings, tokenizer, runner, facts)
 
@@ -334,6 +338,14 @@ class Startup:
     def capture_graphs(self, engine: BootingEngine, required: bool) -> None:
         """Capture at start-up. A capture that fails runs decode eagerly (with the reason in
         the log and ``stats()``) unless graphs were asked for explicitly."""
+        if not engine.runner.model.graph_safe():
+            reason = "the expert step reads its per-expert token counts on the host (MoE)"
+            if required:
+                raise ValueError(f"CUDA graphs cannot capture this model: {reason}")
+            engine.runner.graphs = None
+            self.graphs_note = f"off: {reason}"
+            log.info("CUDA graphs off: %s", reason)
+            return
         try:
             self.enable_graphs(engine, None, emulate=False)
         except Exception as e:
@@ -371,3 +383,10 @@ def run_canary(engine: BootingEngine) -> list[tuple[int, float]]:
     engine.block_manager.reset_prefix_cache()
     c = out.outputs[0]
     return [(t, lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
+
+
+def _kv_layout(model_config: ModelConfig) -> tuple[KVLayout, int]:
+    """The model's KV layout and query heads (its modules built on the meta device)."""
+    from warmboot.models.loader import build_model
+
+    return build_model(model_config).kv_layout(), model_config.num_heads

@@ -102,6 +102,18 @@ def online_softmax_step(s, m_i, l_i, acc, tau, EMU_DIV: tl.constexpr):
 
 
 @triton.jit
+def add_sink(acc, m_i, l_i, sink):
+    """Join a sink logit (log2 units, per row or one) to each row's softmax denominator:
+    it raises the max and the sum but contributes no value (GPT-OSS's attention sinks)."""
+    m_new = tl.maximum(m_i, sink)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    acc = acc * alpha[:, None]
+    l_i = l_i * alpha + tl.exp2(sink - m_safe)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def kv_offsets(
     offs_n,
     b,
@@ -362,6 +374,7 @@ def _fwd_kernel(
     K_META,
     BLOCK_TABLE,
     ORDER,
+    SINKS,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -396,6 +409,7 @@ def _fwd_kernel(
     PAGE_SIZE: tl.constexpr,
     LPT: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     DOT_FP32: tl.constexpr,
     NUM_STAGES: tl.constexpr,
     WARP_SPEC: tl.constexpr,
@@ -563,7 +577,10 @@ def _fwd_kernel(
             False,
             INTERPRET,
         )
-        empty = l_i == 0.0  # fully masked row: output 0, LSE -inf
+        if HAS_SINKS:
+            sink = tl.load(SINKS + head).to(tl.float32) * 1.4426950408889634
+            acc, m_i, l_i = add_sink(acc, m_i, l_i, sink)
+        empty = l_i == 0.0  # fully masked row (and no sink): output 0, LSE -inf
         out = acc / tl.where(empty, 1.0, l_i)[:, None]
         tl.store(
             Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -652,13 +669,16 @@ def flash_attn_varlen_func(
     emulate_fraction: float | None = None,
     lpt: bool = True,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,  # (Hq,) float logits (natural units)
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """flash-attn's varlen forward: out (total_q, Hq, D) [, lse (Hq, total_q) fp32, natural].
 
     ``emulate_fraction=None`` lets the tuner choose (0 in the interpreter); ``tau=0`` rescales
-    whenever a row max grows (the classic algorithm)."""
+    whenever a row max grows (the classic algorithm). ``sinks``: a per-head logit in every
+    row's softmax denominator (no value); the LSE includes it."""
     paged = block_table is not None
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)
+    check_sinks(sinks, q)
     total_q, hq, d = q.shape
     hkv = k.shape[-2]
     batch = cu_seqlens_q.shape[0] - 1
@@ -692,6 +712,7 @@ def flash_attn_varlen_func(
         k_meta=seqused_k if paged else cu_seqlens_k,
         block_table=block_table,
         order=order,
+        sinks=sinks,
         scale=scale,
         softcap=softcap,
         left=left,
@@ -743,6 +764,7 @@ def _launch(
     k_meta,
     block_table,
     order,
+    sinks,
     scale,
     softcap,
     left,
@@ -777,6 +799,7 @@ def _launch(
         k_meta,
         table,
         order,
+        order if sinks is None else sinks,  # NOTE: never read without sinks
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -811,6 +834,7 @@ def _launch(
         PAGE_SIZE=k.shape[1] if paged else 1,
         LPT=lpt,
         RETURN_LSE=return_lse,
+        HAS_SINKS=sinks is not None,
         DOT_FP32=tuning.interpreting() and q.dtype == torch.bfloat16,
         NUM_STAGES=cfg["num_stages"],
         WARP_SPEC=bool(cfg["WARP_SPEC"]),
@@ -818,6 +842,15 @@ def _launch(
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+
+
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    if sinks is not None:
+        _check(
+            sinks.shape == (q.shape[1],) and sinks.is_floating_point() and sinks.stride(0) == 1,
+            f"sinks must be ({q.shape[1]},) float contiguous, got {tuple(sinks.shape)}",
+        )
+        _check(sinks.device == q.device, "sinks on another device than q")
 
 
 def _check_inputs(q, k, v, cu_q, cu_k, block_table, seqused_k) -> None:

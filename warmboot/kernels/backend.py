@@ -68,6 +68,26 @@ class AttentionSpec:
     """Attend to the last ``w`` positions only; None: full attention."""
     softcap: float | None = None
     """Scores become ``softcap * tanh(scores / softcap)`` before the softmax (Gemma 2)."""
+    sinks: torch.Tensor | None = None
+    """(Hq,) float32 logits that join each query's softmax denominator without a value
+    (GPT-OSS's attention sinks); filled in from the model's weights after loading."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What the paged cache holds per token and layer, declared by the model
+    (``CausalLM.kv_layout``); the runner allocates ``(layers, entries, blocks, block_size,
+    heads, dim)`` from it."""
+
+    entries: int
+    """2: separate K and V; 1: one tensor read as both K and V (MLA's latent cache, whose
+    values are a prefix of its keys)."""
+    heads: int
+    dim: int
+
+    def bytes_per_token(self, dtype_size: int) -> int:
+        """Cache bytes one token takes in one layer."""
+        return self.entries * self.heads * self.dim * dtype_size
 
 
 class AttentionBackend(ABC):
@@ -87,8 +107,13 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,  # (Hq,) float32
     ) -> torch.Tensor:  # (N, Hq, D)
         ...
+
+    def check_layout(self, layout: KVLayout, num_heads: int) -> None:
+        """Refuse (``ValueError``) a KV layout the backend's kernels cannot serve; any here."""
+        return None
 
     def pretune(
         self,
@@ -106,7 +131,9 @@ class AttentionBackend(ABC):
 
 
 def write_kv(k, v, k_cache, v_cache, meta: AttentionMetadata) -> None:
-    """Scatter the step's new K/V (N, Hkv, D) into the paged caches at ``meta.slot_mapping``."""
+    """Scatter the step's new K/V (N, Hkv, D) into the paged caches at ``meta.slot_mapping``
+    (once when one cache serves as both: a 1-entry ``KVLayout``)."""
     hkv, d = k.shape[1], k.shape[2]
     k_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)
+    if v_cache is not k_cache:
+        v_cache.view(-1, hkv, d).index_copy_(0, meta.slot_mapping, v)

@@ -16,7 +16,8 @@ against a paged KV cache ``(num_blocks, block_size, Hkv, D)``:
   a combine kernel merges them; with one split the kernel writes the output directly;
 - keys are addressed through the block table per key, so any power-of-two block size works;
 - sliding window (``window_size[0]`` keys to the left of each query; ``window_size[1]`` must
-  be -1 or 0) and tanh softcap.
+  be -1 or 0), tanh softcap and attention sinks (added after the keys, in the combine with
+  splits).
 
 No host synchronisation and no data-dependent Python: the launch depends only on shapes, so
 it can be captured in a CUDA graph.
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from warmboot.kernels import tuning
-from warmboot.kernels.attention import LOG2E, _attn_blocks
+from warmboot.kernels.attention import LOG2E, _attn_blocks, add_sink, check_sinks
 
 
 @triton.jit
@@ -67,14 +68,14 @@ def _keys(
 # step to step; specialising them (== 1, % 16) would JIT-compile new variants while serving.
 @triton.jit(do_not_specialize=["stride_bt", "stride_pt", "stride_ph", "num_splits", "query_len"])
 def _decode_kernel(
-    Q, K, V, Out, OPart, LPart, BLOCK_TABLE, SEQ_LENS,
+    Q, K, V, Out, OPart, LPart, BLOCK_TABLE, SEQ_LENS, SINKS,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh, stride_pt, stride_ph,
     qk_scale, cap_log2, window_left, tau, num_splits, query_len,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr,
     SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
-    NUM_STAGES: tl.constexpr, INTERPRET: tl.constexpr,
+    NUM_STAGES: tl.constexpr, INTERPRET: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
     """BLOCK_G >= query_len * GROUP rows: row r is token r // GROUP, head r % GROUP."""
     split = tl.program_id(0)
@@ -127,6 +128,9 @@ def _decode_kernel(
             window_left, tau, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, HAS_LEFT, True, SOFTCAP,
             DOT_FP32, 1, INTERPRET,
         )  # fmt: skip
+    if HAS_SINKS and not SPLIT:  # NOTE: with splits the combine adds the sink
+        sink = tl.load(SINKS + heads, mask=r_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        acc, m_i, l_i = add_sink(acc, m_i, l_i, sink)
     empty = l_i == 0.0  # no visible key in this split: output 0, LSE -inf (weight 0)
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse2 = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
@@ -145,10 +149,12 @@ def _decode_kernel(
 
 @triton.jit(do_not_specialize=["stride_pt", "stride_ph", "num_splits"])
 def _combine_kernel(
-    Out, OPart, LPart, stride_ot, stride_oh, stride_pt, stride_ph, num_splits,
+    Out, OPart, LPart, SINKS, stride_ot, stride_oh, stride_pt, stride_ph, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):  # fmt: skip
-    """out = sum_s 2^(lse_s - lse) * o_s over the splits of one (query token, head)."""
+    """out = sum_s 2^(lse_s - lse) * o_s over the splits of one (query token, head); a sink
+    joins the denominator (lse) only."""
     h = tl.program_id(0)
     t = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -157,6 +163,10 @@ def _combine_kernel(
     base = t.to(tl.int64) * stride_pt + h * stride_ph
     lse = tl.load(LPart + base + offs_s, mask=s_ok, other=float("-inf"))
     m = tl.max(lse, 0)
+    sink = float("-inf")
+    if HAS_SINKS:
+        sink = tl.load(SINKS + h).to(tl.float32) * 1.4426950408889634
+        m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(lse - m_safe)  # (BLOCK_S,); 0 for empty splits
     o = tl.load(
@@ -165,6 +175,8 @@ def _combine_kernel(
         other=0.0,
     )
     total = tl.sum(w, 0)
+    if HAS_SINKS:
+        total += tl.exp2(sink - m_safe)
     out = tl.sum(w[:, None] * o, 0) / tl.where(total == 0.0, 1.0, total)
     o_ptr = Out + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d
     tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=offs_d < HEAD_DIM)
@@ -246,10 +258,13 @@ def paged_decode_attention(
     query_len: int = 1,
     tau: float = 8.0,
     out: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """out like q [, lse (Hq, batch * query_len) fp32 natural]; token i of sequence b sits at
-    key position ``seqused_k[b] - query_len + i`` (causal; a row without keys gives 0, -inf)."""
+    key position ``seqused_k[b] - query_len + i`` (causal; a row without keys gives 0, -inf).
+    ``sinks``: (Hq,) logits (natural units) in every row's denominator, no value."""
     _check_inputs(q, k_cache, v_cache, block_table, seqused_k)
+    check_sinks(sinks, q)
     batch = block_table.shape[0]
     _check_call(q, batch, query_len, window_size, out)
     rows, hq, d = q.shape
@@ -266,15 +281,15 @@ def paged_decode_attention(
     o_part = torch.empty((rows, hq, num_splits, block_d) if split else (1,), **f32)
     l_part = torch.empty((rows, hq, num_splits), **f32)
     if rows:
-        _launch(q, k_cache, v_cache, out, o_part, l_part, block_table, seqused_k, scale,
+        _launch(q, k_cache, v_cache, out, o_part, l_part, block_table, seqused_k, sinks, scale,
                 window_size[0], softcap, tau, num_splits, query_len, block_d)  # fmt: skip
     if not return_lse:
         return out
     return out, (l_part[:, :, 0] / LOG2E).transpose(0, 1)
 
 
-def _launch(q, k_cache, v_cache, out, o_part, l_part, table, seqlens, scale, left, softcap,
-            tau, num_splits, query_len, block_d) -> None:  # fmt: skip
+def _launch(q, k_cache, v_cache, out, o_part, l_part, table, seqlens, sinks, scale, left,
+            softcap, tau, num_splits, query_len, block_d) -> None:  # fmt: skip
     rows, hq, d = q.shape
     _, bs, hkv, _ = k_cache.shape
     group = hq // hkv
@@ -284,8 +299,9 @@ def _launch(q, k_cache, v_cache, out, o_part, l_part, table, seqlens, scale, lef
     else:
         qk_scale, cap_log2 = scale * LOG2E, 0.0
     block_n = 16 if interp else (32 if d > 128 else 64)
+    sink_ptr = l_part if sinks is None else sinks  # NOTE: never read without sinks
     _decode_kernel[(num_splits, hkv, table.shape[0])](
-        q, k_cache, v_cache, out, o_part, l_part, table, seqlens,
+        q, k_cache, v_cache, out, o_part, l_part, table, seqlens, sink_ptr,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0),
         out.stride(0), out.stride(1), l_part.stride(0), l_part.stride(1),
         qk_scale, cap_log2, left, float(tau), num_splits, query_len,
@@ -293,11 +309,12 @@ def _launch(q, k_cache, v_cache, out, o_part, l_part, table, seqlens, scale, lef
         BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=bs, HAS_LEFT=left >= 0,
         SOFTCAP=softcap > 0, SPLIT=num_splits > 1,
         DOT_FP32=interp and q.dtype == torch.bfloat16, NUM_STAGES=1 if interp else 3,
-        INTERPRET=interp, num_warps=4,
+        INTERPRET=interp, HAS_SINKS=sinks is not None, num_warps=4,
     )  # fmt: skip
     if num_splits > 1:
         _combine_kernel[(hq, rows)](
-            out, o_part, l_part, out.stride(0), out.stride(1), l_part.stride(0),
+            out, o_part, l_part, sink_ptr, out.stride(0), out.stride(1), l_part.stride(0),
             l_part.stride(1), num_splits, HEAD_DIM=d, BLOCK_D=block_d,
-            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), num_warps=4,
+            BLOCK_S=max(2, triton.next_power_of_2(num_splits)), HAS_SINKS=sinks is not None,
+            num_warps=4,
         )  # fmt: skip

@@ -3,7 +3,8 @@
 Conventions (flash-attn's): query i of a sequence sits at key position ``k_len - q_len + i``
 (bottom-right alignment); key j is visible when ``pos - left <= j <= pos + right`` (-1 means
 unbounded; causal sets ``right = 0``). Softcap: ``s = cap * tanh(s / cap)`` on scaled scores.
-Fully masked rows give output 0 and log-sum-exp -inf.
+Fully masked rows give output 0 and log-sum-exp -inf. Sinks: a per-head logit joins each
+row's softmax denominator (and the log-sum-exp) without a value.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ def visible(q_len: int, k_len: int, window: tuple[int, int], causal: bool) -> to
     return mask
 
 
-def _attend(q, k, v, mask, scale, softcap):
-    """q (Hq, M, D), k/v (Hkv, N, D) float64, mask (M, N) -> out (Hq, M, D), lse (Hq, M)."""
+def _attend(q, k, v, mask, scale, softcap, sinks=None):
+    """q (Hq, M, D), k/v (Hkv, N, D) float64, mask (M, N), sinks (Hq,) or None
+    -> out (Hq, M, D), lse (Hq, M)."""
     group = q.shape[0] // k.shape[0]
     k = k.repeat_interleave(group, 0)
     v = v.repeat_interleave(group, 0)
@@ -36,6 +38,8 @@ def _attend(q, k, v, mask, scale, softcap):
         s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~mask.to(s.device), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # (Hq, M)
+    if sinks is not None:
+        lse = torch.logaddexp(lse, sinks.double().to(s.device)[:, None])
     p = torch.exp(s - lse.nan_to_num(neginf=0.0).unsqueeze(-1))
     out = torch.einsum("hmn,hnd->hmd", p, v)
     return out, lse
@@ -51,6 +55,7 @@ def varlen_attention_ref(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 (out (total_q, Hq, D), lse (Hq, total_q)) in natural log."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
@@ -70,6 +75,7 @@ def varlen_attention_ref(
             mask,
             scale,
             softcap,
+            sinks,
         )
         out[qs:qe] = o.transpose(0, 1)
         lse[:, qs:qe] = l_
@@ -85,6 +91,7 @@ def paged_decode_ref(
     softmax_scale: float | None = None,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 (out (B, Hq, D), lse (Hq, B)): one query token at the last position."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
@@ -92,12 +99,14 @@ def paged_decode_ref(
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float64, device=q.device)
     for b, n in enumerate(seqused_k.tolist()):
         if n == 0:
+            if sinks is not None:  # only the sink in the denominator
+                lse[:, b] = sinks.double()
             continue
         blocks = block_table[b, : -(-n // k_cache.shape[1])].long()
         keys = k_cache[blocks].flatten(0, 1)[:n].double().transpose(0, 1)  # (Hkv, n, D)
         vals = v_cache[blocks].flatten(0, 1)[:n].double().transpose(0, 1)
         mask = visible(1, n, window_size, causal=True)
-        o, l_ = _attend(q[b].double().unsqueeze(1), keys, vals, mask, scale, softcap)
+        o, l_ = _attend(q[b].double().unsqueeze(1), keys, vals, mask, scale, softcap, sinks)
         out[b] = o[:, 0]
         lse[:, b] = l_[:, 0]
     return out, lse

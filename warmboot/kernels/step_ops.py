@@ -8,6 +8,10 @@ count and constant ints only, so no batch make-up recompiles, one graph serves e
 and two engines of one model trace the same graph (inductor's caches hit).
 
 - ``warmboot::paged_attention(q, k, v)``: write the running layer's new K/V and attend.
+- ``warmboot::fused_experts(x, weights, ids, slot)``: the running layer's experts number
+  ``slot`` (``ExpertTable``) over the routed tokens: one GEMM pair per active expert, on
+  oneDNN-packed weights where the CPU packs them (a ``FusedExperts`` reaches it through its
+  ``OpExperts`` method).
 - ``warmboot::packed_linear(x, slot, out_features)``: ``x @ W.T + b`` with W the running
   layer's linear number ``slot`` prepacked for oneDNN (``PackedLinears``), the CPU's fast
   GEMM path: 1.2-2x ``F.linear`` at decode sizes (fp32 and bf16). A ``Linear`` reaches it
@@ -28,6 +32,7 @@ import torch
 from torch import nn
 
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, AttentionSpec
+from warmboot.models.layers.moe import DENSE_EXPERTS, FusedExperts, grouped_experts
 
 
 class PackedLinears:
@@ -35,6 +40,8 @@ class PackedLinears:
     per layer one row per projection slot, and the LM head."""
 
     def __init__(self) -> None:
+        self.experts: list[list[ExpertTable]] = []
+        """Per layer: its ``FusedExperts``, in slot order (``fused_experts``)."""
         self.layers: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
         self.head: torch.Tensor | None = None
         self.head_bias: torch.Tensor | None = None
@@ -58,11 +65,14 @@ class PackedLinears:
         """Drop the packed copies (before a process checkpoint: the image then holds none);
         returns the bytes freed. ``repack`` makes them again from the model's weights."""
         freed = sum(w.numel() * w.element_size() for w in self._sources_flat())
+        freed += sum(table.release() for row in self.experts for table in row)
         self.layers = [[(None, b) for _, b in row] for row in self.layers]
         self.head = None
         return freed
 
     def repack(self) -> None:
+        for table in (t for row in self.experts for t in row):
+            table.repack()
         if self.head is not None:
             return
         self.layers = [
@@ -84,6 +94,49 @@ class PackedLinears:
 
 
 HEAD_SLOT = -1
+
+
+class ExpertTable:
+    """One ``FusedExperts``' weights for the compiled step: each expert's two matrices packed
+    for oneDNN (copies, when ``pack``), or the module's own dense weights."""
+
+    def __init__(self, module: FusedExperts, pack: bool):
+        self.module, self.pack = module, pack
+        self.gate_up: list[torch.Tensor] | None = None
+        self.down: list[torch.Tensor] | None = None
+        self.repack()
+
+    def repack(self) -> None:
+        if self.pack and self.gate_up is None:
+            self.gate_up = [PackedLinears.pack(w) for w in self.module.gate_up_proj]
+            self.down = [PackedLinears.pack(w) for w in self.module.down_proj]
+
+    def release(self) -> int:
+        if not self.pack or self.gate_up is None:
+            return 0
+        m = self.module
+        self.gate_up = self.down = None
+        return sum(w.numel() * w.element_size() for w in (m.gate_up_proj, m.down_proj))
+
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        m = self.module
+        if not self.pack:
+            return DENSE_EXPERTS.apply(m, x, weights, ids)
+        if self.gate_up is None:
+            raise RuntimeError("the packed experts are released (repack() after a restore)")
+        gate_up, down, b13, b2 = self.gate_up, self.down, m.gate_up_proj_bias, m.down_proj_bias
+
+        def up_gemm(e: int, rows: torch.Tensor) -> torch.Tensor:
+            return _packed_gemm(rows, gate_up[e], None if b13 is None else b13[e])
+
+        def down_gemm(e: int, rows: torch.Tensor) -> torch.Tensor:
+            return _packed_gemm(rows, down[e], None if b2 is None else b2[e])
+
+        return grouped_experts(x, weights, ids, m.num_experts, up_gemm, down_gemm, m.act_and_mul)
+
+
+def _packed_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -118,7 +171,7 @@ class StepContext:
         k_cache, v_cache = self.kv_caches[self.layer]
         s = self.specs[self.layer]
         return self.backend.forward(
-            q, k, v, k_cache, v_cache, self.meta, s.scale, s.sliding_window, s.softcap
+            q, k, v, k_cache, v_cache, self.meta, s.scale, s.sliding_window, s.softcap, s.sinks
         )
 
 
@@ -159,12 +212,25 @@ def _(q, k, v):
 def packed_linear(x: torch.Tensor, slot: int, out_features: int) -> torch.Tensor:
     ctx = _context("packed_linear")
     weight, bias = ctx.linears.lookup(ctx.layer, slot)
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return _packed_gemm(x, weight, bias)
 
 
 @packed_linear.register_fake
 def _(x, slot, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.custom_op("warmboot::fused_experts", mutates_args=())
+def fused_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, slot: int
+) -> torch.Tensor:
+    ctx = _context("fused_experts")
+    return ctx.linears.experts[ctx.layer][slot](x, weights, ids)
+
+
+@fused_experts.register_fake
+def _(x, weights, ids, slot):
+    return torch.empty_like(x)
 
 
 def op_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 GQA without copies of K/V: in decode the query heads of one KV head are folded into the
 query-length axis, ``(B, Hkv, group, D)`` against ``(B, Hkv, ctx, D)``; prefill uses SDPA's
-``enable_gqa`` (and its causal fast path when the chunk has no cached context).
+``enable_gqa`` (and its causal fast path when the chunk has no cached context). Soft-capped
+scores and attention sinks are computed in steps (SDPA has neither).
 """
 
 from __future__ import annotations
@@ -16,28 +17,37 @@ from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, Prefil
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap=None):
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap=None, sinks=None
+    ):
         write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
+        # NOTE: sinks grouped like the queries, (Hkv, group, 1): query head h = kvh * group + g
+        sinks = None if sinks is None else sinks.view(k.shape[1], -1, 1)
         if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, sliding_window, softcap)
+            out[:nd] = self._decode(
+                q[:nd], k_cache, v_cache, meta, scale, sliding_window, softcap, sinks
+            )
         for seq in meta.prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             out[rows] = self._prefill(
-                q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale, sliding_window, softcap
-            )
+                q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale, sliding_window, softcap,
+                sinks,
+            )  # fmt: skip
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, window, softcap):
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, window, softcap, sinks):
         tables = meta.decode_block_tables  # (B, max_blocks)
         batch, max_blocks = tables.shape
         _, bs, hkv, d = k_cache.shape
         keys = _gather(k_cache, tables, hkv, d).view(batch, -1, hkv, d).transpose(1, 2)
-        values = _gather(v_cache, tables, hkv, d).view(batch, -1, hkv, d).transpose(1, 2)
+        values = keys  # NOTE: one cache for both (MLA's latent): gathered once
+        if v_cache is not k_cache:
+            values = _gather(v_cache, tables, hkv, d).view(batch, -1, hkv, d).transpose(1, 2)
         mask = self._decode_mask(meta, max_blocks * bs, window, q.dtype)  # (B, 1, 1, L)
         qg = q.view(batch, hkv, -1, d)  # (B, Hkv, G, D)
-        out = _sdpa(qg, keys, values, mask, scale, softcap)
+        out = _sdpa(qg, keys, values, mask, scale, softcap, sinks)
         return out.reshape(batch, -1, d)
 
     @staticmethod
@@ -57,19 +67,24 @@ class TorchAttentionBackend(AttentionBackend):
             meta.cache[key] = additive.masked_fill_(~mask, float("-inf"))[:, None, None, :]
         return meta.cache[key]
 
-    def _prefill(self, q, k, v, k_cache, v_cache, seq: PrefillSeq, scale, window, softcap):
+    def _prefill(self, q, k, v, k_cache, v_cache, seq: PrefillSeq, scale, window, softcap, sinks):
         n, _, d = q.shape
         hkv, ctx = k.shape[1], seq.context_len
         if ctx == n:  # nothing cached before this chunk: attend to the new k/v directly
             keys, values = k.transpose(0, 1), v.transpose(0, 1)
         else:
             keys = _gather(k_cache, seq.block_table, hkv, d)[:ctx].transpose(0, 1)  # (Hkv, ctx, D)
-            values = _gather(v_cache, seq.block_table, hkv, d)[:ctx].transpose(0, 1)
-        causal = ctx == n and window is None and softcap is None
+            values = keys
+            if v_cache is not k_cache:
+                values = _gather(v_cache, seq.block_table, hkv, d)[:ctx].transpose(0, 1)
+        causal = ctx == n and window is None and softcap is None and sinks is None
         mask = None if causal else _causal_mask(n, ctx, window, q.device)
-        if softcap is not None:  # NOTE: GQA as (Hkv, group * n) query rows, no K/V copies
+        if softcap is not None or sinks is not None:
+            # NOTE: GQA as (Hkv, group * n) query rows, no K/V copies
+            group = q.shape[1] // hkv
             qg = q.transpose(0, 1).reshape(hkv, -1, d)
-            out = _sdpa(qg, keys, values, mask.repeat(q.shape[1] // hkv, 1), scale, softcap)
+            rows_sinks = None if sinks is None else sinks.expand(hkv, group, n).reshape(hkv, -1, 1)
+            out = _sdpa(qg, keys, values, mask.repeat(group, 1), scale, softcap, rows_sinks)
             return out.view(q.shape[1], n, d).transpose(0, 1)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
@@ -83,18 +98,25 @@ class TorchAttentionBackend(AttentionBackend):
         return out[0].transpose(0, 1)
 
 
-def _sdpa(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
-    """SDPA, or with soft-capped scores the same computed in steps as transformers does:
-    ``softcap * tanh(q.k * scale / softcap)``, masked, softmax in float32. ``mask``: additive
-    or boolean, broadcast over the leading dims."""
-    if softcap is None:
+def _sdpa(q, k, v, mask, scale: float, softcap: float | None, sinks=None) -> torch.Tensor:
+    """SDPA, or with soft-capped scores or sinks the same computed in steps as transformers
+    does: ``softcap * tanh(q.k * scale / softcap)``, masked, softmax in float32; ``sinks``
+    (broadcast to the scores' rows, one column) join the softmax as a column without a value.
+    ``mask``: additive or boolean, broadcast over the leading dims."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    scores = torch.tanh(q @ k.transpose(-1, -2) * scale / softcap) * softcap
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask.dtype == torch.bool:
         scores = scores.masked_fill(~mask, float("-inf"))
     else:
         scores = scores + mask
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+    column = sinks.float().expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores.float(), column], dim=-1), dim=-1)[..., :-1]
+    return probs.to(q.dtype) @ v
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, hkv: int, d: int) -> torch.Tensor:

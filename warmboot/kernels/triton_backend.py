@@ -14,14 +14,16 @@ import triton
 
 from warmboot.kernels import tuning
 from warmboot.kernels.attention import flash_attn_varlen_func
-from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, write_kv
+from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, KVLayout, write_kv
 from warmboot.kernels.decode import paged_decode_attention
 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap=None):
+    def forward(
+        self, q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap=None, sinks=None
+    ):
         cap = 0.0 if softcap is None else float(softcap)
         write_kv(k, v, k_cache, v_cache, meta)
         out = torch.empty_like(q)
@@ -38,6 +40,7 @@ class TritonAttentionBackend(AttentionBackend):
                 window,
                 cap,
                 out=out[:nd],
+                sinks=sinks,
             )
         if meta.prefills:
             cu_q, seqused_k, table, max_q, max_k = _prefill_inputs(meta, q.device)
@@ -56,8 +59,21 @@ class TritonAttentionBackend(AttentionBackend):
                 block_table=table,
                 seqused_k=seqused_k,
                 out=out[nd:],
+                sinks=sinks,
             )
         return out
+
+    def check_layout(self, layout: KVLayout, num_heads: int) -> None:
+        """The kernels pad any head dim up to 256 to a power of two and take any Hq multiple
+        of Hkv (MLA's one latent head, values = keys, included); a wider entry is refused:
+        DeepSeek-V2/V3's latent is 512 + 64 = 576 wide."""
+        if layout.dim > MAX_HEAD_DIM:
+            raise ValueError(
+                f"the triton attention backend serves head dims up to {MAX_HEAD_DIM}; this "
+                f"model's KV cache entry is {layout.dim} wide: use attention_backend='torch'"
+            )
+        if num_heads % layout.heads:
+            raise ValueError(f"{num_heads} query heads are not a multiple of {layout.heads}")
 
     def pretune(self, k_cache, v_cache, num_heads, scale, windows, max_q, max_k) -> int:
         if k_cache.device.type != "cuda" or tuning.interpreting():
@@ -68,6 +84,9 @@ class TritonAttentionBackend(AttentionBackend):
                 prefill_probe(k_cache, v_cache, num_heads, scale, window, q_len, k_len)
         torch.cuda.synchronize(k_cache.device)
         return len(shapes) * len(windows)
+
+
+MAX_HEAD_DIM = 256
 
 
 def prefill_probe(k_cache, v_cache, num_heads, scale, window, q_len, k_len) -> torch.Tensor:

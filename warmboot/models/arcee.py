@@ -19,7 +19,7 @@ class ArceeForCausalLM(LlamaForCausalLM):
     stacked = {k: v for k, v in STACKED.items() if v[0] == "qkv_proj"}
     """NOTE: ``up_proj`` is the MLP's only input projection here, not a gate/up shard."""
 
-    def make_mlp(self) -> nn.Module:
+    def make_mlp(self, index: int) -> nn.Module:
         cfg = self.cfg
         act, bias = cfg.get("hidden_act", "relu2"), bool(cfg.get("mlp_bias", False))
         mlp = MLP(

@@ -17,10 +17,11 @@ import torch
 from torch import nn
 
 from warmboot.config import ModelConfig
-from warmboot.kernels.backend import AttentionSpec
+from warmboot.kernels.backend import AttentionSpec, KVLayout
 from warmboot.kernels.step_ops import StepContext
 from warmboot.models.layers.attention import Attention
 from warmboot.models.layers.linear import Linear
+from warmboot.models.layers.moe import FusedExperts
 from warmboot.models.layers.norm import RMSNorm
 from warmboot.models.layers.rope import RopeSpec, RotaryEmbedding
 
@@ -34,6 +35,19 @@ STACKED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+EXPERT_PROJECTIONS = {
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+    "down_proj": ("down_proj", 0),
+}
+_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)\.weight$")
+
+
+def _with_sinks(attn: Attention) -> AttentionSpec:
+    sinks = getattr(attn, "sinks", None)
+    if sinks is None:
+        return attn.spec
+    return dataclasses.replace(attn.spec, sinks=sinks.detach().float().contiguous())
 
 
 class CausalLM(nn.Module):
@@ -41,6 +55,9 @@ class CausalLM(nn.Module):
     """(regex, replacement) applied in order to every checkpoint name."""
     stacked: dict[str, tuple[str, int]] = STACKED
     """Checkpoint module name -> (our stacked module, shard index)."""
+    expert_projections: dict[str, tuple[str, int]] = EXPERT_PROJECTIONS
+    """Per-expert checkpoint projection (``...experts.<e>.<proj>.weight``) -> (the stacked
+    ``FusedExperts`` parameter, its place within the expert: gate 0, up 1)."""
     ignored: tuple[str, ...] = (r"rotary_emb\.inv_freq$",)
     """Checkpoint tensors known to be harmless and not read (stored rope buffers)."""
     tied_by_default = False
@@ -144,11 +161,24 @@ class CausalLM(nn.Module):
         return logits
 
     # -- facts for the runner --------------------------------------------------------------------
-    def attention_layers(self) -> list[Attention]:
-        return [next(m for m in la.modules() if isinstance(m, Attention)) for la in self.layers]
+    def attention_layers(self) -> list[nn.Module]:
+        """Each layer's attention module: the first that carries an ``AttentionSpec``
+        (``Attention``, ``MLAttention``)."""
+        return [next(m for m in la.modules() if _has_spec(m)) for la in self.layers]
+
+    def kv_layout(self) -> KVLayout:
+        """What the paged KV cache holds per token and layer: K and V of the config's heads
+        (MLA overrides it with one latent entry)."""
+        return KVLayout(2, self.cfg.num_kv_heads, self.cfg.head_dim)
 
     def attention_specs(self) -> list[AttentionSpec]:
-        return [a.spec for a in self.attention_layers()]
+        """Per layer, with the module's current sinks (float32) once the weights are in."""
+        return [_with_sinks(a) for a in self.attention_layers()]
+
+    def graph_safe(self) -> bool:
+        """Whether a step may be captured as a CUDA graph: none syncs with the host (the
+        grouped expert step reads its per-expert token counts on the host)."""
+        return not any(isinstance(m, FusedExperts) for m in self.modules())
 
     def rotary_embeddings(self) -> list[RotaryEmbedding]:
         """Every rotary embedding the layers use, once each (the loader builds their tables)."""
@@ -162,6 +192,11 @@ class CausalLM(nn.Module):
             return None
         for pattern, repl in self.renames:
             name = re.sub(pattern, repl, name)
+        expert = _EXPERT.match(name)
+        if expert and expert[3] in self.expert_projections:
+            target, sub = self.expert_projections[expert[3]]
+            per_expert = 2 if target == "gate_up_proj" else 1
+            return f"{expert[1]}.{target}", int(expert[2]) * per_expert + sub
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in self.stacked:
             target, shard = self.stacked[parts[-2]]
@@ -175,3 +210,7 @@ class CausalLM(nn.Module):
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+
+def _has_spec(module: nn.Module) -> bool:
+    return isinstance(getattr(module, "spec", None), AttentionSpec)

@@ -31,7 +31,7 @@ class Ernie4_5ForCausalLM(LlamaForCausalLM):
         bias = bool(self.cfg.get("use_bias", False))
         return dict(qkv_bias=bias, o_bias=bias)
 
-    def make_mlp(self) -> nn.Module:
+    def make_mlp(self, index: int) -> nn.Module:
         cfg = self.cfg
         act, bias = cfg.get("hidden_act", "silu"), bool(cfg.get("use_bias", False))
         return GatedMLP(cfg.hidden_size, cfg.get("intermediate_size"), act, bias)

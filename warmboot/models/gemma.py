@@ -70,7 +70,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def make_norm(self, size: int | tuple[int, ...]) -> nn.Module:
         return GemmaRMSNorm(size, self.cfg.get("rms_norm_eps", 1e-6))
 
-    def make_mlp(self) -> nn.Module:
+    def make_mlp(self, index: int) -> nn.Module:
         cfg = self.cfg
         act = cfg.get(self.activation_key, "gelu_pytorch_tanh")
         if act == "gelu" and self.activation_key == "hidden_act":
@@ -119,7 +119,7 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
         cfg = self.cfg
         attn = self.attention(index, **self.attention_options())
         norms = [self.make_norm(cfg.hidden_size) for _ in range(4)]
-        return SandwichDecoderLayer(attn, self.make_mlp(), norms)
+        return SandwichDecoderLayer(attn, self.make_mlp(index), norms)
 
     def attention(self, index: int, **kwargs) -> Attention:
         scale = _setting(self.cfg, "query_pre_attn_scalar", 256) ** -0.5

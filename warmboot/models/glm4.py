@@ -46,4 +46,4 @@ class Glm4ForCausalLM(GlmForCausalLM):
     def make_layer(self, index: int) -> nn.Module:
         norms = [self.make_norm(self.cfg.hidden_size) for _ in range(4)]
         attn = self.attention(index, **self.attention_options())
-        return Glm4DecoderLayer(attn, self.make_mlp(), *norms)
+        return Glm4DecoderLayer(attn, self.make_mlp(index), *norms)

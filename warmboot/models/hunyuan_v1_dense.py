@@ -43,7 +43,7 @@ class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
     def make_norm(self, size: int | tuple[int, ...]) -> nn.Module:
         return RMSNorm(size, self.cfg.get("rms_norm_eps", 1e-5))
 
-    def make_mlp(self) -> nn.Module:
+    def make_mlp(self, index: int) -> nn.Module:
         cfg = self.cfg
         return GatedMLP(
             cfg.hidden_size, cfg.get("intermediate_size"), cfg.get("hidden_act", "silu")

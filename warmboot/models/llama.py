@@ -17,7 +17,7 @@ class LlamaForCausalLM(CausalLM):
         cfg = self.cfg
         return DecoderLayer(
             self.attention(index, **self.attention_options()),
-            self.make_mlp(),
+            self.make_mlp(index),
             self.make_norm(cfg.hidden_size),
             self.make_norm(cfg.hidden_size),
         )
@@ -30,7 +30,7 @@ class LlamaForCausalLM(CausalLM):
             options.update(q_norm=self.make_norm(d), k_norm=self.make_norm(d))
         return options
 
-    def make_mlp(self) -> nn.Module:
+    def make_mlp(self, index: int) -> nn.Module:
         cfg = self.cfg
         act, bias = cfg.get("hidden_act", "silu"), bool(cfg.get("mlp_bias", False))
         return GatedMLP(cfg.hidden_size, cfg.get("intermediate_size"), act, bias)

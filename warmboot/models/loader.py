@@ -1,12 +1,13 @@
 """Weight loading: the family's model is built on the meta device and its parameters are
 assigned from the checkpoint (memory-mapped by ``safetensors``: zero-copy when the dtype
 matches), after the family's name map: stacked projections (q/k/v, gate/up) concatenated,
-layouts transformed. Every checkpoint tensor is consumed or, unless the family lists it as
-harmless, refused by name; every parameter must be set.
+per-expert tensors stacked, layouts transformed. Every checkpoint tensor is consumed or, unless
+the family lists it as harmless, refused by name; every parameter must be set.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from warmboot.config import ModelConfig
 from warmboot.models.base import CausalLM
 from warmboot.models.checkpoint import check_servable, iter_checkpoint
 from warmboot.models.layers.linear import Linear
+from warmboot.models.layers.moe import FusedExperts
 from warmboot.models.registry import UnsupportedModelError, model_class
 
 
@@ -39,8 +41,18 @@ def load_model(
     model = build_model(cfg)
     tensors = iter_checkpoint(model_dir, skip=lambda name: model.map_name(name) is None)
     named = checkpoint_weights(model, tensors, str(model_dir))
-    weights = ((name, t.to(device=device, dtype=dtype)) for name, t in named)
+    weights = ((name, t.to(device=device, dtype=param_dtype(name, dtype))) for name, t in named)
     return _assign_all(model, weights, dtype, device, max_positions, str(model_dir))
+
+
+FLOAT32_PARAMS = re.compile(r"(^|\.)e_score_correction_bias$")
+"""Parameters kept in float32 whatever the engine's dtype (as transformers keeps them): the
+router's score-correction bias, which separates experts by differences below bf16's step."""
+
+
+def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype parameter ``name`` is held in, in an engine of ``dtype``."""
+    return torch.float32 if FLOAT32_PARAMS.search(name) else dtype
 
 
 def assemble_model(
@@ -88,10 +100,11 @@ def checkpoint_weights(
         if shard is None:
             yield name, model.transform(name, tensor)
             continue
-        parts = shards.setdefault(name, [None] * len(_owner(model, name).shards))
+        owner, leaf = _owner(model, name), name.rpartition(".")[2]
+        parts = shards.setdefault(name, [None] * owner.shard_count(leaf))
         parts[shard] = tensor
         if all(p is not None for p in parts):
-            yield name, model.transform(name, torch.cat(parts))
+            yield name, model.transform(name, owner.join_shards(leaf, parts))
             del shards[name]
     if unused:
         raise UnsupportedModelError(
@@ -102,7 +115,7 @@ def checkpoint_weights(
         raise UnsupportedModelError(f"{source}: incomplete stacked weights {_names(list(shards))}")
 
 
-def _owner(model: nn.Module, name: str) -> Linear:
+def _owner(model: nn.Module, name: str) -> Linear | FusedExperts:
     return model.get_submodule(name.rpartition(".")[0])
 
 

@@ -19,7 +19,7 @@ class MinistralForCausalLM(LlamaForCausalLM):
         types = cfg.get("layer_types")
         return window if types is None or types[index] == "sliding_attention" else None
 
-    def make_mlp(self) -> nn.Module:
+    def make_mlp(self, index: int) -> nn.Module:
         cfg = self.cfg
         return GatedMLP(
             cfg.hidden_size, cfg.get("intermediate_size"), cfg.get("hidden_act", "silu")

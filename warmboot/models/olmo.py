@@ -44,7 +44,7 @@ class OlmoForCausalLM(LlamaForCausalLM):
             attn.qkv_proj = qkv
         return layer
 
-    def make_mlp(self) -> nn.Module:
+    def make_mlp(self, index: int) -> nn.Module:
         cfg = self.cfg
         return GatedMLP(
             cfg.hidden_size, cfg.get("intermediate_size"), cfg.get("hidden_act", "silu")

@@ -53,9 +53,15 @@ class Olmo2ForCausalLM(CausalLM):
         cfg = self.cfg
         return PostNormDecoderLayer(
             self.attention(index, **self.attention_options(index)),
-            GatedMLP(cfg.hidden_size, cfg.get("intermediate_size"), cfg.get("hidden_act", "silu")),
+            self.make_mlp(index),
             self.make_norm(cfg.hidden_size),
             self.make_norm(cfg.hidden_size),
+        )
+
+    def make_mlp(self, index: int) -> nn.Module:
+        cfg = self.cfg
+        return GatedMLP(
+            cfg.hidden_size, cfg.get("intermediate_size"), cfg.get("hidden_act", "silu")
         )
 
     def attention_options(self, index: int) -> dict:

@@ -45,6 +45,21 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "SeedOssForCausalLM": ("seed_oss", "SeedOssForCausalLM"),
     "HunYuanDenseV1ForCausalLM": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
+    # -- mixtures of experts: mixtral.py, qwen_moe.py, olmoe.py, flex_olmo.py, granite.py --
+    "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
+    "OlmoeForCausalLM": ("olmoe", "OlmoeForCausalLM"),
+    "FlexOlmoForCausalLM": ("flex_olmo", "FlexOlmoForCausalLM"),
+    "GraniteMoeForCausalLM": ("granite", "GraniteMoeForCausalLM"),
+    "GraniteMoeSharedForCausalLM": ("granite", "GraniteMoeSharedForCausalLM"),
+    # -- multi-head latent attention: deepseek.py; V3's MoE over GQA: glm4_moe.py, dots1.py --
+    "DeepseekV2ForCausalLM": ("deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek", "DeepseekV3ForCausalLM"),
+    "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
+    "Dots1ForCausalLM": ("dots1", "Dots1ForCausalLM"),
+    # -- attention sinks + mixture of experts: gpt_oss.py --
+    "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
 }
 """Every architecture served; a test checks each against transformers."""
 
@@ -79,6 +94,19 @@ MODEL_TYPES: dict[str, str] = {
     "ernie4_5": "Ernie4_5ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
+    # -- mixtures of experts --
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "flex_olmo": "FlexOlmoForCausalLM",
+    "granitemoe": "GraniteMoeForCausalLM",
+    "granitemoeshared": "GraniteMoeSharedForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "dots1": "Dots1ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 """``model_type`` -> architecture, for configs without ``architectures``."""
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from warmboot.models.layers.attention import Attend
+from warmboot.models.layers.linear import Linear
 from warmboot.models.layers.norm import LayerNorm
 from warmboot.models.layers.rope import RopeSpec
 from warmboot.models.llama import LlamaForCausalLM
@@ -34,6 +35,9 @@ class HeadLayerNorm(LayerNorm):
         super().__init__((heads, head_dim), eps, bias=False)
         self.shards = (head_dim,) * heads
 
+    shard_count = Linear.shard_count
+    join_shards = Linear.join_shards
+
 
 class StableLmForCausalLM(LlamaForCausalLM):
     def make_layer(self, index: int) -> nn.Module:
@@ -41,7 +45,7 @@ class StableLmForCausalLM(LlamaForCausalLM):
         if not cfg.get("use_parallel_residual", False):
             return super().make_layer(index)
         attn = self.attention(index, **self.attention_options())
-        return StableLmParallelLayer(attn, self.make_mlp(), self.make_norm(cfg.hidden_size))
+        return StableLmParallelLayer(attn, self.make_mlp(index), self.make_norm(cfg.hidden_size))
 
     def attention_options(self) -> dict:
         cfg = self.cfg

@@ -237,8 +237,10 @@ def _describe(e: Exception) -> str:
 
 
 def _check_dtypes(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-    """Every weight is the engine's dtype: a float weight listed as ``int32`` (same item size,
-    right hash) would otherwise pass and crash the warm-up."""
-    bad = [n for n, t in tensors.items() if t.dtype != dtype]
+    """Every weight is the dtype the engine holds it in (``param_dtype``): a float weight
+    listed as ``int32`` (same item size, right hash) would otherwise pass and crash the warm-up."""
+    from warmboot.models.loader import param_dtype
+
+    bad = [n for n, t in tensors.items() if t.dtype != param_dtype(n, dtype)]
     if bad:
         raise ValueError(f"tensors {bad[:3]} are not {dtype_name(dtype)}")

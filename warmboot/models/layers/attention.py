@@ -19,7 +19,8 @@ into the layer's cache (``kernels.step_ops.StepContext``)."""
 
 class Attention(nn.Module):
     """q/k/v as one stacked projection, optional q/k norms (per head, or over the whole
-    projection with ``norm_before_split``), rope (None: a NoPE layer), attention, o_proj."""
+    projection with ``norm_before_split``), rope (None: a NoPE layer), attention, o_proj;
+    ``sinks``: a learned per-head logit in the softmax denominator (GPT-OSS)."""
 
     def __init__(
         self,
@@ -35,6 +36,7 @@ class Attention(nn.Module):
         q_norm: nn.Module | None = None,
         k_norm: nn.Module | None = None,
         norm_before_split: bool = False,
+        sinks: bool = False,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -45,6 +47,8 @@ class Attention(nn.Module):
         self.norm_before_split = norm_before_split
         self.rope = rope
         self.spec = spec
+        if sinks:  # NOTE: per query head; the runner reads it into the spec after loading
+            self.sinks = nn.Parameter(torch.empty(num_heads))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         n = x.shape[0]

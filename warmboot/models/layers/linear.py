@@ -68,5 +68,12 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
+    def shard_count(self, leaf: str) -> int:
+        """How many checkpoint tensors make up parameter ``leaf`` (the loader's stacking)."""
+        return len(self.shards)
+
+    def join_shards(self, leaf: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts)
+
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {list(self.shards)}, bias={self.bias is not None}"
