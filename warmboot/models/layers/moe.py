@@ -196,19 +196,23 @@ def grouped_experts(
     act_and_mul: Callable[[torch.Tensor], torch.Tensor],
 ) -> torch.Tensor:  # (N, H)
     """Sum over each token's k experts of ``weight * down(act(up(x)))``: the (token, expert)
-    pairs sorted by expert once, one GEMM pair per expert that has tokens."""
-    k = ids.shape[1]
-    order = ids.flatten().argsort(stable=True)
-    counts = torch.bincount(ids.flatten(), minlength=num_experts).tolist()
+    pairs sorted by expert once, one GEMM pair per expert that has tokens, one activation
+    over all rows. One token (decode at batch 1) needs no sort: its k experts in turn."""
+    n, k = ids.shape
+    if n == 1:
+        experts = ids[0].tolist()
+        hidden = act_and_mul(torch.cat([up(e, x) for e in experts]))  # (k, I)
+        out = torch.cat([down(e, hidden[j : j + 1]) for j, e in enumerate(experts)])
+        return weights @ out  # (1, k) @ (k, H)
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    spans = [(e, c) for e, c in enumerate(counts) if c]
     token = order // k
-    rows = x.index_select(0, token)
-    out = torch.empty_like(rows)
-    start = 0
-    for e, count in enumerate(counts):
-        if count:
-            span = slice(start, start + count)
-            out[span] = down(e, act_and_mul(up(e, rows[span])))
-            start += count
+    rows = x.index_select(0, token).split([c for _, c in spans])
+    hidden = act_and_mul(torch.cat([up(e, r) for (e, _), r in zip(spans, rows, strict=True)]))
+    parts = hidden.split([c for _, c in spans])
+    out = torch.cat([down(e, h) for (e, _), h in zip(spans, parts, strict=True)])
     out *= weights.flatten().index_select(0, order).unsqueeze(1)
     return torch.zeros_like(x).index_add_(0, token, out)
 
