@@ -202,3 +202,33 @@ def test_a_moe_snapshot_restores_bitwise_and_shares_its_expert_chunks(tiny_model
         for m in manifests
     ]
     assert experts[0] and experts[0] == experts[1]
+
+
+@pytest.mark.parametrize(
+    ("config_cls", "settings"),
+    [
+        ("Qwen3MoeConfig", dict(decoder_sparse_step=2, mlp_only_layers=[3], num_experts=4)),
+        ("Qwen2MoeConfig", dict(decoder_sparse_step=3, num_experts=4)),
+        ("DeepseekV3Config", dict(first_k_dense_replace=2, n_routed_experts=4, n_group=2)),
+    ],
+)
+def test_sparse_and_dense_layers_as_transformers_places_them(config_cls, settings):
+    """Which layers are sparse (``decoder_sparse_step``, ``mlp_only_layers``,
+    ``first_k_dense_replace``): ours against transformers' own modules, both on meta."""
+    import json
+
+    from warmboot.config import ModelConfig
+    from warmboot.models.layers.moe import SparseMoE
+    from warmboot.models.loader import build_model
+
+    config = getattr(transformers, config_cls)(
+        vocab_size=64, hidden_size=32, num_attention_heads=4, num_hidden_layers=6,
+        num_experts_per_tok=2, topk_group=1, **settings,
+    )  # fmt: skip
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+    expected = [hasattr(layer.mlp, "experts") for layer in hf.model.layers]
+    hf_dict = json.loads(config.to_json_string()) | {"architectures": [type(hf).__name__]}
+    ours = build_model(ModelConfig.from_dict(hf_dict))
+    assert [isinstance(layer.mlp, SparseMoE) for layer in ours.layers] == expected
+    assert any(expected) and not all(expected)

@@ -2,7 +2,8 @@
 first layers, shared experts. V3 with a low-rank query, yarn rope with ``mscale_all_dim``
 (the softmax scale), interleaved rope, group-limited sigmoid routing, renormalised; V3 with a
 full-rank query, rope halves (``rope_interleave: false``), one group, not renormalised,
-attention biases; V2 with softmax routing limited to groups, two shared experts, a tied head.
+attention biases; V2 with softmax routing limited to groups, two shared experts, a tied head,
+every layer sparse.
 The latent entry is 48 + 16 = 64 wide (a power of two: the Triton kernels' test size)."""
 
 _MLA = dict(
@@ -68,6 +69,7 @@ SPECS = {
         _MLA
         | dict(
             num_hidden_layers=2,
+            first_k_dense_replace=0,
             q_lora_rank=None,
             n_routed_experts=8,
             num_experts_per_tok=2,

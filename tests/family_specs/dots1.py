@@ -1,5 +1,5 @@
 """dots.llm1: DeepSeek-V3's routing (sigmoid, one group, renormalised, scaled), two shared
-experts, a dense first layer, over Qwen3's attention with a window on the upper layers."""
+experts (every layer sparse), over Qwen3's attention with a window on the upper layers."""
 
 SPECS = {
     "dots1": (
@@ -15,7 +15,7 @@ SPECS = {
             n_routed_experts=6,
             num_experts_per_tok=2,
             n_shared_experts=2,
-            first_k_dense_replace=1,
+            first_k_dense_replace=0,
             norm_topk_prob=True,
             routed_scaling_factor=1.5,
             sliding_window=20,

@@ -1,6 +1,6 @@
 """GLM-4.5: DeepSeek-V3's routing (sigmoid, two groups of four, one kept, not renormalised,
-scaled) and shared expert after a dense first layer, over GQA with q/k/v biases, per-head q/k
-norms and half of each head rotated."""
+scaled) and a shared expert, every layer sparse (the dense first layers: deepseek_v3), over
+GQA with q/k/v biases, per-head q/k norms and half of each head rotated."""
 
 SPECS = {
     "glm4_moe": (
@@ -18,7 +18,7 @@ SPECS = {
             n_group=2,
             topk_group=1,
             n_shared_experts=1,
-            first_k_dense_replace=1,
+            first_k_dense_replace=0,
             norm_topk_prob=False,
             routed_scaling_factor=1.8,
             use_qk_norm=True,

@@ -1,6 +1,6 @@
 """Mixtures of experts with softmax routing: Mixtral (renormalised top-2 of 6, windows),
 Qwen2-MoE (shared expert behind a sigmoid gate, a dense layer from ``mlp_only_layers``,
-top-3 not renormalised), Qwen3-MoE (q/k norm, ``decoder_sparse_step`` 2, renormalised),
+top-3 not renormalised), Qwen3-MoE (q/k norm, renormalised),
 OLMoE (q/k norm over the whole projection), FlexOlmo (OLMo 2 over MoE blocks). Eight
 experts or fewer and short steps: some experts get no token in a step."""
 
@@ -45,7 +45,6 @@ SPECS = {
             num_experts=8,
             num_experts_per_tok=2,
             norm_topk_prob=True,
-            decoder_sparse_step=2,
             tie_word_embeddings=True,
         ),
     ),
