@@ -7,24 +7,16 @@ from torch import nn
 
 from warmboot.models.layers.moe import FusedExperts, Router, SparseMoE
 from warmboot.models.llama import LlamaForCausalLM
+from warmboot.models.olmo2 import Olmo2ForCausalLM
 from warmboot.models.registry import UnsupportedModelError
 
 
 class OlmoeForCausalLM(LlamaForCausalLM):
     def attention_options(self) -> dict:
-        cfg = self.cfg
-        if cfg.get("clip_qkv") is not None:  # NOTE: OLMoE clamps q/k after their norms
-            raise UnsupportedModelError(
-                f"OLMoE with clip_qkv={cfg.get('clip_qkv')} is not supported"
-            )
-        bias = bool(cfg.get("attention_bias", False))
-        return dict(
-            qkv_bias=bias,
-            o_bias=bias,
-            q_norm=self.make_norm(cfg.q_size),
-            k_norm=self.make_norm(cfg.kv_size),
-            norm_before_split=True,
-        )
+        clip = self.cfg.get("clip_qkv")
+        if clip is not None:  # NOTE: OLMoE clamps q/k after their norms
+            raise UnsupportedModelError(f"OLMoE with clip_qkv={clip} is not supported")
+        return Olmo2ForCausalLM.attention_options(self, 0)  # q/k norms over the projection
 
     def make_mlp(self, index: int) -> nn.Module:
         cfg = self.cfg
