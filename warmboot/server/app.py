@@ -69,8 +69,9 @@ def create_app(holder: EngineHolder, config: ServerConfig) -> Guard:
     app.openapi = _openapi(app, config.served_model_name)
     install_errors(app)
     api = _Api(holder, config, metrics)
-    app.add_api_route("/v1/models", api.models, methods=["GET"])
-    app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET"])
+    # NOTE: HEAD too where load balancers probe
+    app.add_api_route("/v1/models", api.models, methods=["GET", "HEAD"])
+    app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET", "HEAD"])
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
     app.add_api_route("/tokenizer_info", api.tokenizer_info, methods=["GET"])
@@ -78,7 +79,7 @@ def create_app(holder: EngineHolder, config: ServerConfig) -> Guard:
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/responses", api.responses, methods=["POST"])
-    app.add_api_route("/health", api.health, methods=["GET"])
+    app.add_api_route("/health", api.health, methods=["GET", "HEAD"])
     app.add_api_route("/metrics", api.prometheus, methods=["GET"])
     if config.enable_debug:
         app.add_api_route("/debug/engine", api.debug_engine, methods=["GET"])
@@ -152,7 +153,8 @@ class _Api:
             path, reason = self.holder.start_path()
             return JSONResponse({"status": "ok", "start_path": path, "start_reason": reason})
         status = "failed" if self.holder.error else "starting"
-        return JSONResponse({"status": status, "error": self.holder.error}, status_code=503)
+        body = {"status": status, "error": self.holder.error, "phase": self.holder.phase}
+        return JSONResponse(body, status_code=503)
 
     async def prometheus(self) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -21,3 +21,5 @@ class ServerConfig:
     tool_call_parser: str = "auto"
     """How the model writes tool calls: hermes, llama3_json, mistral, or auto (read from the
     chat template)."""
+    chat_template: str | None = None
+    """A Jinja chat template used instead of the tokenizer's (``--chat-template``)."""

@@ -41,6 +41,8 @@ class EngineHolder:
         self.llm: EngineClient | None = None
         self.error: str | None = None
         self.time_to_ready: float | None = None
+        self.phase: str | None = None
+        """The start-up phase under way (``/health`` names it while starting)."""
         self.restarts = 0
         self.fatal: str | None = None
         """Why the model can never be served here (a bad path, an unsupported checkpoint)."""
