@@ -65,10 +65,14 @@ def test_required_calls_validate_against_their_schemas(client, seed):
     assert len(choice.message.tool_calls) == 1
     _check_calls(choice.message.tool_calls)
     many = client.chat.completions.create(**kw, max_tokens=300).choices[0]
-    _check_calls(many.message.tool_calls)
-    if many.finish_reason == "length":  # the random model calls on; the cut call stays text
-        assert many.message.content is None or many.message.content.startswith("<tool_call>")
+    if many.finish_reason == "length":  # the random model calls on: the last call is cut
+        assert many.message.content is None, "no call markup in the content"
+        *whole, last = many.message.tool_calls
+        for call in whole:
+            _check_calls([call])
+        assert last.function.name in SCHEMAS and last.function.arguments.startswith("{")
     else:
+        _check_calls(many.message.tool_calls)
         assert many.finish_reason == "tool_calls" and many.message.content is None
 
 
@@ -184,3 +188,49 @@ def test_bad_tool_requests_are_400s(client, kw, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(**args)
     assert e.value.body["param"] == param
+
+
+@pytest.mark.parametrize("max_tokens", [4, 20, 40])
+def test_a_call_cut_by_the_token_limit_is_a_call_not_text(client, max_tokens):
+    """Cut anywhere (in the opener, the name or the arguments): no markup in the content;
+    once the name is out, an incomplete call with the arguments so far, as OpenAI returns
+    one; streamed the same."""
+    kw = dict(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
+              max_tokens=max_tokens, temperature=0)  # fmt: skip
+    choice = client.chat.completions.create(**kw).choices[0]
+    assert choice.finish_reason == "length"
+    assert not choice.message.content, "call markup must never land in content"
+    calls = choice.message.tool_calls or []
+    for call in calls:
+        assert call.function.name in SCHEMAS
+        assert (
+            '{"name"' not in call.function.arguments
+            and "<tool_call>" not in call.function.arguments
+        )
+    streamed, finish, content = {}, None, ""
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for c in delta.tool_calls or ():
+            streamed[c.index] = (c.function.name, c.function.arguments)
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "length" and content == ""
+    assert list(streamed.values()) == [(c.function.name, c.function.arguments) for c in calls]
+    if max_tokens == 40:  # past the opener and name: the call with its arguments so far
+        (call,) = calls
+        assert call.function.name == "get_weather" and call.function.arguments.startswith("{")
+
+
+def test_a_cut_call_in_the_responses_api_is_an_incomplete_function_call(client):
+    tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
+    r = client.responses.create(model=MODEL_NAME, input="weather in Paris?", tools=tools,
+                                tool_choice="required", max_output_tokens=40, temperature=0)  # fmt: skip
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    kinds = [item.type for item in r.output]
+    assert kinds == ["function_call"], kinds
+    assert r.output[0].status == "incomplete" and r.output[0].name == "get_weather"
+    events = list(client.responses.create(model=MODEL_NAME, input="weather in Paris?",
+                                          tools=tools, tool_choice="required",
+                                          max_output_tokens=40, temperature=0, stream=True))  # fmt: skip
+    assert events[-1].type == "response.incomplete"
+    assert not any(e.type == "response.output_text.delta" for e in events), "no markup as text"

@@ -69,7 +69,12 @@ class SamplingParams:
     """None means up to the model's context length."""
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
-    """Stop strings; the output text is cut before the first one found."""
+    """Stop strings; the output text is cut before the first one found (after it with
+    ``include_stop_str_in_output``)."""
+    include_stop_str_in_output: bool = False
+    """vLLM: keep the stop string that ended the output in its text (cut right after it), and
+    detokenize a stop token id / EOS that ended it like any token (an EOS that
+    ``skip_special_tokens`` skips still adds nothing). Nothing is held back while streaming."""
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
@@ -79,12 +84,27 @@ class SamplingParams:
     computed in the prefill; the first prompt token has none. Such a request does not start
     from a cached prefix (a cached block's logits are not kept)."""
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    """vLLM (fast tokenizers): with ``skip_special_tokens=False``, False writes an added token
+    that directly follows another added token as its bare content, without the separator the
+    tokenizer's decoder puts between tokens (WordPiece-style decoders join with spaces). A
+    byte-level, Metaspace or SentencePiece-style decoder adds no such separator: no effect."""
     structured_outputs: StructuredOutputs | None = None
     """Grammar-constrained decoding; the output ends when the grammar is complete."""
     logit_bias: dict[int, float] | tuple[tuple[int, float], ...] | None = None
     """OpenAI-style: added to these tokens' logits before penalties and sampling, each in
     [-100, 100] (-100 bans a token, +100 all but forces it). Stored as sorted (id, bias) pairs;
     logprobs stay those of the raw model."""
+    truncate_prompt_tokens: int | None = None
+    """vLLM: keep only the last k prompt tokens (left truncation) before running; -1 keeps
+    as many as the context leaves beside ``max_tokens`` (beside one token when it is None).
+    A k above that is refused. Outputs report the kept prompt token ids."""
+    priority: int = 0
+    """vLLM priority scheduling: lower values are served first (ties in arrival order), and
+    a preemption for KV memory takes a lowest-priority request. All 0: plain FCFS."""
+    allowed_token_ids: tuple[int, ...] | None = None
+    """vLLM: only these token ids may be sampled (a hard mask applied before sampling; the
+    logprobs stay those of the raw model)."""
     output_kind: str = "cumulative"
     """What each streamed output holds: "cumulative" (the whole text and tokens so far, plus
     the delta fields), "delta" (only what is new: O(new tokens) per output, for streaming) or
@@ -96,6 +116,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if isinstance(self.allowed_token_ids, (list, set, frozenset, range)):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         bias = self.logit_bias
         pairs = bias.items() if isinstance(bias, dict) else (bias or ())
         object.__setattr__(self, "logit_bias", tuple(sorted(pairs)) or None)
@@ -153,6 +175,21 @@ class SamplingParams:
                 bad("logit_bias", f"bias {value!r} of token {token} is outside [-100, 100]")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
+        for name in ("include_stop_str_in_output", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a boolean")
+        k = self.truncate_prompt_tokens
+        if k is not None and (type(k) is not int or not (k >= 1 or k == -1)):
+            bad("truncate_prompt_tokens", "must be an integer >= 1, -1 (the context) or None")
+        if type(self.priority) is not int:
+            bad("priority", "must be an integer")
+        allowed = self.allowed_token_ids
+        if allowed is not None and not isinstance(allowed, tuple):
+            bad("allowed_token_ids", "must be a list of token ids or None")
+        if allowed is not None and not allowed:
+            bad("allowed_token_ids", "must not be empty (None allows every token)")
+        if any(type(t) is not int or t < 0 for t in allowed or ()):
+            bad("allowed_token_ids", "must be non-negative integers")
 
     @property
     def greedy(self) -> bool:

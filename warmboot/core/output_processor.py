@@ -30,11 +30,18 @@ class CompletionState:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     hold_back: int = field(init=False)
-    """Characters kept back while running: they might start a stop string."""
+    """Characters kept back while running: they might start a stop string (none when the
+    stop string stays in the text)."""
+    search_back: int = field(init=False)
+    """How far before new text a stop string can start."""
+    lookback: str = field(default="", init=False, repr=False)
+    """The emitted text's last ``search_back`` characters, when they are not held back."""
     _emitted: list[str] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
-        self.hold_back = max((len(s) for s in self.params.stop), default=1) - 1
+        self.search_back = max((len(s) for s in self.params.stop), default=1) - 1
+        keep = self.params.include_stop_str_in_output
+        self.hold_back = 0 if keep else self.search_back
 
     @property
     def text(self) -> str:
@@ -45,17 +52,21 @@ class CompletionState:
         """Append detokenized text; return the stop string that ended it, if any."""
         if not piece:
             return None
-        # NOTE: a stop string can start at most hold_back characters back, never in emitted text
-        search_from = max(0, len(self.pending) - self.hold_back)
+        # NOTE: a stop string starts at most search_back characters back: in pending text, or
+        # in the lookback when nothing is held back
+        search_from = max(0, len(self.lookback) + len(self.pending) - self.search_back)
         self.pending += piece
         if not self.params.stop or len(self.token_ids) < self.params.min_tokens:
             return None
+        window = self.lookback + self.pending if self.lookback else self.pending
         stops = self.params.stop
-        found = [(i, s) for s in stops if (i := self.pending.find(s, search_from)) >= 0]
+        found = [(i, s) for s in stops if (i := window.find(s, search_from)) >= 0]
         if not found:
             return None
         cut, stop = min(found)
-        self.pending = self.pending[:cut]
+        if self.params.include_stop_str_in_output:
+            cut += len(stop)
+        self.pending = self.pending[: max(cut - len(self.lookback), 0)]  # never un-emit text
         return stop
 
     def output(self) -> CompletionOutput:
@@ -75,6 +86,8 @@ class CompletionState:
             logprobs = None if logprobs is None else list(logprobs)
         if delta_text:
             self._emitted.append(delta_text)
+            if self.hold_back < self.search_back:
+                self.lookback = (self.lookback + delta_text)[-self.search_back :]
         self.emitted_chars += new
         self.emitted_tokens = len(self.token_ids)
         return CompletionOutput(
@@ -193,7 +206,11 @@ class OutputProcessor:
                 state.logprobs.append(self._logprob_dict(token, lp))
             last = i == len(ev.new_token_ids) - 1
             if last and stopped_by_token:
-                break  # NOTE: EOS / stop token ids are not detokenized into the text.
+                # NOTE: EOS / stop token ids are not detokenized into the text, unless the
+                # stop stays in it (vLLM; then no stop string is looked for)
+                if state.params.include_stop_str_in_output:
+                    state.pending += state.detokenizer.step(token)
+                break
             stop = state.add_text(state.detokenizer.step(token))
             if stop is not None:
                 state.finish_reason, state.stop_reason = FinishReason.STOP.value, stop

@@ -1,23 +1,76 @@
-"""Continuous-batching scheduler: FCFS, chunked prefill under a token budget, prefill and decode
-mixed in one step, preemption by recompute. Pure Python; talks to the runner in plain data."""
+"""Continuous-batching scheduler: FCFS within priorities, chunked prefill under a token budget,
+prefill and decode mixed in one step, preemption by recompute. Pure Python; talks to the runner
+in plain data."""
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+import bisect
+import heapq
+import itertools
+from collections.abc import Iterable, Iterator
 
 from warmboot.config import SchedulerConfig
 from warmboot.core.block_manager import BlockManager
 from warmboot.core.request import FinishReason, Request, RequestStatus
 from warmboot.core.types import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenEvent
 
+Entry = tuple[int, int, Request]
+"""A waiting request's place: (priority, position, request)."""
+
+
+def _priority(req: Request) -> int:
+    return req.params.priority
+
+
+class WaitingQueue:
+    """Requests waiting for admission, a heap in (priority, position) order: lower priority
+    values first; within one priority, preempted requests (newest preemption first) and then
+    arrivals in order, which for equal priorities is the FCFS deque's order."""
+
+    def __init__(self) -> None:
+        self._heap: list[Entry] = []
+        self._back = itertools.count()
+        self._front = itertools.count(-1, -1)
+
+    def append(self, req: Request) -> None:
+        """An arrival: behind every request of its priority."""
+        heapq.heappush(self._heap, (_priority(req), next(self._back), req))
+
+    def appendleft(self, req: Request) -> None:
+        """A preempted request: ahead of every request of its priority."""
+        heapq.heappush(self._heap, (_priority(req), next(self._front), req))
+
+    def pop(self) -> Entry:
+        return heapq.heappop(self._heap)
+
+    def restore(self, entries: Iterable[Entry]) -> None:
+        """Put popped entries back in their places."""
+        for entry in entries:
+            heapq.heappush(self._heap, entry)
+
+    def remove(self, req: Request) -> None:
+        i = next(i for i, e in enumerate(self._heap) if e[2] is req)
+        last = self._heap.pop()
+        if i < len(self._heap):
+            self._heap[i] = last
+            heapq.heapify(self._heap)
+
+    def __len__(self) -> int:
+        return len(self._heap)
+
+    def __iter__(self) -> Iterator[Request]:
+        """In admission order (sorts: for stats and tests, not for the step)."""
+        return (e[2] for e in sorted(self._heap, key=lambda e: e[:2]))
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: BlockManager):
         self.config = config
         self.kv = kv
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
+        """Ordered by priority, then admission: the step serves it in order and preempts
+        from its end."""
         self.requests: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
         self.num_preemptions = 0
@@ -79,7 +132,9 @@ class Scheduler:
     def _make_room(
         self, req: Request, n: int, out: SchedulerOutput, incoming: int
     ) -> tuple[bool, int]:
-        """Allocate for ``n`` more tokens of ``req``, preempting the newest requests as needed.
+        """Allocate for ``n`` more tokens of ``req``, preempting as needed from the end of
+        ``running``: the lowest priority, most recently admitted first. Those come after
+        ``req`` in the step's order, so none of them was scheduled in this step.
 
         NOTE: in the pipelined loop a victim's blocks are held by the in-flight step and return
         only when it retires. Blocks already on their way count as room: the requester then sits
@@ -102,27 +157,28 @@ class Scheduler:
         return True, incoming
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        skipped: list[Request] = []
+        skipped: list[Entry] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting.popleft()
+            entry = self.waiting.pop()
+            req = entry[2]
             if self._waits_for_leader(req):
-                skipped.append(req)
+                skipped.append(entry)
                 continue
             cold = req.num_computed_tokens or req.wants_prompt_logprobs
             prefix = [] if cold else self.kv.find_cached_prefix(req.all_token_ids)
             start = len(prefix) * self.kv.block_size
             n = min(req.num_tokens - start, budget)
             if not self.kv.allocate(req.request_id, start + n, prefix):
-                self.waiting.appendleft(req)
+                skipped.append(entry)  # NOTE: the head waits for blocks: none overtakes it
                 break
             if req.num_preemptions == 0:
                 req.num_cached_tokens = start
             req.num_computed_tokens = start
             req.status = RequestStatus.RUNNING
-            self.running.append(req)
+            bisect.insort(self.running, req, key=_priority)  # NOTE: all equal: an append
             out.scheduled.append(self._scheduled(req, n))
             budget -= n
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.restore(skipped)
 
     def _waits_for_leader(self, req: Request) -> bool:
         # n > 1: siblings wait until the leader's first token is committed; by then its prompt's

@@ -1,8 +1,8 @@
 """Turn a batch of logits into next tokens (vLLM order).
 
 1. logprobs from the raw logits (float32 ``log_softmax``), for rows that ask;
-2. ``logit_bias`` added; then penalties: repetition (prompt + output), then frequency and
-   presence (output only);
+2. tokens outside ``allowed_token_ids`` -> -inf; ``logit_bias`` added; then penalties:
+   repetition (prompt + output), then frequency and presence (output only);
 3. ``suppress_token_ids`` -> -inf;
 4. greedy rows: argmax;
 5. random rows: temperature, min-p, top-k, top-p, then the exponential race
@@ -146,7 +146,11 @@ class Sampler:
         params = [r.params for r in rows]
         want_logprobs = any(p.logprobs is not None for p in params)
         plain = all(
-            p.greedy and not p.uses_penalties and not p.logit_bias and not r.suppress_token_ids
+            p.greedy
+            and not p.uses_penalties
+            and not p.logit_bias
+            and not p.allowed_token_ids
+            and not r.suppress_token_ids
             for p, r in zip(params, rows, strict=True)
         )
         if plain and not want_logprobs:
@@ -154,6 +158,7 @@ class Sampler:
 
         x = logits.to(torch.float32, copy=True)
         logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None
+        apply_allowed_tokens(x, params)
         apply_logit_bias(x, params)
         apply_penalties(x, rows)
         _suppress(x, rows)
@@ -169,6 +174,22 @@ class Sampler:
         top = logprobs.topk(min(k, logprobs.shape[1]), dim=-1)
         sampled = logprobs.gather(1, tokens[:, None]).squeeze(1)
         return SamplerOutput(tokens, sampled, top.values, top.indices)
+
+
+def apply_allowed_tokens(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Set every token outside a row's ``allowed_token_ids`` to -inf, in place (one (R, V)
+    mask for the R rows that ask)."""
+    at = [i for i, p in enumerate(params) if p.allowed_token_ids]
+    if not at:
+        return
+    pairs = [(j, t) for j, i in enumerate(at) for t in params[i].allowed_token_ids]
+    index = torch.tensor(pairs, dtype=torch.int64)
+    _check_ids(index[:, 1], logits.shape[1], "allowed_token_ids")
+    dev = logits.device
+    index, rows = upload(index, dev), upload(torch.tensor(at), dev)
+    banned = torch.ones(len(at), logits.shape[1], dtype=torch.bool, device=dev)
+    banned[index[:, 0], index[:, 1]] = False
+    logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
 
 
 def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

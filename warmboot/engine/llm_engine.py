@@ -107,7 +107,9 @@ class LLMEngine:
             )
             children.append(child)
             logprobs = [] if params.logprobs is not None else None
-            detok = self.tokenizer.detokenizer(params.skip_special_tokens)
+            detok = self.tokenizer.detokenizer(
+                params.skip_special_tokens, params.spaces_between_special_tokens
+            )
             states.append(CompletionState(i, child_params, detok, logprobs=logprobs))
         return children, states
 

@@ -37,17 +37,18 @@ class RequestValidator:
         self.grammars = grammars
 
     def validate(self, prompt: Prompt, params: SamplingParams) -> ValidatedRequest:
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = self._tokenize(prompt, params.truncate_prompt_tokens is None)
+        token_ids = self._truncate(token_ids, params)
         max_tokens = self._max_tokens(token_ids, params)
         vocab = self.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:
-            raise InvalidRequestError(f"stop_token_ids {bad} are outside the vocabulary ({vocab})")
-        bad = [t for t, _ in params.logit_bias or () if t >= vocab]
-        if bad:
-            raise InvalidRequestError(
-                f"logit_bias tokens {bad} are outside the vocabulary ({vocab})"
-            )
+        for name, ids in (
+            ("stop_token_ids", params.stop_token_ids),
+            ("logit_bias tokens", [t for t, _ in params.logit_bias or ()]),
+            ("allowed_token_ids", params.allowed_token_ids or ()),
+        ):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise InvalidRequestError(f"{name} {bad} are outside the vocabulary ({vocab})")
         if params.structured_outputs is not None:
             try:
                 self.grammars.compile(params.structured_outputs)
@@ -55,7 +56,9 @@ class RequestValidator:
                 raise InvalidRequestError(f"invalid structured_outputs: {e}") from None
         return ValidatedRequest(text, token_ids, params, max_tokens)
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: Prompt, bounded: bool = True) -> tuple[str | None, list[int]]:
+        """``bounded``: refuse a text too long for the context before tokenizing it (not when
+        the prompt is to be truncated)."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 ids = prompt["prompt_token_ids"]
@@ -67,16 +70,16 @@ class RequestValidator:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt is empty")
-            return prompt, self._check_ids(self._encode(prompt))
+            return prompt, self._check_ids(self._encode(prompt, bounded))
         if isinstance(prompt, list):
             return None, self._check_ids(prompt)
         raise InvalidRequestError(f"unsupported prompt type {type(prompt).__name__}")
 
-    def _encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, refusing a text too long for the context before paying for
-        its tokenization (bytes bound the token count from below)."""
+    def _encode(self, text: str, bounded: bool = True) -> list[int]:
+        """Token ids of ``text``, refusing (when ``bounded``) a text too long for the context
+        before paying for its tokenization (bytes bound the token count from below)."""
         limit = self.max_model_len
-        if len(text) > limit:  # NOTE: the bound below costs a vocabulary scan, done once
+        if bounded and len(text) > limit:  # NOTE: the bound costs a vocabulary scan, once
             at_least = len(text) // (SLACK * self.tokenizer.max_token_chars)
             if at_least > limit:
                 raise InvalidRequestError(
@@ -106,6 +109,22 @@ class RequestValidator:
         ):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         return arr.tolist()
+
+    def _truncate(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        """The last ``truncate_prompt_tokens`` ids (-1: as many as leave room for the output,
+        as vLLM does); a larger k than that is refused."""
+        k = params.truncate_prompt_tokens
+        room = self.max_model_len - (params.max_tokens or 1)
+        if k is None or room < 1:
+            return token_ids  # NOTE: a max_tokens that leaves no room is refused next
+        if k == -1:
+            k = room
+        if k > room:
+            raise InvalidRequestError(
+                f"truncate_prompt_tokens={k} exceeds max_model_len ({self.max_model_len}) - "
+                f"max_tokens ({params.max_tokens or 1}) = {room}"
+            )
+        return token_ids[-k:]
 
     def _max_tokens(self, token_ids: list[int], params: SamplingParams) -> int:
         limit = self.max_model_len

@@ -27,11 +27,13 @@ from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
 from warmboot.server import responses as R
 from warmboot.server import tools as tools_mod
+from warmboot.server.chat_render import chat_prompt
 from warmboot.server.config import ServerConfig
 from warmboot.server.delivery import sse, until_disconnect
 from warmboot.server.engine_holder import EngineHolder
 from warmboot.server.errors import ApiError, install_errors
 from warmboot.server.guard import Guard
+from warmboot.server.messages_api import CountTokensRequest, MessageBuilder, MessagesRequest
 from warmboot.server.metrics import ServerMetrics
 from warmboot.server.protocol import (
     ChatCompletionRequest,
@@ -41,7 +43,7 @@ from warmboot.server.protocol import (
     UnsupportedParameter,
 )
 from warmboot.server.responses_api import ResponseBuilder, ResponsesRequest
-from warmboot.server.streams import SentChoices, StreamReader, add_all
+from warmboot.server.streams import SentChoices, StreamReader, UsageSoFar, add_all
 
 __all__ = ["ServerConfig", "create_app"]
 
@@ -69,9 +71,8 @@ def create_app(holder: EngineHolder, config: ServerConfig) -> Guard:
     app.openapi = _openapi(app, config.served_model_name)
     install_errors(app)
     api = _Api(holder, config, metrics)
-    # NOTE: HEAD too where load balancers probe
-    app.add_api_route("/v1/models", api.models, methods=["GET", "HEAD"])
-    app.add_api_route("/v1/models/{model_id:path}", api.model, methods=["GET", "HEAD"])
+    _get_and_head(app, "/v1/models", api.models)
+    _get_and_head(app, "/v1/models/{model_id:path}", api.model)
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
     app.add_api_route("/tokenizer_info", api.tokenizer_info, methods=["GET"])
@@ -79,11 +80,19 @@ def create_app(holder: EngineHolder, config: ServerConfig) -> Guard:
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat, methods=["POST"])
     app.add_api_route("/v1/responses", api.responses, methods=["POST"])
-    app.add_api_route("/health", api.health, methods=["GET", "HEAD"])
+    app.add_api_route("/v1/messages", api.messages, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"])
+    _get_and_head(app, "/health", api.health)
     app.add_api_route("/metrics", api.prometheus, methods=["GET"])
     if config.enable_debug:
         app.add_api_route("/debug/engine", api.debug_engine, methods=["GET"])
     return Guard(app, config, metrics)
+
+
+def _get_and_head(app: FastAPI, path: str, endpoint) -> None:
+    """A GET route that answers HEAD too (load balancers probe with HEAD)."""
+    app.add_api_route(path, endpoint, methods=["GET"])
+    app.add_api_route(path, endpoint, methods=["HEAD"], include_in_schema=False)
 
 
 # -- endpoints ---------------------------------------------------------------------------------
@@ -116,13 +125,15 @@ class _Api:
         if (body.prompt is None) == (body.messages is None):
             raise UnsupportedParameter("prompt", "give exactly one of prompt and messages")
         if body.messages is not None:
-            prompt = await asyncio.to_thread(_chat_prompt, llm, body)
-            tokens = prompt["prompt_token_ids"]
+            render = chat_prompt, llm.tokenizer, body.chat(), body.tools, self.config
+            tokens = (await asyncio.to_thread(*render))["prompt_token_ids"]
         else:
-            tokens = await asyncio.to_thread(
-                llm.tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens
-            )
-        return {"count": len(tokens), "max_model_len": llm.max_model_len, "tokens": tokens}
+            special = body.add_special_tokens is not False
+            tokens = await asyncio.to_thread(llm.tokenizer.encode, body.prompt, special)
+        out = {"count": len(tokens), "max_model_len": llm.max_model_len, "tokens": tokens}
+        if body.return_token_strs:
+            out["token_strs"] = [llm.tokenizer.token_text(t) for t in tokens]
+        return out
 
     async def tokenizer_info(self) -> dict:
         """vLLM's: the special tokens and the chat template (lm-eval's remote tokenizer)."""
@@ -173,15 +184,20 @@ class _Api:
                 "model_not_found",
             )
 
-    def _meta(self, prefix: str, params: SamplingParams, llm=None) -> R.ResponseMeta:
+    def _meta(self, prefix: str, params: SamplingParams, llm, body) -> R.ResponseMeta:
+        """``body``: the request; its ``request_id`` (vLLM's) names the response."""
+        token_text = llm.tokenizer.token_text
+        if body.return_tokens_as_token_ids:
+            token_text = R.token_id_text
         return R.ResponseMeta(
-            id=f"{prefix}-{uuid.uuid4().hex}",
+            id=f"{prefix}-{body.request_id or uuid.uuid4().hex}",
             model=self.config.served_model_name,
             created=int(time.time()),
             n=params.n,
             top_logprobs=params.logprobs,
-            token_bytes=llm.tokenizer.token_bytes if llm is not None else None,
-            token_text=llm.tokenizer.token_text if llm is not None else None,
+            token_bytes=llm.tokenizer.token_bytes,
+            token_text=token_text,
+            token_ids_as_text=body.return_tokens_as_token_ids,
         )
 
     # -- /v1/completions -----------------------------------------------------------------------
@@ -190,24 +206,30 @@ class _Api:
         self._check_model(body.model)
         params = body.sampling_params()
         prompts = body.prompts()
+        if not body.add_special_tokens:
+            prompts = await asyncio.to_thread(_without_specials, llm, prompts)
         streams = await add_all(llm, prompts, params)
         meta = replace(
-            self._meta("cmpl", params, llm),
+            self._meta("cmpl", params, llm, body),
             echo_logprobs=body.echo_logprobs,
             generates=body.generates,
             prompt_logprobs=body.prompt_logprobs is not None,
         )
         echo = [_prompt_text(llm, p) for p in prompts] if body.echo else []
         if body.stream:
-            chunks = self._completion_chunks(meta, streams, echo, body.include_usage)
+            so_far = UsageSoFar(body.continuous_usage)
+            chunks = self._completion_chunks(meta, streams, echo, body.include_usage, so_far)
             return sse(chunks)
         outs = await until_disconnect(request, self.reader.finals(streams))
         return R.completion_body(meta, outs, echo)
 
-    async def _completion_chunks(self, meta, streams, echo, include_usage) -> AsyncIterator[dict]:
+    async def _completion_chunks(
+        self, meta, streams, echo, include_usage, so_far: UsageSoFar
+    ) -> AsyncIterator[dict]:
         finals: dict[int, RequestOutput] = {}
         sent, firsts = SentChoices(), {}
         async for p, out in self.reader.merge(streams, finals):
+            so_far.add(p, out)
             firsts.setdefault(p, out)  # NOTE: the one delta output carrying prompt logprobs
             for c in out.outputs:
                 if not sent.pending(meta, p, c):
@@ -223,7 +245,7 @@ class _Api:
                 sent.record(p, c, chunk["choices"][0]["logprobs"], offset, skip)
                 if not meta.generates:
                     sent.end(p, c)
-                yield chunk
+                yield so_far.stamp(chunk)
         if include_usage:
             yield R.usage_chunk(meta, "text_completion", [finals[p] for p in sorted(finals)])
 
@@ -234,12 +256,15 @@ class _Api:
         tool_plan = self._tool_plan(llm, body)
         params = body.sampling_params(tool_plan.tag if tool_plan else None)
         tools = body.tools if tool_plan else None
-        prompt = await asyncio.to_thread(_chat_prompt, llm, body, tools)
+        prompt = await asyncio.to_thread(chat_prompt, llm.tokenizer, body, tools, self.config)
         (stream,) = await add_all(llm, [prompt], params)
-        meta = self._meta("chatcmpl", params, llm)
+        meta = self._meta("chatcmpl", params, llm, body)
         meta = replace(meta, prompt_logprobs=body.prompt_logprobs is not None)
         if body.stream:
-            chunks = self._chat_chunks(meta, stream, params.n, body.include_usage, tool_plan)
+            so_far = UsageSoFar(body.continuous_usage)
+            chunks = self._chat_chunks(
+                meta, stream, params.n, body.include_usage, so_far, tool_plan
+            )
             return sse(chunks)
         (out,) = await until_disconnect(request, self.reader.finals([stream]))
         return R.chat_body(meta, out, tool_plan)
@@ -258,9 +283,9 @@ class _Api:
         tool_plan = self._tool_plan(llm, chat)
         params = chat.sampling_params(tool_plan.tag if tool_plan else None)
         tools = chat.tools if tool_plan else None
-        prompt = await asyncio.to_thread(_chat_prompt, llm, chat, tools)
+        prompt = await asyncio.to_thread(chat_prompt, llm.tokenizer, chat, tools, self.config)
         (stream,) = await add_all(llm, [prompt], params)
-        builder = ResponseBuilder(body, self._meta("resp", params, llm), tool_plan)
+        builder = ResponseBuilder(body, self._meta("resp", params, llm, chat), tool_plan)
         if body.stream:
             finals: dict[int, RequestOutput] = {}
             deltas = (
@@ -271,7 +296,7 @@ class _Api:
         return builder.response(out)
 
     async def _chat_chunks(
-        self, meta, stream, n: int, include_usage, tool_plan=None
+        self, meta, stream, n: int, include_usage, so_far: UsageSoFar, tool_plan=None
     ) -> AsyncIterator[dict]:
         for i in range(n):
             yield R.chat_chunk(meta, i, {"role": "assistant", "content": ""}, None)
@@ -279,18 +304,48 @@ class _Api:
         sent = SentChoices()
         calls = {i: tools_mod.ToolStream(tool_plan) for i in range(n)} if tool_plan else {}
         async for _, out in self.reader.merge([stream], finals):
+            so_far.add(0, out)
             for c in out.outputs:
                 if not sent.pending(meta, 0, c):
                     continue
                 sent.record(p=0, c=c, logprobs=None, offset=0)
                 if tool_plan is None:
                     delta = {"content": c.delta_text} if c.delta_text or not c.finished else {}
-                    yield R.chat_chunk(meta, c.index, delta, c)
+                    yield so_far.stamp(R.chat_chunk(meta, c.index, delta, c))
                 else:
                     for chunk in _tool_chunks(meta, c, calls[c.index]):
-                        yield chunk
+                        yield so_far.stamp(chunk)
         if include_usage and finals:
             yield R.usage_chunk(meta, "chat.completion.chunk", [finals[0]])
+
+    # -- /v1/messages (Anthropic's) ------------------------------------------------------------
+    async def messages(self, body: MessagesRequest, request: Request):
+        llm, chat, tool_plan, prompt = await self._anthropic_prompt(body)
+        params = chat.sampling_params(tool_plan.tag if tool_plan else None)
+        (stream,) = await add_all(llm, [prompt], params)
+        builder = MessageBuilder(self.config.served_model_name, len(prompt["prompt_token_ids"]),
+                                 body.stop_sequences, tool_plan)  # fmt: skip
+        if body.stream:
+            finals: dict[int, RequestOutput] = {}
+            merged = self.reader.merge([stream], finals)
+            deltas = (out.outputs[0].delta_text async for _, out in merged)
+            return sse(builder.events(deltas, lambda: finals[0]), typed=True)
+        (out,) = await until_disconnect(request, self.reader.finals([stream]))
+        return builder.message(out)
+
+    async def count_tokens(self, body: CountTokensRequest) -> dict:
+        *_, prompt = await self._anthropic_prompt(body)
+        return {"input_tokens": len(prompt["prompt_token_ids"])}
+
+    async def _anthropic_prompt(self, body: CountTokensRequest):
+        """(llm, the chat request, its tool plan, its prompt) of a Messages API request."""
+        llm = self.holder.require()
+        self._check_model(body.model)
+        chat = body.chat_request()
+        tool_plan = self._tool_plan(llm, chat)
+        tools = chat.tools if tool_plan else None
+        prompt = await asyncio.to_thread(chat_prompt, llm.tokenizer, chat, tools, self.config)
+        return llm, chat, tool_plan, prompt
 
 
 def _tool_chunks(meta, c, calls: tools_mod.ToolStream) -> list[dict]:
@@ -299,7 +354,7 @@ def _tool_chunks(meta, c, calls: tools_mod.ToolStream) -> list[dict]:
     content = calls.feed(c.delta_text)
     if not c.finished:
         return [R.chat_chunk(meta, c.index, {"content": content}, c)] if content else []
-    rest, found = calls.finish()
+    rest, found = calls.finish(cut=c.finish_reason == "length")
     chunks = []
     if content + rest:
         chunk = R.chat_chunk(meta, c.index, {"content": content + rest}, c)
@@ -338,18 +393,16 @@ async def _nonempty(texts: AsyncIterator[str]) -> AsyncIterator[str]:
 
 
 def _prompt_text(llm, prompt) -> str:
+    if isinstance(prompt, dict):
+        return prompt["prompt"]
     return prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt, False)
 
 
-def _chat_prompt(llm, body: ChatCompletionRequest, tools: list[dict] | None = None) -> dict:
-    tokenizer = llm.tokenizer
-    try:
-        text = tokenizer.apply_chat_template(
-            body.conversation(), add_generation_prompt=body.add_generation_prompt, tools=tools
-        )
-    except ValueError as e:  # no template, or the template rejected the conversation
-        raise UnsupportedParameter("messages", f"cannot render the chat template: {e}") from None
-    except Exception as e:  # noqa: BLE001 - jinja errors raised by the template itself
-        raise UnsupportedParameter("messages", f"the chat template failed: {e}") from None
-    # NOTE: the template holds any BOS itself; do not add special tokens again.
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+def _without_specials(llm, prompts: list) -> list:
+    """Text prompts tokenized without special tokens (``add_special_tokens: false``)."""
+    encode = llm.tokenizer.encode
+    return [
+        {"prompt": p, "prompt_token_ids": encode(p, add_special_tokens=False)}
+        if isinstance(p, str) else p
+        for p in prompts
+    ]  # fmt: skip

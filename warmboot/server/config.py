@@ -23,3 +23,5 @@ class ServerConfig:
     chat template)."""
     chat_template: str | None = None
     """A Jinja chat template used instead of the tokenizer's (``--chat-template``)."""
+    trust_request_chat_template: bool = False
+    """Render a request's own ``chat_template`` (vLLM's flag); refused (400) otherwise."""

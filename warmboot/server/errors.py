@@ -1,7 +1,7 @@
-"""HTTP errors in OpenAI's shape: ``ApiError`` (status, message, type, param, code) and the
-FastAPI exception handlers that turn request validation failures, unsupported parameters,
-invalid requests, an engine that is not ready or has died, and unknown routes or methods into
-JSON error bodies with the right status code.
+"""HTTP errors: ``ApiError`` (status, message, type, param, code) and the FastAPI exception
+handlers that turn request validation failures, unsupported parameters, invalid requests, an
+engine that is not ready or has died, and unknown routes or methods into JSON error bodies with
+the right status code: in OpenAI's shape, or in Anthropic's under ``/v1/messages``.
 """
 
 from __future__ import annotations
@@ -21,44 +21,62 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.type, self.param, self.code = status, type_, param, code
 
-    def response(self) -> JSONResponse:
-        body = error_body(str(self), self.type, self.param, self.code)
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as JSON, in the shape of the API that ``path`` belongs to."""
+        if path.startswith(ANTHROPIC_PATH):
+            body = anthropic_error_body(self.status, str(self))
+        else:
+            body = error_body(str(self), self.type, self.param, self.code)
         return JSONResponse(body, status_code=self.status)
+
+
+ANTHROPIC_PATH = "/v1/messages"
+"""Where errors take Anthropic's shape (the Messages API's routes)."""
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
+
+
+def anthropic_error_body(status: int, message: str) -> dict:
+    """Anthropic's error shape; the type follows the status."""
+    default = "api_error" if status >= 500 else "invalid_request_error"
+    error = {"type": _ANTHROPIC_TYPES.get(status, default), "message": message}
+    return {"type": "error", "error": error}
 
 
 def install_errors(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
-    async def _api(_: Request, e: ApiError):
-        return e.response()
+    async def _api(request: Request, e: ApiError):
+        return e.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, e: RequestValidationError):
-        return _validation_error(e).response()
+    async def _invalid(request: Request, e: RequestValidationError):
+        return _validation_error(e).response(request.url.path)
 
     @app.exception_handler(UnsupportedParameter)
-    async def _unsupported(_: Request, e: UnsupportedParameter):
-        return ApiError(400, str(e), "invalid_request_error", e.param).response()
+    async def _unsupported(request: Request, e: UnsupportedParameter):
+        return ApiError(400, str(e), "invalid_request_error", e.param).response(request.url.path)
 
     @app.exception_handler(InvalidRequestError)
-    async def _bad_request(_: Request, e: InvalidRequestError):
-        return ApiError(400, str(e), "invalid_request_error").response()
+    async def _bad_request(request: Request, e: InvalidRequestError):
+        return ApiError(400, str(e), "invalid_request_error").response(request.url.path)
 
     @app.exception_handler(EngineNotReady)
-    async def _not_ready(_: Request, e: EngineNotReady):
-        return ApiError(503, str(e), "service_unavailable").response()
+    async def _not_ready(request: Request, e: EngineNotReady):
+        return ApiError(503, str(e), "service_unavailable").response(request.url.path)
 
     @app.exception_handler(EngineDeadError)
-    async def _dead(_: Request, e: EngineDeadError):
-        return ApiError(503, str(e), "service_unavailable").response()
+    async def _dead(request: Request, e: EngineDeadError):
+        return ApiError(503, str(e), "service_unavailable").response(request.url.path)
 
     @app.exception_handler(404)
     async def _not_found(request: Request, _):
-        return ApiError(404, f"no route {request.url.path}", "invalid_request_error").response()
+        msg = f"no route {request.url.path}"
+        return ApiError(404, msg, "invalid_request_error").response(request.url.path)
 
     @app.exception_handler(405)
     async def _bad_method(request: Request, _):
         msg = f"method {request.method} not allowed on {request.url.path}"
-        response = ApiError(405, msg, "invalid_request_error").response()
+        response = ApiError(405, msg, "invalid_request_error").response(request.url.path)
         response.headers["Allow"] = ", ".join(_allowed(request))
         return response
 
@@ -80,6 +98,10 @@ def _validation_error(e: RequestValidationError) -> ApiError:
             400, f"the request body is not valid JSON: {first.get('msg')}", "invalid_request_error"
         )
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "extra_forbidden":  # NOTE: OpenAI's answer to an unknown field
+        where = ".".join(x for x in loc if "[" not in x)  # NOTE: less pydantic's union tags
+        msg = f"unrecognized request argument supplied: {where} (no such field)"
+        return ApiError(400, msg, "invalid_request_error", where)
     param = loc[0] if loc else None  # NOTE: deeper entries may be pydantic's union branch tags
     msg = first.get("msg", "invalid request")
     text = f"invalid parameter {param}: {msg}" if param else f"invalid request body: {msg}"

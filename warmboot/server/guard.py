@@ -22,6 +22,8 @@ ENDPOINTS = {
     "/v1/completions",
     "/v1/chat/completions",
     "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
     "/health",
     "/metrics",
     "/debug/engine",
@@ -60,7 +62,7 @@ class Guard:
             if error is None and scope["method"] in ("POST", "PUT"):
                 scope, receive, error = await self._buffer_body(scope, receive)
             if error is not None:
-                return await error.response()(scope, receive, counting_send)
+                return await error.response(path)(scope, receive, counting_send)
             await self.app(scope, receive, counting_send)
         finally:
             endpoint = path if path in ENDPOINTS else "other"
@@ -73,8 +75,11 @@ class Guard:
         headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"").decode("latin-1")
         scheme, _, token = given.strip().partition(" ")
-        # NOTE: auth schemes are case-insensitive (RFC 9110)
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode()):
+        # NOTE: auth schemes are case-insensitive (RFC 9110); Anthropic's clients send the key
+        # as x-api-key
+        bearer = token.strip() if scheme.lower() == "bearer" else ""
+        x_api_key = headers.get(b"x-api-key", b"").decode("latin-1").strip()
+        if any(t and hmac.compare_digest(t.encode(), key.encode()) for t in (bearer, x_api_key)):
             return None
         return ApiError(
             401, "missing or incorrect API key", "invalid_request_error", code="invalid_api_key"
@@ -117,7 +122,7 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 def checked_body(scope, body: bytes, limit: int) -> tuple[dict, bytes]:
     """The body as the app may read it: gzip or deflate undone (within ``limit``), UTF-8, no
-    unpaired surrogate escapes; a JSON content type when the client sent none (``curl -d``).
+    unpaired surrogate escapes; a JSON content type whatever the client sent (``curl -d``).
     Raise ``ApiError`` (400, 413 or 415) naming the problem."""
     headers = dict(scope["headers"])
     encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
@@ -136,7 +141,8 @@ def checked_body(scope, body: bytes, limit: int) -> tuple[dict, bytes]:
                        "(such as \\ud800): not valid Unicode text", "invalid_request_error")  # fmt: skip
     headers.pop(b"content-encoding", None)
     headers[b"content-length"] = str(len(body)).encode()
-    headers.setdefault(b"content-type", b"application/json")
+    # NOTE: every body is JSON, whatever type was sent (curl -d sends a form type)
+    headers[b"content-type"] = b"application/json"
     return {**scope, "headers": list(headers.items())}, body
 
 

@@ -1,8 +1,11 @@
 """OpenAI request models (pydantic) and their translation into ``SamplingParams``.
 
-Unknown fields are ignored, as OpenAI-compatible servers commonly do; fields that change the
-result but are not supported (``best_of`` > n, ``suffix``, ...) are rejected
-with a 400 naming them, so a client never silently gets something other than it asked for.
+Every field of OpenAI's request schemas and of vLLM's documented extras has an explicit
+treatment, listed in the README's request-field table: honoured; accepted and ignored by design
+(``IGNORED``: they do not change the output, e.g. ``user``, ``metadata``, ``store``); or a 400
+naming it when set to anything but its default (``_refused``). A field no schema knows is a
+400 naming it, as OpenAI answers, so a client never silently gets something other than it
+asked for.
 """
 
 from __future__ import annotations
@@ -28,26 +31,106 @@ class UnsupportedParameter(ValueError):
 
 
 class _Model(BaseModel):
+    """Nested objects: unknown keys are ignored (clients send back assistant messages with
+    response-only keys such as ``refusal``, ``annotations`` or ``reasoning_content``)."""
+
     model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(_Model):
+class _Strict(BaseModel):
+    """A request body or an option object: an unknown key is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    _refused: dict[str, str] = {}
+    """Fields accepted only at their default: name -> why anything else is refused."""
+
+    def check_refused(self) -> None:
+        for name, why in self._refused.items():
+            value = getattr(self, name)
+            if value != type(self).model_fields[name].default and value not in _UNSET:
+                raise UnsupportedParameter(name, f"{name} is not supported: {why}")
+
+
+_UNSET = (None, False, [], {})
+
+IGNORED = ("user", "metadata", "store", "service_tier", "safety_identifier",
+           "prompt_cache_key", "prompt_cache_retention", "prediction")  # fmt: skip
+"""Accepted and ignored by design: identification, billing and storage hints, and OpenAI's
+predicted outputs (a latency hint); none changes the output. (Prefix caching is automatic.)"""
+
+
+class StreamOptions(_Strict):
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+    """vLLM's: usage in every chunk."""
+    include_obfuscation: bool | None = None
+    """OpenAI's padding against length side channels: ignored by design (loopback or TLS)."""
 
 
-class JsonSchema(_Model):
+class StructuredOutputsParams(_Strict):
+    """vLLM's ``structured_outputs``: exactly one of json, regex, choice, grammar,
+    json_object, structural_tag."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: dict[str, Any] | str | None = None
+    disable_fallback: bool = False
+    """Honoured trivially: warmboot has one grammar backend and never falls back."""
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    _refused = {
+        "disable_any_whitespace": "xgrammar's JSON grammars here allow JSON whitespace",
+        "disable_additional_properties": "give additionalProperties: false in the schema",
+        "whitespace_pattern": "xgrammar has no whitespace pattern",
+    }
+
+    def spec(self) -> StructuredOutputs:
+        self.check_refused()
+        given = {k: v for k, v in self._forms().items() if v not in (None, False)}
+        if len(given) != 1:
+            raise UnsupportedParameter(
+                "structured_outputs",
+                "structured_outputs needs exactly one of json, regex, choice, grammar, "
+                f"json_object, structural_tag (got {sorted(given) or 'none'})",
+            )
+        ((kind, value),) = given.items()
+        if kind == "choice":
+            return StructuredOutputs(grammar=choice_grammar(value, "structured_outputs"))
+        return StructuredOutputs(**{kind: value})
+
+    def _forms(self) -> dict[str, Any]:
+        return {"json": self.json_, "regex": self.regex, "choice": self.choice,
+                "grammar": self.grammar, "json_object": self.json_object,
+                "structural_tag": self.structural_tag}  # fmt: skip
+
+
+def choice_grammar(choices: list[str], param: str) -> str:
+    """An EBNF grammar admitting exactly one of ``choices`` (JSON string literals are valid
+    EBNF literals)."""
+    if not choices or any(not isinstance(c, str) or not c for c in choices):
+        raise UnsupportedParameter(param, "choice needs a non-empty list of non-empty strings")
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class JsonSchema(_Strict):
     name: str = "response"
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
     description: str | None = None
 
 
-class ResponseFormat(_Model):
+class ResponseFormat(_Strict):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchema | None = None
 
 
-class _SamplingRequest(_Model):
+class _SamplingRequest(_Strict):
     """Fields shared by both endpoints."""
 
     model: str
@@ -61,9 +144,16 @@ class _SamplingRequest(_Model):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
     logit_bias: dict[str, float] | None = None
-    # vLLM-style extensions
+    # ignored by design (IGNORED)
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -71,6 +161,44 @@ class _SamplingRequest(_Model):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    priority: int = 0
+    return_tokens_as_token_ids: bool = False
+    request_id: Annotated[str, Field(max_length=128, pattern=r"^[A-Za-z0-9_.:-]+$")] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    allowed_token_ids: list[int] | None = None
+    # vLLM's, refused unless at their default
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    bad_words: list[str] | None = None
+    logits_processors: list[Any] | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, Any] | None = None
+    return_token_ids: bool = False
+    prompt_embeds: Any = None
+
+    _refused = {
+        "use_beam_search": "warmboot samples; it has no beam search",
+        "length_penalty": "it applies to beam search only",
+        "bad_words": "use logit_bias",
+        "logits_processors": "custom logits processors are not supported",
+        "cache_salt": "the prefix cache is shared by every request to this server",
+        "kv_transfer_params": "warmboot has no disaggregated prefill",
+        "vllm_xargs": "there are no extension arguments",
+        "return_token_ids": "ask for logprobs, or /tokenize the text",
+        "prompt_embeds": "prompts are text or token ids",
+        "guided_whitespace_pattern": "xgrammar has no whitespace pattern",
+    }
 
     def _check_common(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -84,6 +212,31 @@ class _SamplingRequest(_Model):
             )
         if any(not s for s in stops):
             raise UnsupportedParameter("stop", "stop sequences must be non-empty strings")
+        self.check_refused()
+        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+            raise UnsupportedParameter(
+                "guided_decoding_backend",
+                f"guided_decoding_backend {self.guided_decoding_backend!r} is not available: "
+                "warmboot's structured outputs run on xgrammar",
+            )
+
+    def structured(self, response_format: ResponseFormat | None) -> StructuredOutputs | None:
+        """The one output constraint asked for, by OpenAI's ``response_format``, vLLM's
+        ``structured_outputs`` or its older ``guided_*`` fields; two of them are a 400."""
+        forms = {"response_format": _structured(response_format)}
+        if self.structured_outputs is not None:
+            forms["structured_outputs"] = self.structured_outputs.spec()
+        for kind in ("json", "regex", "grammar"):
+            if (value := getattr(self, f"guided_{kind}")) is not None:
+                forms[f"guided_{kind}"] = StructuredOutputs(**{kind: value})
+        if self.guided_choice is not None:
+            grammar = choice_grammar(self.guided_choice, "guided_choice")
+            forms["guided_choice"] = StructuredOutputs(grammar=grammar)
+        given = {k: v for k, v in forms.items() if v}
+        if len(given) > 1:
+            names = sorted(given)
+            raise UnsupportedParameter(names[1], f"{' and '.join(names)} cannot be combined")
+        return next(iter(given.values()), None)
 
     def _params(self, max_tokens: int | None, logprobs: int | None, structured) -> SamplingParams:
         extras = {
@@ -93,9 +246,15 @@ class _SamplingRequest(_Model):
                 "min_p": self.min_p,
                 "repetition_penalty": self.repetition_penalty,
                 "prompt_logprobs": self._prompt_logprobs(),
+                "truncate_prompt_tokens": self.truncate_prompt_tokens,
+                "allowed_token_ids": self.allowed_token_ids,
             }.items()
             if v is not None
         }
+        # NOTE: engine fields passed only when set, so their defaults stay the engine's
+        for name in ("spaces_between_special_tokens", "include_stop_str_in_output", "priority"):
+            if getattr(self, name) != type(self).model_fields[name].default:
+                extras[name] = getattr(self, name)
         try:
             return self._build(max_tokens, logprobs, structured, extras)
         except UnsupportedParameter:
@@ -117,6 +276,7 @@ class _SamplingRequest(_Model):
             stop=self.stop or (),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
             logprobs=logprobs,
             structured_outputs=structured,
             logit_bias=self._logit_bias(),
@@ -140,6 +300,10 @@ class _SamplingRequest(_Model):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]
@@ -150,6 +314,8 @@ class CompletionRequest(_SamplingRequest):
     best_of: int | None = None
     suffix: str | None = None
     response_format: ResponseFormat | None = None
+    add_special_tokens: bool = True
+    """vLLM's: whether a text prompt is tokenized with the tokenizer's special tokens (BOS)."""
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a string, token ids, or a list of either."""
@@ -170,7 +336,7 @@ class CompletionRequest(_SamplingRequest):
             raise UnsupportedParameter("min_tokens", "min_tokens needs max_tokens >= min_tokens")
         # NOTE: max_tokens=0 runs the prefill with one token, which the response leaves out
         max_tokens = 1 if self.max_tokens == 0 else self.max_tokens
-        return self._params(max_tokens, self.logprobs, _structured(self.response_format))
+        return self._params(max_tokens, self.logprobs, self.structured(self.response_format))
 
     @property
     def generates(self) -> bool:
@@ -219,8 +385,31 @@ class ChatMessage(_Model):
         return "".join(parts)
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class _ChatRendering(_Strict):
+    """How chat messages become the prompt (``chat_render``): vLLM's fields."""
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    reasoning_effort: str | None = None
+    """Passed to a chat template that reads ``reasoning_effort`` (GPT-OSS's); else a 400."""
+
+    def conversation(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+    def check_rendering(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise UnsupportedParameter(
+                "continue_final_message",
+                "continue_final_message and add_generation_prompt cannot both be true",
+            )
+
+
+class ChatCompletionRequest(_SamplingRequest, _ChatRendering):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -228,19 +417,39 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool = True
-    add_generation_prompt: bool = True
+    modalities: list[str] | None = None
+    prediction: dict[str, Any] | None = None
+    """Ignored by design (``IGNORED``)."""
+    # refused unless at their default
+    echo: bool = False
+    audio: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: Any = None
+    verbosity: str | None = None
+    web_search_options: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
 
-    def conversation(self) -> list[dict[str, Any]]:
-        return [m.for_template() for m in self.messages]
+    _refused = _SamplingRequest._refused.default | {
+        "echo": "use continue_final_message to extend the last message",
+        "audio": "warmboot serves text models",
+        "functions": "use tools (functions is deprecated)",
+        "function_call": "use tool_choice (function_call is deprecated)",
+        "verbosity": "the served model has no verbosity setting",
+        "web_search_options": "warmboot has no web search",
+        "mm_processor_kwargs": "warmboot serves text models",
+    }
 
     def sampling_params(self, tool_tag: dict | None = None) -> SamplingParams:
         """``tool_tag``: the structural tag that enforces this request's tool calls."""
         self._check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise UnsupportedParameter("top_logprobs", "top_logprobs requires logprobs=true")
+        if self.modalities not in (None, ["text"]):
+            raise UnsupportedParameter("modalities", "only the text modality is served")
+        self.check_rendering()
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         max_tokens = self.max_completion_tokens or self.max_tokens
-        structured = _structured(self.response_format)
+        structured = self.structured(self.response_format)
         if tool_tag is not None:
             if structured is not None:
                 raise UnsupportedParameter(
@@ -250,20 +459,33 @@ class ChatCompletionRequest(_SamplingRequest):
         return self._params(max_tokens, logprobs, structured)
 
 
-class TokenizeRequest(_Model):
-    """vLLM's ``/tokenize``: a prompt, or chat messages rendered by the chat template."""
+class TokenizeRequest(_Strict):
+    """vLLM's ``/tokenize``: a prompt, or chat messages rendered as a chat request would be."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
+    """Default: true for a prompt, false for messages (their template holds any BOS)."""
+    return_token_strs: bool = False
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
+    reasoning_effort: str | None = None
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages or ()]
+    def chat(self) -> _ChatRendering:
+        """The rendering half of the equivalent chat request."""
+        fields = self.model_dump(exclude={"model", "prompt", "return_token_strs", "tools"})
+        fields["add_special_tokens"] = bool(self.add_special_tokens)
+        chat = _ChatRendering.model_validate(fields)
+        chat.check_rendering()
+        return chat
 
 
-class DetokenizeRequest(_Model):
+class DetokenizeRequest(_Strict):
     model: str | None = None
     tokens: list[StrictInt]
 

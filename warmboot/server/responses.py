@@ -57,17 +57,27 @@ def usage(outs: list[RequestOutput]) -> dict:
 
 
 # -- logprobs ----------------------------------------------------------------------------------
-def _entries(c: CompletionOutput, start: int, top_n: int):
+def token_id_text(token_id: int) -> str:
+    """vLLM's ``return_tokens_as_token_ids``: a token named by its id, for the tokens whose
+    text alone cannot be told apart (byte pieces, JSON-unsafe text)."""
+    return f"token_id:{token_id}"
+
+
+def _entries(c: CompletionOutput, start: int, top_n: int, as_ids: bool = False):
     """(token id, text, sampled logprob, top-n [(id, text, logprob)]) per output token from
-    ``start``."""
+    ``start``; ``as_ids``: texts are ``token_id:N``."""
+
+    def text(token_id: int, lp: Logprob) -> str:
+        return token_id_text(token_id) if as_ids else lp.decoded_token or ""
+
     for token_id, lps in zip(c.token_ids[start:], (c.logprobs or [])[start:], strict=False):
         chosen = lps.get(token_id) or Logprob(float("nan"))
         top = sorted(lps.items(), key=lambda kv: kv[1].logprob, reverse=True)[:top_n]
         yield (
             token_id,
-            chosen.decoded_token or "",
+            text(token_id, chosen),
             chosen.logprob,
-            [(t, lp.decoded_token or "", lp.logprob) for t, lp in top],
+            [(t, text(t, lp), lp.logprob) for t, lp in top],
         )
 
 
@@ -80,10 +90,12 @@ def _by_text(pairs) -> dict[str, float]:
     return out
 
 
-def completion_logprobs(c: CompletionOutput, start: int, top_n: int, offset: int) -> dict:
+def completion_logprobs(
+    c: CompletionOutput, start: int, top_n: int, offset: int, as_ids: bool = False
+) -> dict:
     """The completions API's column format; ``offset`` is the text offset of token ``start``."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    for _, text, lp, top in _entries(c, start, top_n):
+    for _, text, lp, top in _entries(c, start, top_n, as_ids):
         tokens.append(text)
         token_lps.append(lp)
         tops.append(_by_text((t, v) for _, t, v in top))
@@ -97,7 +109,9 @@ def completion_logprobs(c: CompletionOutput, start: int, top_n: int, offset: int
     }
 
 
-def chat_logprobs(c: CompletionOutput, start: int, top_n: int, token_bytes=None) -> dict:
+def chat_logprobs(
+    c: CompletionOutput, start: int, top_n: int, token_bytes=None, as_ids: bool = False
+) -> dict:
     """The chat format. ``bytes`` are the token's own bytes (``token_bytes(id)``) when known:
     a token holding part of a multi-byte character decodes to U+FFFD on its own."""
 
@@ -107,7 +121,7 @@ def chat_logprobs(c: CompletionOutput, start: int, top_n: int, token_bytes=None)
 
     content = [
         {**item(tid, text, lp), "top_logprobs": [item(*entry) for entry in top]}
-        for tid, text, lp, top in _entries(c, start, top_n)
+        for tid, text, lp, top in _entries(c, start, top_n, as_ids)
     ]
     return {"content": content}
 
@@ -131,6 +145,8 @@ class ResponseMeta:
     """False for ``max_tokens=0``: the choices hold the echoed prompt only."""
     prompt_logprobs: bool = False
     """vLLM's ``prompt_logprobs`` extension: a ``prompt_logprobs`` list in the response."""
+    token_ids_as_text: bool = False
+    """vLLM's ``return_tokens_as_token_ids``: logprob tokens named ``token_id:N``."""
 
 
 def prompt_columns(meta: ResponseMeta, out: RequestOutput) -> dict:
@@ -148,10 +164,12 @@ def prompt_columns(meta: ResponseMeta, out: RequestOutput) -> dict:
             cols["top_logprobs"].append(None)
             continue
         cols["token_logprobs"].append(entries[token_id].logprob)
-        top = sorted(entries.values(), key=lambda lp: lp.logprob, reverse=True)
-        cols["top_logprobs"].append(
-            _by_text((lp.decoded_token or "", lp.logprob) for lp in top[: meta.top_logprobs])
-        )
+        top = sorted(entries.items(), key=lambda kv: kv[1].logprob, reverse=True)
+        named = meta.token_ids_as_text
+        cols["top_logprobs"].append(_by_text(
+            (token_id_text(t) if named else lp.decoded_token or "", lp.logprob)
+            for t, lp in top[: meta.top_logprobs]
+        ))  # fmt: skip
     return cols
 
 
@@ -235,7 +253,7 @@ def completion_chunk(
 def _completion_lp(meta: ResponseMeta, c: CompletionOutput, start: int, offset: int):
     if meta.top_logprobs is None:
         return None
-    return completion_logprobs(c, start, meta.top_logprobs, offset)
+    return completion_logprobs(c, start, meta.top_logprobs, offset, meta.token_ids_as_text)
 
 
 def chat_body(meta: ResponseMeta, out: RequestOutput, tool_plan=None) -> dict:
@@ -245,7 +263,7 @@ def chat_body(meta: ResponseMeta, out: RequestOutput, tool_plan=None) -> dict:
     for c in out.outputs:
         message, called = {"role": "assistant", "content": c.text}, False
         if tool_plan is not None:
-            message, called = tool_plan.message(c.text)
+            message, called = tool_plan.message(c.text, cut=c.finish_reason == "length")
         choices.append({
             "index": c.index,
             "message": message,
@@ -287,7 +305,7 @@ def chat_lp(meta: ResponseMeta, c: CompletionOutput, start: int):
     """Chat-format logprobs of ``c``'s tokens from ``start``, or None when not asked for."""
     if meta.top_logprobs is None:
         return None
-    return chat_logprobs(c, start, meta.top_logprobs, meta.token_bytes)
+    return chat_logprobs(c, start, meta.top_logprobs, meta.token_bytes, meta.token_ids_as_text)
 
 
 def usage_chunk(meta: ResponseMeta, obj: str, outs: list[RequestOutput]) -> dict:

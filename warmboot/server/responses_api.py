@@ -9,7 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -20,14 +20,15 @@ from warmboot.server.protocol import (
     ChatCompletionRequest,
     JsonSchema,
     ResponseFormat,
+    StreamOptions,
     UnsupportedParameter,
-    _Model,
+    _Strict,
 )
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class ResponsesRequest(_Model):
+class ResponsesRequest(_Strict):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -40,13 +41,48 @@ class ResponsesRequest(_Model):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
     previous_response_id: str | None = None
+    reasoning: dict[str, Any] | None = None
+    """``effort`` goes to a chat template that reads ``reasoning_effort``."""
+    include: list[str] | None = None
+    truncation: Literal["disabled", "auto"] | None = None
+    # ignored by design (protocol.IGNORED): the server is state-free and stores nothing
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    # refused unless at their default
+    background: bool = False
+    conversation: Any = None
+    max_tool_calls: int | None = None
+    prompt: dict[str, Any] | None = None
+
+    _refused = {
+        "background": "responses run in the foreground (no stored responses to poll)",
+        "conversation": "this server stores no conversations; send the whole input",
+        "max_tool_calls": "tool calls are limited by parallel_tool_calls only",
+        "prompt": "there are no stored prompt templates; send the instructions",
+    }
+
+    def _check(self) -> None:
+        self.check_refused()
+        if self.truncation == "auto":
+            raise UnsupportedParameter(
+                "truncation", "truncation auto is not supported: a prompt too long is a 400"
+            )
+        bad = [i for i in self.include or () if i != "message.output_text.logprobs"]
+        if bad:
+            raise UnsupportedParameter("include", f"include {bad} is not supported")
+        _only_keys("text", self.text, {"format"}, {"verbosity": "medium"})
+        _only_keys("reasoning", self.reasoning, {"effort"}, {"summary": None})
 
     def chat_request(self) -> ChatCompletionRequest:
         """The chat completions request this response amounts to."""
+        self._check()
         if self.previous_response_id is not None:
             raise UnsupportedParameter(
                 "previous_response_id",
@@ -67,7 +103,7 @@ class ResponsesRequest(_Model):
             logprobs=self.top_logprobs is not None,
             top_logprobs=self.top_logprobs,
             response_format=self._format(),
-            user=self.user,
+            reasoning_effort=(self.reasoning or {}).get("effort"),
         )
 
     def _format(self) -> ResponseFormat | None:
@@ -82,6 +118,13 @@ class ResponsesRequest(_Model):
                                 strict=fmt.get("strict"))  # fmt: skip
             return ResponseFormat(type="json_schema", json_schema=schema)
         raise UnsupportedParameter("text", f"text.format type {kind!r} is not supported")
+
+
+def _only_keys(field: str, value: dict | None, known: set[str], defaults: dict) -> None:
+    """A 400 for keys of an option object other than ``known`` or at their default."""
+    for key, v in (value or {}).items():
+        if key not in known and (key not in defaults or v != defaults[key]):
+            raise UnsupportedParameter(field, f"{field}.{key} is not supported")
 
 
 def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -186,7 +229,8 @@ class ResponseBuilder:
         logprobs = R.chat_lp(self.meta, c, 0)
         if self.tool_plan is None:
             return [self._message(c.text, "completed", logprobs)]
-        content, calls = tools_mod.parse(self.tool_plan.fmt, c.text, set(self.tool_plan.names))
+        plan, cut = self.tool_plan, c.finish_reason == "length"
+        content, calls = tools_mod.parse(plan.fmt, c.text, set(plan.names), cut)
         items = [self._message(content.strip(), "completed", logprobs)] if content.strip() else []
         return items + [_function_call(call) for call in calls]
 
@@ -229,7 +273,8 @@ class ResponseBuilder:
             held = ""
             yield self._text_delta(text)
         done = self.response(final())
-        rest = (held + stream.finish()[0]) if stream else ""
+        cut = done["status"] == "incomplete"
+        rest = (held + stream.finish(cut)[0]) if stream else ""
         if rest.strip() and not opened:
             opened = True
             for event in self._open_message():
@@ -284,7 +329,8 @@ class ResponseBuilder:
 
 def _function_call(call: tools_mod.ToolCall) -> dict:
     return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id,
-            "name": call.name, "arguments": call.arguments, "status": "completed"}  # fmt: skip
+            "name": call.name, "arguments": call.arguments,
+            "status": "completed" if call.complete else "incomplete"}  # fmt: skip
 
 
 def _usage(out: RequestOutput) -> dict:

@@ -131,3 +131,22 @@ class SentChoices:
         self._offsets[(p, c.index)] = offset + sum(len(t) for t in tokens)
         if c.finished:
             self._ended.add((p, c.index))
+
+
+class UsageSoFar:
+    """vLLM's ``stream_options.continuous_usage_stats``: every streamed chunk carries the
+    usage so far (prompt tokens of the prompts seen, tokens generated up to that chunk)."""
+
+    def __init__(self, on: bool):
+        self.on, self._prompts, self._generated = on, {}, 0
+
+    def add(self, p: int, out: RequestOutput) -> None:
+        self._prompts[p] = len(out.prompt_token_ids)
+        self._generated += sum(len(c.delta_token_ids) for c in out.outputs)
+
+    def stamp(self, chunk: dict) -> dict:
+        if self.on:
+            prompt = sum(self._prompts.values())
+            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": self._generated,
+                              "total_tokens": prompt + self._generated}  # fmt: skip
+        return chunk

@@ -21,8 +21,10 @@ FORMATS = ("hermes", "llama3_json", "mistral")
 class ToolCall:
     name: str
     arguments: str
-    """JSON text, as OpenAI sends it."""
+    """JSON text, as OpenAI sends it (cut short when the call is incomplete)."""
     id: str = ""
+    complete: bool = True
+    """False: the token limit cut the call; ``arguments`` are what was generated."""
 
     def openai(self, index: int | None = None) -> dict:
         call = {"id": self.id, "type": "function",
@@ -118,10 +120,19 @@ def trigger(fmt: str) -> str:
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
-def parse(fmt: str, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
+def parse(fmt: str, text: str, names: set[str], cut: bool = False) -> tuple[str, list[ToolCall]]:
     """(content, calls) of generated ``text``: the content is the text less the calls (not
     stripped: a stream has sent its start); calls to unknown functions or with arguments that
-    are not a JSON object stay in the content."""
+    are not a JSON object stay in the content. ``cut``: the token limit ended the text, so a
+    call left open at its end is returned incomplete, never as content."""
+    content, calls = _parse_whole(fmt, text, names)
+    if not cut:
+        return content, calls
+    content, last = _open_call(fmt, content, names)
+    return content, calls + ([last] if last else [])
+
+
+def _parse_whole(fmt: str, text: str, names: set[str]) -> tuple[str, list[ToolCall]]:
     spans: list[tuple[int, int, dict]] = []
     if fmt == "hermes":
         for m in _HERMES.finditer(text):
@@ -148,7 +159,7 @@ def _calls(fmt: str, text: str, spans, names: set[str]) -> tuple[str, list[ToolC
         name, args = obj.get("name"), obj.get(key, obj.get("arguments"))
         if name not in names or not isinstance(args, dict):
             continue
-        calls.append(ToolCall(name, json.dumps(args), f"call_{uuid.uuid4().hex[:24]}"))
+        calls.append(ToolCall(name, json.dumps(args), _call_id()))
         if (start, end) not in kept:
             kept.add((start, end))
             cut.append((start, end))
@@ -185,6 +196,36 @@ def _raw_json(text: str, start: int) -> tuple[Any, int] | None:
     return (obj, end) if ok else None
 
 
+_OPEN_CALL = {
+    "hermes": re.compile(r'\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"arguments"\s*:\s*(.*)', re.S),
+    "llama3_json": re.compile(r'\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"parameters"\s*:\s*(.*)', re.S),
+    "mistral": re.compile(r'\[?\s*\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"arguments"\s*:\s*(.*)', re.S),
+}  # fmt: skip
+"""A call's start up to its arguments (the structural tag writes it so), from the opener."""
+
+
+def _open_call(fmt: str, content: str, names: set[str]) -> tuple[str, ToolCall | None]:
+    """(content, call): the markup from a call opened and not closed at the end of
+    ``content`` (or a tail that could begin one) taken off; the call, with its arguments so
+    far, when its name is complete and known."""
+    opener = trigger(fmt)
+    start = held_back(content, opener)
+    if start == len(content):
+        return content, None
+    tail = content[start + len(opener) :] if fmt != "llama3_json" else content[start:]
+    found = _OPEN_CALL[fmt].match(tail.lstrip()) if content.startswith(opener, start) else None
+    if found is None or found.group(1) not in names:
+        return content[:start], None
+    args, whole = found.group(2).rstrip(), _raw_json(found.group(2), 0)
+    if whole is not None and isinstance(whole[0], dict):  # only the closing markup was cut
+        return content[:start], ToolCall(found.group(1), json.dumps(whole[0]), _call_id())
+    return content[:start], ToolCall(found.group(1), args, _call_id(), complete=False)
+
+
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
 def held_back(text: str, opener: str) -> int:
     """How much of ``text`` may stream as content now: up to the opener, or up to a tail that
     could still become it."""
@@ -206,11 +247,12 @@ class ToolPlan:
     names: frozenset[str]
     tag: dict
 
-    def message(self, text: str) -> tuple[dict, bool]:
-        """The assistant message for generated ``text`` and whether it holds calls."""
-        content, calls = parse(self.fmt, text, set(self.names))
+    def message(self, text: str, cut: bool = False) -> tuple[dict, bool]:
+        """The assistant message for generated ``text`` and whether it holds calls; ``cut``:
+        the token limit ended it (see ``parse``)."""
+        content, calls = parse(self.fmt, text, set(self.names), cut)
         if not calls:
-            return {"role": "assistant", "content": text}, False
+            return {"role": "assistant", "content": content}, False
         message = {"role": "assistant", "content": content.strip() or None}
         message["tool_calls"] = [call.openai() for call in calls]
         return message, True
@@ -252,10 +294,11 @@ class ToolStream:
         out, self.sent = self.text[self.sent : safe], safe
         return out
 
-    def finish(self) -> tuple[str, list[dict]]:
-        """(the content not yet sent, the calls as delta entries) once the choice ended."""
-        content, calls = parse(self.plan.fmt, self.text, set(self.plan.names))
-        if not calls:
+    def finish(self, cut: bool = False) -> tuple[str, list[dict]]:
+        """(the content not yet sent, the calls as delta entries) once the choice ended;
+        ``cut``: the token limit ended it."""
+        content, calls = parse(self.plan.fmt, self.text, set(self.plan.names), cut)
+        if not calls and not cut:
             content = self.text
         rest = content[self.sent :] if content.startswith(self.text[: self.sent]) else ""
         return rest, [call.openai(index=i) for i, call in enumerate(calls)]

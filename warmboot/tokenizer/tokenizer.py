@@ -45,7 +45,7 @@ class Tokenizer:
         self.eos_token_id: int | None = self._id_of(self.eos_token)
         self.all_special_ids: frozenset[int] = self._special_ids()
         self.chat_template: str | None = _pick_template(config.get("chat_template"))
-        self._compiled_template = None
+        self._compiled_templates: dict[str, _CompiledTemplate] = {}
         self._texts: dict[int, str] = {}
 
     @classmethod
@@ -122,30 +122,55 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        template: str | None = None,
+        **kwargs: Any,
     ) -> str:
         """Render ``messages`` with the chat template, as ``transformers`` does (text, not ids).
 
-        Extra ``kwargs`` are passed to the template. Raises ``ValueError`` if there is no template.
+        ``template``: another template's source (compiled once, a few kept); extra ``kwargs``
+        are passed to the template. Raises ``ValueError`` if there is no template.
         """
-        if self.chat_template is None:
-            raise ValueError("this tokenizer has no chat template (chat_template is not set)")
-        if self._compiled_template is None:
-            self._compiled_template = _compile_template(self.chat_template)
+        compiled = self._template(template)
         specials = {k: _token_str(self._config.get(k)) for k in _SPECIAL_KEYS}
         context = {"tools": None, "documents": None}
         context.update((k, v) for k, v in specials.items() if v is not None)
         context.update(kwargs)
-        return self._compiled_template.render(
+        return compiled.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **context
         )
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> Detokenizer:
+    def template_variables(self, template: str | None = None) -> frozenset[str]:
+        """The variables a chat template reads from its context (``messages``, ``tools``...)."""
+        return self._template(template).variables
+
+    def _template(self, template: str | None):
+        source = template if template is not None else self.chat_template
+        if source is None:
+            raise ValueError("this tokenizer has no chat template (chat_template is not set)")
+        if source not in self._compiled_templates:
+            if len(self._compiled_templates) >= 8:
+                self._compiled_templates.pop(next(iter(self._compiled_templates)))
+            self._compiled_templates[source] = _CompiledTemplate(source)
+        return self._compiled_templates[source]
+
+    def detokenizer(
+        self, skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> Detokenizer:
         """A fresh incremental detokenizer for one generated sequence: a table lookup per token
-        for a byte-level vocabulary, else ``tokenizers``' ``DecodeStream``."""
+        for a byte-level vocabulary, else ``tokenizers``' ``DecodeStream``.
+
+        ``spaces_between_special_tokens=False`` (with special tokens kept) is vLLM's rule for
+        fast tokenizers: an added token right after another added token is its bare content.
+        It only matters for decoders that put a separator between tokens (WordPiece-style);
+        the byte-level decoder writes every token's bytes as they are, so it is a no-op there.
+        """
         if self._decoder_type == "ByteLevel":
             return ByteLevelDetokenizer(self._pieces[skip_special_tokens])
-        return IncrementalDetokenizer(self._tok, skip_special_tokens)
+        bare = None if skip_special_tokens or spaces_between_special_tokens else self._added
+        return IncrementalDetokenizer(self._tok, skip_special_tokens, bare or None)
 
     @functools.cached_property
     def _decoder_spec(self) -> dict:
@@ -157,6 +182,11 @@ class Tokenizer:
     @functools.cached_property
     def _decoder_type(self) -> str | None:
         return self._decoder_spec.get("type")
+
+    @functools.cached_property
+    def _added(self) -> dict[int, str]:
+        """Added token id -> its content (special or not)."""
+        return {i: t.content for i, t in self._tok.get_added_tokens_decoder().items()}
 
     @functools.cached_property
     def _pieces(self) -> dict[bool, _Pieces]:
@@ -179,19 +209,34 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text pieces, exact across multi-byte UTF-8 splits."""
 
-    def __init__(self, tokenizer: _HFTokenizer, skip_special_tokens: bool = True) -> None:
-        """Use ``Tokenizer.detokenizer()`` rather than constructing this directly."""
+    def __init__(
+        self,
+        tokenizer: _HFTokenizer,
+        skip_special_tokens: bool = True,
+        bare_added: dict[int, str] | None = None,
+    ) -> None:
+        """Use ``Tokenizer.detokenizer()`` rather than constructing this directly.
+        ``bare_added``: added token id -> content, written bare after another added token
+        (``spaces_between_special_tokens=False``)."""
         self._tok = tokenizer
         self._skip = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._ids: list[int] = []
         self._emitted = 0
+        """Characters the stream gave (``flush`` compares them with a whole decode)."""
+        self._bare = bare_added
+        self._after_added = False
 
     def step(self, token_id: int) -> str:
         """New text since the last call; ``''`` while an incomplete UTF-8 sequence is pending."""
         self._ids.append(int(token_id))
         piece = self._stream.step(self._tok, int(token_id)) or ""
         self._emitted += len(piece)
+        if self._bare is not None:
+            content = self._bare.get(int(token_id))
+            if content is not None and self._after_added:
+                piece = content  # NOTE: vLLM: no separator between two added tokens
+            self._after_added = content is not None
         return piece
 
     def flush(self) -> str:
@@ -263,17 +308,22 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
-def _compile_template(source: str):
-    from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+class _CompiledTemplate:
+    """A sandboxed Jinja template and the context variables it reads."""
 
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    def __init__(self, source: str):
+        from jinja2 import meta
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = _strftime_now
+        self.variables = frozenset(meta.find_undeclared_variables(env.parse(source)))
+        self.render = env.from_string(source).render
 
 
 def _tojson(value: Any, ensure_ascii: bool = False, indent=None, separators=None, sort_keys=False):
