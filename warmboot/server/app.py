@@ -1,5 +1,5 @@
-"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, models, health,
-metrics. The engine runs on its own thread behind ``AsyncLLM``; handlers only validate,
+"""The OpenAI-compatible HTTP API (FastAPI): completions, chat completions, responses,
+Anthropic's messages, models, tokenizer routes, health, metrics. The engine runs on its own thread behind ``AsyncLLM``; handlers only validate,
 queue, and format. ``create_app`` wires the routes here to the error handlers
 (``errors``), the middleware (``guard``), stream reading (``streams``) and delivery to the
 client (``delivery``).
@@ -277,23 +277,31 @@ class _Api:
 
     # -- /v1/responses ------------------------------------------------------------------------
     async def responses(self, body: ResponsesRequest, request: Request):
-        llm = self.holder.require()
-        self._check_model(body.model)
         chat = body.chat_request()
-        tool_plan = self._tool_plan(llm, chat)
+        llm, tool_plan, prompt = await self._chat_like(body.model, chat)
         params = chat.sampling_params(tool_plan.tag if tool_plan else None)
+        builder = ResponseBuilder(body, self._meta("resp", params, llm, chat), tool_plan)
+        return await self._deliver(llm, prompt, params, request, body.stream, builder)
+
+    async def _chat_like(self, model: str, chat: ChatCompletionRequest):
+        """(llm, tool plan, prompt) of a request that another API's body translates into."""
+        llm = self.holder.require()
+        self._check_model(model)
+        tool_plan = self._tool_plan(llm, chat)
         tools = chat.tools if tool_plan else None
         prompt = await asyncio.to_thread(chat_prompt, llm.tokenizer, chat, tools, self.config)
+        return llm, tool_plan, prompt
+
+    async def _deliver(self, llm, prompt, params, request, streaming: bool, builder):
+        """Run one prompt: ``builder``'s typed event stream, or its body once finished."""
         (stream,) = await add_all(llm, [prompt], params)
-        builder = ResponseBuilder(body, self._meta("resp", params, llm, chat), tool_plan)
-        if body.stream:
+        if streaming:
             finals: dict[int, RequestOutput] = {}
-            deltas = (
-                out.outputs[0].delta_text async for _, out in self.reader.merge([stream], finals)
-            )
-            return sse(builder.events(_nonempty(deltas), lambda: finals[0]), typed=True)
+            merged = self.reader.merge([stream], finals)
+            deltas = _nonempty(out.outputs[0].delta_text async for _, out in merged)
+            return sse(builder.events(deltas, lambda: finals[0]), typed=True)
         (out,) = await until_disconnect(request, self.reader.finals([stream]))
-        return builder.response(out)
+        return builder.finished(out)
 
     async def _chat_chunks(
         self, meta, stream, n: int, include_usage, so_far: UsageSoFar, tool_plan=None
@@ -320,32 +328,16 @@ class _Api:
 
     # -- /v1/messages (Anthropic's) ------------------------------------------------------------
     async def messages(self, body: MessagesRequest, request: Request):
-        llm, chat, tool_plan, prompt = await self._anthropic_prompt(body)
+        chat = body.chat_request()
+        llm, tool_plan, prompt = await self._chat_like(body.model, chat)
         params = chat.sampling_params(tool_plan.tag if tool_plan else None)
-        (stream,) = await add_all(llm, [prompt], params)
         builder = MessageBuilder(self.config.served_model_name, len(prompt["prompt_token_ids"]),
                                  body.stop_sequences, tool_plan)  # fmt: skip
-        if body.stream:
-            finals: dict[int, RequestOutput] = {}
-            merged = self.reader.merge([stream], finals)
-            deltas = (out.outputs[0].delta_text async for _, out in merged)
-            return sse(builder.events(deltas, lambda: finals[0]), typed=True)
-        (out,) = await until_disconnect(request, self.reader.finals([stream]))
-        return builder.message(out)
+        return await self._deliver(llm, prompt, params, request, body.stream, builder)
 
     async def count_tokens(self, body: CountTokensRequest) -> dict:
-        *_, prompt = await self._anthropic_prompt(body)
+        *_, prompt = await self._chat_like(body.model, body.chat_request())
         return {"input_tokens": len(prompt["prompt_token_ids"])}
-
-    async def _anthropic_prompt(self, body: CountTokensRequest):
-        """(llm, the chat request, its tool plan, its prompt) of a Messages API request."""
-        llm = self.holder.require()
-        self._check_model(body.model)
-        chat = body.chat_request()
-        tool_plan = self._tool_plan(llm, chat)
-        tools = chat.tools if tool_plan else None
-        prompt = await asyncio.to_thread(chat_prompt, llm.tokenizer, chat, tools, self.config)
-        return llm, chat, tool_plan, prompt
 
 
 def _tool_chunks(meta, c, calls: tools_mod.ToolStream) -> list[dict]:

@@ -228,6 +228,10 @@ class MessageBuilder:
         self.stops = set(stops or ())
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
 
+    def finished(self, out: RequestOutput) -> dict:
+        """The body once the output is final (``_Api._deliver``)."""
+        return self.message(out)
+
     def message(self, out: RequestOutput) -> dict:
         c = out.outputs[0]
         text, calls = self._split(c)

@@ -200,6 +200,10 @@ class ResponseBuilder:
         self.created = int(time.time())
         self._seq = 0
 
+    def finished(self, out: RequestOutput) -> dict:
+        """The body once the output is final (``_Api._deliver``)."""
+        return self.response(out)
+
     def response(self, out: RequestOutput | None) -> dict:
         """The response object: in progress (``out`` None) or final."""
         status, incomplete, output, usage = "in_progress", None, [], None
