@@ -11,7 +11,7 @@ LMEVAL_STAMP := $(LMEVAL)/.installed
 CLIENTS       := .venv-clients
 CLIENTS_STAMP := $(CLIENTS)/.installed
 
-.PHONY: demo test lint bench clean runsc gpu-wheels
+.PHONY: demo test lint bench clean runsc promtool gpu-wheels
 .PHONY: check
 
 $(STAMP): requirements.txt pyproject.toml
@@ -43,10 +43,21 @@ runsc:
 		&& { apt-get update -qq && apt-get install -y -qq runsc >/dev/null; } \
 		|| echo "runsc not installed: gVisor tests will skip"; }
 
+# promtool (Prometheus's linter) for the /metrics lint test: the one binary taken out of Debian's
+# prometheus package (19 MB download; installing the package would bring web assets, a system
+# user and a Prometheus service). Installed when missing and we are root with apt; otherwise
+# that test skips.
+promtool:
+	@command -v promtool >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& d=$$(mktemp -d) && apt-get update -qq && (cd $$d && apt-get download -qq prometheus 2>/dev/null) \
+		&& dpkg-deb --fsys-tarfile $$d/prometheus_*.deb | tar -x -C $$d ./usr/bin/promtool \
+		&& install -m 755 $$d/usr/bin/promtool /usr/local/bin/promtool; rm -rf "$$d"; \
+		command -v promtool >/dev/null 2>&1 || echo "promtool not installed: the /metrics lint test will skip"; }
+
 demo: $(STAMP) runsc
 	$(PY) -m warmboot.cli demo
 
-test: $(STAMP) runsc $(LMEVAL_STAMP) $(CLIENTS_STAMP)
+test: $(STAMP) runsc promtool $(LMEVAL_STAMP) $(CLIENTS_STAMP)
 	$(PY) -m ruff check warmboot tests bench
 	$(PY) -m pytest -q -ra
 

@@ -219,7 +219,7 @@ def test_http_server_in_front_of_a_worker(worker):
         assert "".join(c.choices[0].text for c in parts if c.choices) == whole
         assert httpx.get(url + "/health").json()["start_path"] == "cold"
         assert httpx.get(url + "/debug/engine").json()["invariants_ok"]
-        assert "warmboot_kv_blocks_total 64.0" in httpx.get(url + "/metrics").text
+        assert "warmboot_kv_blocks_capacity 64.0" in httpx.get(url + "/metrics").text
 
 
 def test_launch_keeps_tier_p_off_where_it_cannot_work(path):

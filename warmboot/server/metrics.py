@@ -84,7 +84,7 @@ class _EngineCollector:
             ("warmboot_requests_waiting", "waiting", "Requests waiting to be scheduled"),
             ("warmboot_kv_cache_usage", "kv_usage", "Fraction of KV blocks in use"),
             ("warmboot_kv_blocks_used", "kv_blocks_used", "KV blocks in use"),
-            ("warmboot_kv_blocks_total", "kv_blocks_total", "KV blocks in the pool"),
+            ("warmboot_kv_blocks_capacity", "kv_blocks_total", "KV blocks in the pool"),
             ("warmboot_preemptions", "preemptions", "Requests preempted so far"),
         ):
             gauge = GaugeMetricFamily(name, doc)

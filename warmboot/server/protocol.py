@@ -464,7 +464,7 @@ class TokenizeRequest(_Strict):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None
     """Default: true for a prompt, false for messages (their template holds any BOS)."""
     return_token_strs: bool = False

@@ -1,7 +1,7 @@
 """Run in .venv-clients: LangChain (tools, the three structured-output methods, the Responses
 API) and LiteLLM (tools) against a warmboot server; prints one JSON object of what came back.
 
-    python agents.py BASE_URL MODEL
+    python langchain_litellm.py BASE_URL MODEL
 """
 
 import json
