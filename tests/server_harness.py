@@ -13,6 +13,7 @@ import uvicorn
 from warmboot import LLM
 from warmboot.server.app import ServerConfig, create_app
 from warmboot.server.engine_holder import EngineHolder
+from warmboot.server.http_server import HttpLimits, http_config
 
 MODEL_NAME = "tiny"
 
@@ -37,12 +38,14 @@ def tiny_llm(path, **kw) -> LLM:
 
 
 @contextmanager
-def running_server(holder: EngineHolder, **config) -> Iterator[str]:
-    """Serve ``holder`` until the block exits; yields the base URL (``http://127.0.0.1:PORT``)."""
+def running_server(
+    holder: EngineHolder, http_limits: HttpLimits | None = None, **config
+) -> Iterator[str]:
+    """Serve ``holder`` until the block exits, on ``warmboot serve``'s HTTP layer with
+    ``http_limits`` (default: its defaults); yields the base URL (``http://127.0.0.1:PORT``)."""
     app = create_app(holder, ServerConfig(served_model_name=MODEL_NAME, **config))
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", access_log=False)
-    )
+    options = dict(host="127.0.0.1", port=0, log_level="warning", access_log=False)
+    server = uvicorn.Server(http_config(app, http_limits or HttpLimits(), **options))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

@@ -11,12 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from warmboot.device.grammar_backend import (
-    GrammarBackend,
-    _apply_bitmask_torch,
-    allocate_bitmask,
-    apply_bitmask,
-)
+from warmboot.device.grammar_backend import GrammarBackend
+from warmboot.device.grammar_bitmask import _apply_bitmask_torch, allocate_bitmask, apply_bitmask
 from warmboot.sampling_params import StructuredOutputs
 from warmboot.tokenizer import Tokenizer
 from warmboot.tokenizer.train import train_tokenizer

@@ -1,13 +1,17 @@
 """``warmboot serve`` as a user runs it: a subprocess on 127.0.0.1, with a snapshot store, so
-the second start restores the first start's engine image and answers the same."""
+the second start restores the first start's engine image and answers the same; it says what
+it is doing as it starts, and exits at once, with the reason, when the model cannot be served."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -73,7 +77,7 @@ RUNSC, NO_RUNSC = runsc_status()
 def test_serve_cold_then_restored_answers_the_same(path, tmp_path, sandbox, second):
     """--sandbox none: tier A (engine image); auto with runsc: tier P (process image)."""
     store = tmp_path / "snapshots"
-    answers, paths = [], []
+    answers, paths, logs = [], [], []
     for _ in range(2):
         proc, url = _serve(path, store, sandbox=sandbox)
         try:
@@ -85,8 +89,14 @@ def test_serve_cold_then_restored_answers_the_same(path, tmp_path, sandbox, seco
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+            logs.append(proc.stdout.read().decode())
     assert paths == ["cold", second]
     assert answers[0] == answers[1] and answers[0]
+    for log in logs:  # NOTE: start-up lines show without -v, each phase as it begins and ends
+        assert f"serving {MODEL_NAME!r} on http://127.0.0.1:" in log, log
+        assert "engine ready after" in log and "(since process start" in log, log
+    assert "load_weights ..." in logs[0] and "load_weights done in" in logs[0], logs[0]
+    assert "load_weights" not in logs[1], logs[1]
 
 
 def test_serve_reads_the_api_key_from_the_environment(path, tmp_path):
@@ -98,3 +108,43 @@ def test_serve_reads_the_api_key_from_the_environment(path, tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _unsupported(model_dir: Path) -> None:
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(architectures=["FooBarForCausalLM"], model_type="foobar")
+    (model_dir / "config.json").write_text(json.dumps(config))
+
+
+def _corrupt(model_dir: Path) -> None:
+    (model_dir / "config.json").write_text('{"architectures": ["LlamaForCausalLM"], "hidd')
+
+
+@pytest.mark.parametrize(
+    ("damage", "extra", "reason"),
+    [
+        (None, [], "does not exist"),
+        (_unsupported, [], "unsupported architecture ['FooBarForCausalLM']"),
+        (_corrupt, [], "config.json is not valid JSON"),
+        (lambda d: None, ["--max-model-len", "100000"], "exceeds the model's context"),
+    ],
+    ids=["missing", "unsupported", "corrupt_config", "fatal_in_boot"],
+)
+def test_serve_exits_with_the_reason_when_the_model_cannot_be_served(
+    path, tmp_path, damage, extra, reason
+):
+    """Found before the server starts (preflight) or while the engine boots: exit 2 within
+    seconds, the reason on stderr in one line, no traceback, no server left answering 503."""
+    model = tmp_path / "model"
+    if damage is not None:
+        shutil.copytree(path, model)
+        damage(model)
+    cmd = [sys.executable, "-m", "warmboot.cli", "serve", "--model", str(model), "--port", "0"]
+    t0 = time.monotonic()
+    run = subprocess.run(cmd + ["--sandbox", "none", *extra], capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert time.monotonic() - t0 < 30
+    assert run.returncode == 2, run.stdout + run.stderr
+    (line,) = [ln for ln in run.stderr.splitlines() if ln.startswith("error:")]
+    assert line.startswith(f"error: cannot serve {model}: ") and reason in line, run.stderr
+    assert "Traceback" not in run.stderr

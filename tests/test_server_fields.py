@@ -16,7 +16,8 @@ from tests.server_harness import MODEL_NAME, running_server, small_llama, tiny_l
 from warmboot.server.chat_render import chat_prompt
 from warmboot.server.config import ServerConfig
 from warmboot.server.engine_holder import EngineHolder
-from warmboot.server.protocol import ChatCompletionRequest, UnsupportedParameter
+from warmboot.server.fields import UnsupportedParameter
+from warmboot.server.protocol import ChatCompletionRequest
 
 ASK = [{"role": "user", "content": "tell me about the weather"}]
 GREETING = "{{ greeting }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"

@@ -10,7 +10,7 @@ import pytest
 from warmboot.device.grammar_requests import GrammarRequests
 from warmboot.sampling_params import StructuredOutputs
 from warmboot.server import tools as T
-from warmboot.server.protocol import UnsupportedParameter
+from warmboot.server.fields import UnsupportedParameter
 from warmboot.tokenizer import Tokenizer
 
 SCHEMAS = {

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NoReturn
 
 MAX_LOGPROBS = 20
 FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -124,9 +125,16 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def bad(name: str, why: str) -> None:
-            raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+        self._validate_numbers()
+        self._validate_stops_and_bias()
+        self._validate_options()
 
+    def _bad(self, name: str, why: str) -> NoReturn:
+        raise ValueError(f"invalid sampling parameter {name}={getattr(self, name)!r}: {why}")
+
+    def _validate_numbers(self) -> None:
+        """Counts, sampling knobs, penalties, lengths and logprobs."""
+        bad = self._bad
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", "must be an integer >= 1")
         for name in FLOAT_FIELDS:
@@ -159,6 +167,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (type(value) is not int or not 0 <= value <= MAX_LOGPROBS):
                 bad(name, f"must be an integer in [0, {MAX_LOGPROBS}]")
+
+    def _validate_stops_and_bias(self) -> None:
+        """Stop strings and token ids, the seed, and the logit bias pairs."""
+        bad = self._bad
         if any(not isinstance(s, str) or not s for s in self.stop):
             bad("stop", "must be non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
@@ -173,6 +185,10 @@ class SamplingParams:
                 or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS
             ):
                 bad("logit_bias", f"bias {value!r} of token {token} is outside [-100, 100]")
+
+    def _validate_options(self) -> None:
+        """Output and detokenizing flags, prompt truncation, priority, allowed token ids."""
+        bad = self._bad
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"must be one of {', '.join(OUTPUT_KINDS)}")
         for name in ("include_stop_str_in_output", "spaces_between_special_tokens"):

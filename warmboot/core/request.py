@@ -43,6 +43,14 @@ class Request:
     leader: Request | None = None
     """For n > 1: the sibling whose prompt KV the others wait for and then share."""
     completion_index: int = 0
+    group: str | None = None
+    """The API call the sequence belongs to (fair scheduling); None: a call of its own whose
+    completions share one place in the queue."""
+    rank: int = 0
+    """Its place among its call's sequences (0: the first); set by the scheduler."""
+    turn: int = 0
+    """The round-robin round it is due in, the queue's order after ``priority``; set by the
+    scheduler."""
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

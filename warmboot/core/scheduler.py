@@ -1,6 +1,32 @@
-"""Continuous-batching scheduler: FCFS within priorities, chunked prefill under a token budget,
-prefill and decode mixed in one step, preemption by recompute. Pure Python; talks to the runner
-in plain data."""
+"""Continuous-batching scheduler: fair queuing within priorities, chunked prefill under a token
+budget, prefill and decode mixed in one step, preemption by recompute. Pure Python; talks to
+the runner in plain data.
+
+Fairness policy (per call). A call is one API request (``Request.group``: the server passes
+its id; every prompt and completion of it is one sequence). Not per client: behind one API key
+or a proxy the server cannot tell clients apart, while a call is what a client waits on.
+
+- Round robin between calls: within a priority the queue is ordered by turn, then arrival.
+  A call's sequences take consecutive turns from the round being served when it arrives
+  (start-time fair queuing, one unit a sequence): each round admits at most one sequence of
+  each call, so a new call waits for neither the backlog of a big one nor, as a flood of
+  new calls, starves it. Preempted requests keep their turn and go first within it. A lower
+  priority value always goes first.
+- Reserved seats: a call's later sequences never take the last ``reserved_seats`` seats.
+- Long prefills are chunked: one request computes at most ``prefill_chunk`` tokens a step.
+- Prompt-logprob tokens (an LM head over the vocabulary each) count
+  ``prompt_logprob_token_weight`` times against the step budget and the chunk cap.
+
+Bound: a new call's first sequence is admitted in the first step scheduled after it
+arrives that has, once the requests ahead of it are served (preempted requests, lower priority
+values and at most one sequence of each other call), a free seat, KV blocks and budget for its
+first chunk; the budget running requests take is their decodes plus at most
+``prefill_chunk`` (weighted) tokens per prefill, and a call's later sequences never take the
+reserved seats. Beside one call of any size (a 1000-prompt call, a prompt near
+``max_model_len``, echo + prompt_logprobs + n=16) with default settings, that is the next
+step: the sync loop returns its first token from the next ``step()``, the pipelined loop
+(two steps in flight) from the third. Requests without a group are admitted FCFS.
+"""
 
 from __future__ import annotations
 
@@ -8,14 +34,15 @@ import bisect
 import heapq
 import itertools
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 from warmboot.config import SchedulerConfig
 from warmboot.core.block_manager import BlockManager
 from warmboot.core.request import FinishReason, Request, RequestStatus
 from warmboot.core.types import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenEvent
 
-Entry = tuple[int, int, Request]
-"""A waiting request's place: (priority, position, request)."""
+Entry = tuple[int, int, int, Request]
+"""A waiting request's place: (priority, turn, position, request)."""
 
 
 def _priority(req: Request) -> int:
@@ -23,44 +50,95 @@ def _priority(req: Request) -> int:
 
 
 class WaitingQueue:
-    """Requests waiting for admission, a heap in (priority, position) order: lower priority
-    values first; within one priority, preempted requests (newest preemption first) and then
-    arrivals in order, which for equal priorities is the FCFS deque's order."""
+    """Requests waiting for admission in (priority, turn, position) order: lower priority
+    values first, then earlier turns; within one turn, preempted requests (newest preemption
+    first) and then arrivals in order. Without groups every turn is the round at arrival,
+    which keeps the FCFS order.
+
+    Two heaps, calls' first sequences and their later ones, so that a step with only
+    reserved seats left passes over the later ones without popping them all."""
 
     def __init__(self) -> None:
-        self._heap: list[Entry] = []
+        self._heaps: tuple[list[Entry], list[Entry]] = ([], [])
         self._back = itertools.count()
         self._front = itertools.count(-1, -1)
 
     def append(self, req: Request) -> None:
-        """An arrival: behind every request of its priority."""
-        heapq.heappush(self._heap, (_priority(req), next(self._back), req))
+        """An arrival: behind every request of its priority and turn."""
+        self._push((req.params.priority, req.turn, next(self._back), req))
 
     def appendleft(self, req: Request) -> None:
-        """A preempted request: ahead of every request of its priority."""
-        heapq.heappush(self._heap, (_priority(req), next(self._front), req))
+        """A preempted request: ahead of every request of its priority and turn."""
+        self._push((req.params.priority, req.turn, next(self._front), req))
 
-    def pop(self) -> Entry:
-        return heapq.heappop(self._heap)
+    def _push(self, entry: Entry) -> None:
+        heapq.heappush(self._heaps[entry[3].rank > 0], entry)
+
+    def pop(self, later: bool = True) -> Entry | None:
+        """The next request, or None. ``later=False``: the next first sequence of a call,
+        unless a later sequence of a lower priority value waits (none overtakes that)."""
+        first, rest = self._heaps
+        if rest and (not first or rest[0] < first[0]):
+            if later:
+                return heapq.heappop(rest)
+            if not first or rest[0][0] < first[0][0]:
+                return None
+        return heapq.heappop(first) if first else None
 
     def restore(self, entries: Iterable[Entry]) -> None:
         """Put popped entries back in their places."""
         for entry in entries:
-            heapq.heappush(self._heap, entry)
+            self._push(entry)
 
     def remove(self, req: Request) -> None:
-        i = next(i for i, e in enumerate(self._heap) if e[2] is req)
-        last = self._heap.pop()
-        if i < len(self._heap):
-            self._heap[i] = last
-            heapq.heapify(self._heap)
+        heap = self._heaps[req.rank > 0]
+        i = next(i for i, e in enumerate(heap) if e[3] is req)
+        last = heap.pop()
+        if i < len(heap):
+            heap[i] = last
+            heapq.heapify(heap)
 
     def __len__(self) -> int:
-        return len(self._heap)
+        return len(self._heaps[0]) + len(self._heaps[1])
 
     def __iter__(self) -> Iterator[Request]:
         """In admission order (sorts: for stats and tests, not for the step)."""
-        return (e[2] for e in sorted(self._heap, key=lambda e: e[:2]))
+        return (e[3] for e in sorted(self._heaps[0] + self._heaps[1], key=lambda e: e[:3]))
+
+
+@dataclass
+class _Call:
+    last_turn: int
+    sequences: int = 0
+    live: int = 0
+
+
+class FairTurns:
+    """Gives each sequence its ``rank`` and ``turn`` (see the module docstring); forgets a
+    call once none of its sequences is left."""
+
+    def __init__(self) -> None:
+        self.round = 0
+        """The latest turn admitted."""
+        self._calls: dict[str, _Call] = {}
+
+    def assign(self, req: Request) -> None:
+        if req.group is None:
+            req.rank, req.turn = 0, self.round
+            return
+        call = self._calls.setdefault(req.group, _Call(self.round - 1))
+        req.rank, req.turn = call.sequences, max(self.round, call.last_turn + 1)
+        call.last_turn, call.sequences, call.live = req.turn, call.sequences + 1, call.live + 1
+
+    def admitted(self, req: Request) -> None:
+        self.round = max(self.round, req.turn)
+
+    def release(self, req: Request) -> None:
+        call = self._calls.get(req.group) if req.group is not None else None
+        if call is not None:
+            call.live -= 1
+            if not call.live:
+                del self._calls[req.group]
 
 
 class Scheduler:
@@ -68,6 +146,7 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.waiting = WaitingQueue()
+        self.turns = FairTurns()
         self.running: list[Request] = []
         """Ordered by priority, then admission: the step serves it in order and preempts
         from its end."""
@@ -80,6 +159,7 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         self.requests[req.request_id] = req
+        self.turns.assign(req)
         self.waiting.append(req)
 
     @property
@@ -109,15 +189,23 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _chunk(self, req: Request, remaining: int, budget: float) -> tuple[int, float]:
+        """How many of its ``remaining`` tokens ``req`` computes in this step (at most the
+        chunk cap, at least one) and the budget they use (prompt-logprob tokens weigh more)."""
+        cfg = self.config
+        weight = cfg.prompt_logprob_token_weight if req.wants_prompt_logprobs else 1.0
+        n = min(remaining, max(1, int(min(budget, cfg.prefill_chunk) / weight)), int(budget))
+        return n, n * weight
+
+    def _schedule_running(self, out: SchedulerOutput, budget: float) -> float:
         incoming = 0  # blocks that preempted victims return when the in-flight step retires
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget >= 1:
             req = self.running[i]
             if req.num_planned_outputs >= req.max_tokens:
                 i += 1  # NOTE: its last token is in flight; never launch a row past max_tokens
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n, cost = self._chunk(req, req.num_tokens - req.num_computed_tokens, budget)
             room, incoming = self._make_room(req, n, out, incoming)
             if not room:
                 if req.status is not RequestStatus.RUNNING:
@@ -125,7 +213,7 @@ class Scheduler:
                 i += 1  # its blocks come when the in-flight step retires: it sits this step out
                 continue
             out.scheduled.append(self._scheduled(req, n))
-            budget -= n
+            budget -= cost
             i += 1
         return budget
 
@@ -156,18 +244,20 @@ class Scheduler:
                 return False, incoming
         return True, incoming
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: float) -> None:
         skipped: list[Entry] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            entry = self.waiting.pop()
-            req = entry[2]
+        while budget >= 1 and len(self.running) < self.config.max_num_seqs:
+            entry = self.waiting.pop(later=len(self.running) < self.config.fair_seats)
+            if entry is None:
+                break
+            req = entry[3]
             if self._waits_for_leader(req):
                 skipped.append(entry)
                 continue
             cold = req.num_computed_tokens or req.wants_prompt_logprobs
             prefix = [] if cold else self.kv.find_cached_prefix(req.all_token_ids)
             start = len(prefix) * self.kv.block_size
-            n = min(req.num_tokens - start, budget)
+            n, cost = self._chunk(req, req.num_tokens - start, budget)
             if not self.kv.allocate(req.request_id, start + n, prefix):
                 skipped.append(entry)  # NOTE: the head waits for blocks: none overtakes it
                 break
@@ -175,9 +265,10 @@ class Scheduler:
                 req.num_cached_tokens = start
             req.num_computed_tokens = start
             req.status = RequestStatus.RUNNING
+            self.turns.admitted(req)
             bisect.insort(self.running, req, key=_priority)  # NOTE: all equal: an append
             out.scheduled.append(self._scheduled(req, n))
-            budget -= n
+            budget -= cost
         self.waiting.restore(skipped)
 
     def _waits_for_leader(self, req: Request) -> bool:
@@ -294,6 +385,7 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason) -> None:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
+        self.turns.release(req)
         self.kv.free(req.request_id)
         self._finished_since_step.append(req.request_id)
         del self.requests[req.request_id]

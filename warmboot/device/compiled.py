@@ -16,7 +16,7 @@ context), and one for the LM head (hidden rows -> float32 logits). The embedding
 gathers and final norm run eagerly around them. Tracing one layer instead of the unrolled
 model makes a warm compile (inductor's caches hit) a second or two, not tens of seconds.
 ``warm_up`` compiles both at start-up on scratch rows, so no request waits for a compile
-(a restore does it in the background while eager steps serve: ``engine.startup``).
+(a restore does it in the background while eager steps serve: ``engine.background_compile``).
 """
 
 from __future__ import annotations

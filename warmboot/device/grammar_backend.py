@@ -1,87 +1,41 @@
 """Grammar-constrained decoding (``StructuredOutputs``) on xgrammar.
 
-A ``GrammarBackend`` compiles specs for one tokenizer (cached by spec); a ``GrammarMatcher``
-tracks one sequence and fills its row of a packed token bitmask (bit ``i`` of a row set = token
-``i`` allowed), which ``apply_bitmask`` turns into ``-inf`` logits.
+A ``GrammarBackend`` compiles specs for one tokenizer (cached by spec, bounded in count and
+bytes; run compiles through ``grammar_compiles`` to bound their time); a ``GrammarMatcher``
+tracks one sequence and fills its row of a packed token bitmask (``grammar_bitmask``, whose
+``apply_bitmask`` turns the disallowed tokens into ``-inf`` logits).
 
 xgrammar is imported lazily (first ``GrammarBackend``) so that importing this module costs only
-what the engine pays anyway (torch); see ``_xgrammar`` for how its ``transformers`` import is
-avoided.
+what the engine pays anyway (torch); see ``xgrammar_import`` for how its ``transformers``
+import is avoided.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import sys
 import threading
-import types
+import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from warmboot.device.staging import upload
+from warmboot.device.grammar_bitmask import allow_only
+from warmboot.device.xgrammar_import import import_xgrammar
 from warmboot.sampling_params import StructuredOutputs
-
-_xgr: Any = None
-_import_lock = threading.Lock()
-
-
-def _xgrammar():
-    """Import xgrammar once, without letting it import ``transformers`` (~0.5 s of cold start).
-
-    xgrammar's ``tokenizer_info`` and ``contrib.hf`` modules import ``transformers`` at module
-    level, only for ``TokenizerInfo.from_huggingface`` and an HF ``LogitsProcessor``, neither of
-    which we use. While xgrammar loads, a stub module stands in for ``transformers`` (its
-    attributes are placeholder classes) and is removed right after, so a later
-    ``import transformers`` anywhere gets the real package. If transformers is already loaded,
-    or the stubbed import fails, xgrammar is imported normally.
-    """
-    global _xgr
-    with _import_lock:
-        if _xgr is not None:
-            return _xgr
-        if "transformers" in sys.modules:
-            import xgrammar
-
-            _xgr = xgrammar
-            return _xgr
-        stub = types.ModuleType("transformers")
-
-        def placeholder(name: str) -> type:
-            if name.startswith("__"):
-                raise AttributeError(name)
-            cls = type(name, (), {"__module__": "transformers"})
-            setattr(stub, name, cls)
-            return cls
-
-        stub.__getattr__ = placeholder
-        sys.modules["transformers"] = stub
-        try:
-            import xgrammar
-        except Exception:
-            for name in [m for m in sys.modules if m == "xgrammar" or m.startswith("xgrammar.")]:
-                del sys.modules[name]
-            xgrammar = None
-        finally:
-            if sys.modules.get("transformers") is stub:
-                del sys.modules["transformers"]
-        if xgrammar is None:
-            import xgrammar
-        _xgr = xgrammar
-        return _xgr
 
 
 class CompiledGrammar:
     """A compiled ``StructuredOutputs`` spec; share it between matchers (it is immutable)."""
 
-    __slots__ = ("key", "_compiled", "_never")
+    __slots__ = ("key", "nbytes", "_compiled", "_never", "__weakref__")
 
     def __init__(self, key: tuple, compiled: Any, never: frozenset[int]) -> None:
         self.key = key
+        self.nbytes = int(compiled.memory_size_bytes)
         self._compiled = compiled
         self._never = never
 
@@ -90,7 +44,12 @@ class CompiledGrammar:
 
 
 class GrammarBackend:
-    """Compiles StructuredOutputs for one tokenizer; compiled grammars cached by spec."""
+    """Compiles StructuredOutputs for one tokenizer; compiled grammars cached by spec.
+
+    The cache keeps the most recently used grammars within ``cache_size`` entries and
+    ``cache_bytes`` bytes (xgrammar's own count: a 60k-string enum takes 141 MB); a grammar
+    still referenced elsewhere (a request holding it) stays found after its eviction.
+    """
 
     def __init__(
         self,
@@ -100,6 +59,7 @@ class GrammarBackend:
         *,
         any_whitespace: bool = False,
         cache_size: int = 256,
+        cache_bytes: int = 256 << 20,
     ) -> None:
         """Build the xgrammar tokenizer info from a ``tokenizer.json`` file.
 
@@ -107,9 +67,9 @@ class GrammarBackend:
         never allowed; tokenizer ids at or above it are dropped. ``eos_token_ids`` end a
         complete output. With ``any_whitespace=False`` JSON is generated in ``json.dumps``
         layout (``", "``/``": "``), which keeps small models from looping on whitespace.
-        ``cache_size`` bounds the LRU cache of compiled specs.
+        ``cache_size`` and ``cache_bytes`` bound the LRU cache of compiled specs.
         """
-        xgr = _xgrammar()
+        xgr = self._xgr = import_xgrammar()
         from tokenizers import Tokenizer as _HFTokenizer
 
         text = Path(tokenizer_json).read_text(encoding="utf-8")
@@ -123,21 +83,10 @@ class GrammarBackend:
         # NOTE: this mirrors TokenizerInfo.from_huggingface for a fast tokenizer (vocab from
         # get_vocab() with added tokens, vocab type / prefix space from the backend JSON, which
         # is tokenizer.json itself) without needing a transformers tokenizer object.
-        encoded = [""] * self.vocab_size
-        for token, idx in tok.get_vocab(with_added_tokens=True).items():
-            if idx < self.vocab_size:
-                encoded[idx] = token
-        # NOTE: special added tokens (<|im_end|>, ...) are decoded by xgrammar as their literal
-        # text, so a grammar could accept "<|im_end|>" inside a JSON string while our detokenizer
-        # drops it. An empty encoding makes xgrammar treat them as special: never allowed
-        # except as stop tokens. Ids with no token (model vocab padding) are special likewise.
-        for idx, added in tok.get_added_tokens_decoder().items():
-            if added.special and idx < self.vocab_size:
-                encoded[idx] = ""
+        self._encoded = _encoded_vocab(tok, self.vocab_size)
         self._meta = xgr.TokenizerInfo._detect_metadata_from_hf(text)
         self.vocab_type: str = self._meta["vocab_type"].name
-        self._encoded = encoded
-        self._text_info = self._tokenizer_info(encoded)
+        self._text_info = self._tokenizer_info(self._encoded)
         self._compilers = {"text": self._compiler(self._text_info)}
         # Bytes no JSON output may contain raw (RFC 8259: escape them in strings); \t \n \r
         # only as whitespace between tokens.
@@ -145,11 +94,17 @@ class GrammarBackend:
         self._any_whitespace = any_whitespace
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
+        self._cache_bytes = cache_bytes
+        self.cached_bytes = 0
+        self._live: weakref.WeakValueDictionary[tuple, CompiledGrammar] = (
+            weakref.WeakValueDictionary()
+        )
+        """Every compiled grammar still referenced, cached or not."""
         self._lock = threading.Lock()
         self._batch: Any = None
 
     def _tokenizer_info(self, encoded: list[str]) -> Any:
-        return _xgr.TokenizerInfo(
+        return self._xgr.TokenizerInfo(
             encoded,
             vocab_type=self._meta["vocab_type"],
             vocab_size=self.vocab_size,
@@ -163,7 +118,7 @@ class GrammarBackend:
         # (xgrammar would print a warning for each). Our own LRU cache replaces xgrammar's,
         # which returns a new wrapper object per call and is unbounded by default.
         never = frozenset(info.special_token_ids) - set(self.eos_token_ids)
-        return _xgr.GrammarCompiler(info, cache_enabled=False), never
+        return self._xgr.GrammarCompiler(info, cache_enabled=False), never
 
     def _json_compiler(self) -> tuple[Any, frozenset[int]]:
         """The compiler for JSON specs: tokens with raw control bytes are special (never allowed).
@@ -191,12 +146,22 @@ class GrammarBackend:
         Raises ``ValueError`` naming the field and the problem for an invalid JSON schema,
         regex or grammar.
         """
-        key = _spec_key(spec)
+        return self.compile_key(spec_key(spec))
+
+    def lookup(self, key: tuple) -> CompiledGrammar | None:
+        """The compiled grammar of ``key`` (a ``spec_key``) if cached or still in use."""
         with self._lock:
             hit = self._cache.get(key)
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
+            return self._live.get(key)
+
+    def compile_key(self, key: tuple) -> CompiledGrammar:
+        """``compile`` for a ``spec_key``; the compile itself runs on the calling thread."""
+        hit = self.lookup(key)
+        if hit is not None:
+            return hit
         kind, source = key
         c, never = (
             self._json_compiler() if kind in ("json", "json_object") else self._compilers["text"]
@@ -217,17 +182,28 @@ class GrammarBackend:
                 g = c.compile_grammar(source)
         except (RuntimeError, ValueError, TypeError) as e:  # InvalidStructuralTagError too
             raise ValueError(f"invalid structured_outputs.{kind}: {_xgr_message(e)}") from None
-        compiled = CompiledGrammar(key, g, never)
+        return self._keep(CompiledGrammar(key, g, never))
+
+    def _keep(self, compiled: CompiledGrammar) -> CompiledGrammar:
+        """Cache ``compiled`` (or return the equal one another thread cached first) and
+        evict the least recently used grammars beyond the count and byte bounds."""
         with self._lock:
-            compiled = self._cache.setdefault(key, compiled)
+            key = compiled.key
+            compiled = self._cache.get(key) or self._live.get(key) or compiled
+            if key not in self._cache:
+                self._cache[key] = compiled
+                self.cached_bytes += compiled.nbytes
+            self._live[key] = compiled
             self._cache.move_to_end(key)
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+            while len(self._cache) > self._cache_size or (
+                self.cached_bytes > self._cache_bytes and len(self._cache) > 1
+            ):
+                self.cached_bytes -= self._cache.popitem(last=False)[1].nbytes
         return compiled
 
     def matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
         """A fresh matcher (one per sequence) at the start of ``compiled``."""
-        return GrammarMatcher(self, _xgr.GrammarMatcher(compiled._compiled), compiled._never)
+        return GrammarMatcher(self, self._xgr.GrammarMatcher(compiled._compiled), compiled._never)
 
     def fill_bitmasks(self, matchers: Sequence[GrammarMatcher], bitmask, rows: Sequence[int]):
         """``matchers[i].fill_bitmask(bitmask, rows[i])`` for all i, the live ones in one
@@ -243,7 +219,7 @@ class GrammarBackend:
         if not live:
             return
         if self._batch is None:
-            self._batch = _xgr.BatchGrammarMatcher()
+            self._batch = self._xgr.BatchGrammarMatcher()
         self._batch.batch_fill_next_token_bitmask(live, bitmask, live_rows)
 
     def accept_tokens(self, pairs: Sequence[tuple[GrammarMatcher, int]]) -> list[bool]:
@@ -254,7 +230,7 @@ class GrammarBackend:
         done = iter(())
         if todo:
             done = iter(
-                _xgr.BatchGrammarMatcher.batch_accept_token(
+                self._xgr.BatchGrammarMatcher.batch_accept_token(
                     [m._m for m, _ in todo], [t for _, t in todo]
                 )
             )
@@ -301,63 +277,33 @@ class GrammarMatcher:
         After termination only the EOS tokens are allowed (xgrammar itself refuses).
         """
         if self.terminated:
-            bitmask[row] = 0
-            for t in self._backend.eos_token_ids:
-                bitmask[row, t // 32] |= _bit(t % 32)
+            allow_only(bitmask, row, self._backend.eos_token_ids)
             return
         self._m.fill_next_token_bitmask(bitmask, row)
 
 
-def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
-    """An all-allowed int32 bitmask of shape ``(batch, ceil(vocab_size / 32))`` on CPU."""
-    return torch.full((batch, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+def _encoded_vocab(tok: Any, vocab_size: int) -> list[str]:
+    """The encoded token of each id below ``vocab_size`` (a ``tokenizers.Tokenizer``'s vocab
+    with added tokens), ``""`` for the ids xgrammar must treat as special."""
+    encoded = [""] * vocab_size
+    for token, idx in tok.get_vocab(with_added_tokens=True).items():
+        if idx < vocab_size:
+            encoded[idx] = token
+    # NOTE: special added tokens (<|im_end|>, ...) are decoded by xgrammar as their literal
+    # text, so a grammar could accept "<|im_end|>" inside a JSON string while our detokenizer
+    # drops it. An empty encoding makes xgrammar treat them as special: never allowed
+    # except as stop tokens. Ids with no token (model vocab padding) are special likewise.
+    for idx, added in tok.get_added_tokens_decoder().items():
+        if added.special and idx < vocab_size:
+            encoded[idx] = ""
+    return encoded
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
-    """Set the disallowed tokens of ``logits[r]`` to ``-inf`` for each ``r`` in ``rows``.
-
-    Row ``r`` of ``logits`` (2-D, float32/bf16/fp16) uses row ``r`` of ``bitmask``; other rows
-    are untouched. ``logits`` and ``bitmask`` must be on the same device (CPU or e.g. CUDA).
-    Only the first ``min(logits.shape[1], 32 * bitmask.shape[1])`` columns are masked.
-    """
-    rows = [int(r) for r in rows]
-    if not rows:
-        return
-    if logits.dim() != 2 or bitmask.dim() != 2 or bitmask.dtype != torch.int32:
-        raise ValueError("apply_bitmask needs 2-D logits and a 2-D int32 bitmask")
-    if logits.device != bitmask.device:
-        raise ValueError(f"logits on {logits.device} but bitmask on {bitmask.device}")
-    n_rows = min(logits.shape[0], bitmask.shape[0])
-    if min(rows) < 0 or max(rows) >= n_rows:
-        raise IndexError(f"rows {rows} out of range for {n_rows} rows")
-    vocab = min(logits.shape[1], bitmask.shape[1] * 32)
-    if logits.device.type == "cpu":
-        # xgrammar's C++ CPU kernel (its "auto" backend picks it for CPU tensors too).
-        (_xgr or _xgrammar()).apply_token_bitmask_inplace(
-            logits, bitmask, vocab_size=vocab, indices=rows, backend="cpu"
-        )
-    else:
-        # Not xgrammar's default for CUDA (a Triton kernel): that needs triton installed and
-        # JIT-compiles on first use; a few torch ops are enough for a (rows, vocab) mask.
-        _apply_bitmask_torch(logits, bitmask, rows, vocab)
-
-
-def _apply_bitmask_torch(
-    logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab: int
-) -> None:
-    idx = upload(torch.tensor(rows, dtype=torch.int64), logits.device)  # NOTE: no hidden sync
-    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
-    allowed = ((bitmask[idx].unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()
-    logits[idx, :vocab] = logits[idx, :vocab].masked_fill(~allowed, float("-inf"))
-
-
-def _bit(i: int) -> int:
-    """Bit ``i`` of an int32 word as a Python int (bit 31 is the sign bit)."""
-    return -(1 << 31) if i == 31 else 1 << i
-
-
-def _spec_key(spec: StructuredOutputs) -> tuple:
-    """A hashable, canonical key: equal schemas (dict or JSON text) give equal keys."""
+def spec_key(
+    spec: StructuredOutputs, inspect: Callable[[str, Any], None] | None = None
+) -> tuple[str, str]:
+    """A hashable, canonical key ``(kind, source)``: equal schemas (dict or JSON text) give
+    equal keys. ``inspect(kind, doc)`` sees a JSON schema or structural tag as parsed."""
     if spec.json is not None:
         schema = spec.json
         if isinstance(schema, str):
@@ -365,6 +311,8 @@ def _spec_key(spec: StructuredOutputs) -> tuple:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise ValueError(f"invalid structured_outputs.json: not valid JSON ({e})") from None
+        if inspect is not None:
+            inspect("json", schema)
         try:
             # NOTE: no sort_keys: xgrammar emits properties in schema order.
             return ("json", json.dumps(schema))
@@ -376,8 +324,20 @@ def _spec_key(spec: StructuredOutputs) -> tuple:
         return ("regex", spec.regex)
     if spec.structural_tag is not None:
         tag = spec.structural_tag
+        if inspect is not None:
+            inspect("structural_tag", _parsed_tag(tag))
         return ("structural_tag", tag if isinstance(tag, str) else json.dumps(tag))
     return ("grammar", spec.grammar)
+
+
+def _parsed_tag(tag: dict | str) -> Any:
+    """A structural tag as a JSON document; text that is not JSON is left to xgrammar."""
+    if not isinstance(tag, str):
+        return tag
+    try:
+        return json.loads(tag)
+    except json.JSONDecodeError:
+        return tag
 
 
 _LOG_PREFIX = re.compile(r"^\[[^\]]*\]\s+\S+:\d+:\s*(Check failed: .*? is false:\s*)?")

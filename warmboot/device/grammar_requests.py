@@ -1,7 +1,9 @@
 """Structured outputs for the engine: one grammar matcher per constrained request, the step's
-token bitmask, and advancing the matchers by committed tokens. The xgrammar side (compiling
-specs, matchers, bitmask kernels) is ``grammar_backend``; it is loaded on the first
-constrained request.
+token bitmask, and advancing the matchers by committed tokens. The xgrammar side is
+``grammar_backend`` (compiling specs, matchers) and ``grammar_bitmask`` (the bitmask and its
+kernels); xgrammar is loaded on the first constrained request. Compiles run on the pool of
+``grammar_compiles`` (``compiles``), before a request is queued: ``add`` finds the grammar
+compiled.
 
 The loop asks for a step's bitmask only when it enqueues that step's sample, i.e. after the
 previous step was committed and the matchers advanced ("forward now, sample later").
@@ -9,13 +11,16 @@ previous step was committed and the matchers advanced ("forward now, sample late
 
 from __future__ import annotations
 
+import functools
 import logging
-import threading
 from pathlib import Path
 
 import torch
 
 from warmboot.core.types import ScheduledRequest, TokenEvent
+from warmboot.device.grammar_backend import GrammarBackend
+from warmboot.device.grammar_bitmask import allocate_bitmask
+from warmboot.device.grammar_compiles import GrammarCompiles
 from warmboot.sampling_params import StructuredOutputs
 
 log = logging.getLogger("warmboot")
@@ -23,29 +28,27 @@ log = logging.getLogger("warmboot")
 
 class GrammarRequests:
     def __init__(self, tokenizer_json: Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
-        self._args = (tokenizer_json, vocab_size, eos_token_ids)
-        self._backend = None
-        self._backend_lock = threading.Lock()
-        """Validation threads and the engine thread may ask for the backend at once."""
+        args = (tokenizer_json, vocab_size, eos_token_ids)
+        self.compiles = GrammarCompiles(functools.partial(GrammarBackend, *args))
+        """The compile service: its pool compiles, its backend caches."""
         self.vocab_size = vocab_size
         self.matchers: dict[str, object] = {}
 
     @property
     def backend(self):
         """The xgrammar backend, created (and xgrammar imported) on first use."""
-        with self._backend_lock:
-            if self._backend is None:
-                from warmboot.device.grammar_backend import GrammarBackend
-
-                self._backend = GrammarBackend(*self._args)
-            return self._backend
+        return self.compiles.backend
 
     def compile(self, spec: StructuredOutputs) -> object:
-        """Compile (cached) or raise ValueError naming what is wrong with the spec."""
-        return self.backend.compile(spec)
+        """Compile (cached; on the compile pool, waiting at most its time limit) or raise
+        ``InvalidRequestError`` (a ``ValueError``) naming what is wrong with the spec."""
+        return self.compiles.compile(spec)
 
     def add(self, req_id: str, spec: StructuredOutputs) -> None:
-        self.matchers[req_id] = self.backend.matcher(self.backend.compile(spec))
+        """Start ``req_id``'s matcher (engine thread): the grammar was compiled on validation,
+        so this is a cache lookup; an uncompiled spec is compiled here, blocking."""
+        compiled = self.compiles.cached(spec) or self.compiles.compile(spec)
+        self.matchers[req_id] = self.backend.matcher(compiled)
 
     def drop(self, req_ids: list[str]) -> None:
         for req_id in req_ids:
@@ -60,8 +63,6 @@ class GrammarRequests:
         live = [(i, m) for i, m in live if m is not None and not m.terminated]
         if not live:
             return None
-        from warmboot.device.grammar_backend import allocate_bitmask
-
         mask = allocate_bitmask(len(rows), self.vocab_size)
         self.backend.fill_bitmasks([m for _, m in live], mask, [i for i, _ in live])
         return mask

@@ -1,7 +1,8 @@
 """The model runner owns every device tensor (weights, KV cache, per-request token slots and
 generators) and turns a ``SchedulerOutput`` into a ``RunnerOutput`` in calls that the loops
 order: ``prepare_step`` + ``submit_forward``, ``launch_sample``, ``collect``; committed tokens
-come back through ``record_tokens`` (the penalty histories)."""
+come back through ``record_tokens``. Per request it keeps a slot (``slots``) and its sampling
+state (``sampling_state``: seeded generators, penalty histories)."""
 
 from __future__ import annotations
 
@@ -22,13 +23,8 @@ from warmboot.core.types import (
 from warmboot.device.compiled import CompiledSteps, CompileStats
 from warmboot.device.graphs import DecodeGraphs
 from warmboot.device.inputs import InputBuilder
-from warmboot.device.sampler import (
-    Sampler,
-    SamplingRow,
-    TokenHistory,
-    make_generator,
-    prompt_logprobs,
-)
+from warmboot.device.sampler import Sampler, prompt_logprobs
+from warmboot.device.sampling_state import SamplingState
 from warmboot.device.slots import RequestSlots
 from warmboot.device.staging import StepHandle, upload
 from warmboot.device.streams import make_stream
@@ -69,9 +65,8 @@ class ModelRunner:
         self.cpu_threads = cpu_threads
         self.stream = make_stream(device, cpu_threads)
         weakref.finalize(self, self.stream.close)
-        self._generators: dict[str, torch.Generator] = {}
-        self._histories: dict[str, tuple[TokenHistory, TokenHistory]] = {}
-        """Per penalised request: its prompt and committed output as host tensors."""
+        self.sampling_state = SamplingState(device)
+        """Per request: seeded generators and penalty histories."""
         self._handles: list[StepHandle | None] = [None, None]
         """The step that last used each ping-pong working set."""
         self._step_count = 0
@@ -88,9 +83,10 @@ class ModelRunner:
         self.compiled: CompiledSteps | None = None
 
     # -- start-up phases -----------------------------------------------------------------------
-    def load_model(self, model_dir: str | Path) -> None:
+    def load_model(self, model_dir: str | Path, progress=None) -> None:
+        """``progress(n)``: the bytes of each checkpoint tensor read (see ``load_model``)."""
         self.model = load_model(
-            model_dir, self.model_cfg, self.dtype, self.device, self.max_model_len
+            model_dir, self.model_cfg, self.dtype, self.device, self.max_model_len, progress
         )
         self._adopt_model()
 
@@ -155,6 +151,15 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def close(self) -> None:
+        """Stop the device thread (after the work queued on it) and drop the weights, the KV
+        pool, compiled steps and graphs; the runner cannot step afterwards. Idempotent."""
+        self.stream.close(wait=True)
+        self.graphs = self.compiled = self.model = None
+        self.kv_caches = []
+        self._kv_buffer = None
+        self.sampling_state.clear()
+
     def setup_compiled(self) -> CompileStats:
         """Compile the model steps (after the weights and the KV pool; again after either
         changes): every later forward runs the compiled graphs."""
@@ -211,22 +216,15 @@ class ModelRunner:
     def _released(self, req_id: str) -> None:
         if req_id in self._finished:  # NOTE: a preempted request keeps its generator
             self._finished.discard(req_id)
-            self._generators.pop(req_id, None)
-            self._histories.pop(req_id, None)
+            self.sampling_state.forget(req_id)
 
     def record_tokens(self, events: list[TokenEvent]) -> None:
         """Committed tokens, appended to the penalty histories before the next sample."""
-        for ev in events:
-            histories = self._histories.get(ev.req_id)
-            if histories is not None:
-                histories[1].extend(ev.new_token_ids)
+        self.sampling_state.record(events)
 
     def _track(self, s: ScheduledRequest) -> None:
         self.slots.use(s.req_id)
-        if s.params.uses_penalties and s.req_id not in self._histories:
-            prompt = TokenHistory()
-            prompt.extend(s.prompt_token_ids)
-            self._histories[s.req_id] = (prompt, TokenHistory())
+        self.sampling_state.track(s)
 
     # -- step ----------------------------------------------------------------------------------
     def prepare_step(self, sched: SchedulerOutput) -> StepHandle:
@@ -293,7 +291,7 @@ class ModelRunner:
         if step is None or not step.sample_rows:
             handle.event = self.stream.record()
             return
-        rows = [self._sampling_row(s) for s in step.sample_rows]
+        rows = [self.sampling_state.row(s) for s in step.sample_rows]
         slots = self.inputs.staging[handle.buffer].put(
             "sample_slots", [self.slots[s.req_id] for s in step.sample_rows]
         )
@@ -304,7 +302,7 @@ class ModelRunner:
         def sample() -> None:
             logits = handle.logits
             if bitmask is not None:  # uploaded in the stream: ordered before its use
-                from warmboot.device.grammar_backend import apply_bitmask
+                from warmboot.device.grammar_bitmask import apply_bitmask
 
                 apply_bitmask(logits, self._upload(bitmask), masked)
             out = self.sampler(logits, rows)
@@ -330,24 +328,6 @@ class ModelRunner:
 
     def _upload(self, t: torch.Tensor) -> torch.Tensor:
         return upload(t, self.device)
-
-    def _sampling_row(self, s: ScheduledRequest) -> SamplingRow:
-        gen = None
-        if s.params.seed is not None:
-            gen = self._generators.get(s.req_id)
-            if gen is None:
-                gen = self._generators[s.req_id] = make_generator(s.params.seed, self.device)
-        prompt, output = s.prompt_token_ids, ()
-        histories = self._histories.get(s.req_id)
-        if histories is not None:  # NOTE: tensors, so the sampler converts no list per step
-            prompt, output = histories[0].tensor, histories[1].tensor
-        return SamplingRow(
-            params=s.params,
-            prompt_token_ids=prompt,
-            output_token_ids=output,
-            generator=gen,
-            suppress_token_ids=s.suppress_token_ids,
-        )
 
     def forward_all(self, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         """(tokens, vocab) logits of every token of ``scheduled``, outside the loops, on the
@@ -386,11 +366,11 @@ class ModelRunner:
 
     def request_state(self) -> set[str]:
         """Requests the runner holds anything for (a slot, a generator, penalty histories)."""
-        return self.slots.live | set(self._generators) | set(self._histories)
+        return self.slots.live | self.sampling_state.req_ids
 
     def penalised(self) -> set[str]:
         """Requests the runner keeps penalty histories for."""
-        return set(self._histories)
+        return set(self.sampling_state.histories)
 
     def leaving(self) -> set[str]:
         """Requests whose state goes once no in-flight step uses them (parked or finished)."""

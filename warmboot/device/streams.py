@@ -76,9 +76,11 @@ class CpuStream:
     def busy_seconds(self) -> float:
         return self._busy
 
-    def close(self) -> None:
-        """Let the thread exit after the work already submitted."""
+    def close(self, wait: bool = False) -> None:
+        """Let the thread exit after the work already submitted; ``wait``: until it has."""
         self._queue.put(None)
+        if wait and self._thread is not threading.current_thread():
+            self._thread.join()
 
     def _run(self) -> None:
         if self._threads:
@@ -144,7 +146,7 @@ class CudaStream:
         self._busy += sum(s.elapsed_time(e) for s, e in done) / 1e3
         return self._busy
 
-    def close(self) -> None:
+    def close(self, wait: bool = False) -> None:
         self.stream.synchronize()
 
 

@@ -4,14 +4,20 @@ Requests and aborts reach that thread through an inbox drained between steps, so
 wait for a step to finish. ``generate`` validates on the caller's side (a bad request raises
 there and never reaches the engine) and yields incremental outputs; a consumer that stops
 early (client gone, task cancelled) aborts its request.
+
+``shutdown`` stops the engine thread (and, with ``owns_engine``, closes the engine); a front
+never shut down is shut down at interpreter exit, before the engines are closed, so the
+thread is not stepping when the interpreter finalizes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
@@ -27,8 +33,10 @@ T = TypeVar("T")
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, owns_engine: bool = False):
+        """``owns_engine``: ``shutdown`` closes the engine too (its weights and KV pool)."""
         self.engine = engine
+        self._owns_engine = owns_engine
         self._inbox = Inbox()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
@@ -36,6 +44,7 @@ class AsyncLLM:
         self.start_info_override = None
         self._thread = threading.Thread(target=self._run, name="warmboot-engine", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     async def generate(
         self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
@@ -49,19 +58,27 @@ class AsyncLLM:
             stream.abort()
 
     async def add_request(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        group: str | None = None,
     ) -> RequestStream:
         """Validate (off the event loop) and queue a request; raise ``InvalidRequestError`` if
-        bad. Iterate the returned stream for outputs; leaving it early aborts the request."""
+        bad. Iterate the returned stream for outputs; leaving it early aborts the request.
+        ``group``: the API call it belongs to (the scheduler takes calls in turn)."""
         if self._error is not None:
             raise EngineDeadError("the engine loop has stopped") from self._error
         request_id = request_id or f"async-{next(self._ids)}"
         if request_id in self._streams:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        checked = await asyncio.to_thread(self._validate, prompt, params)
+        # NOTE: the grammar compiles on its own pool, awaited without holding a thread: a
+        # compile-heavy client never takes the threads that check other requests
+        checked = await asyncio.to_thread(self.engine.validator.check, prompt, params)
+        checked = await self.engine.validator.compile_async(checked)
         queue_: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue_)
-        self._inbox.put(("add", request_id, checked))
+        self._inbox.put(("add", request_id, checked, group))
         return RequestStream(request_id, len(checked.token_ids), queue_, self.abort)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
@@ -69,11 +86,6 @@ class AsyncLLM:
         future = asyncio.get_running_loop().create_future()
         self._inbox.put(("call", fn, future))
         return await future
-
-    def _validate(self, prompt: Prompt, params: SamplingParams):
-        # NOTE: no lock: the tokenizer is thread-safe and the grammar backend locks only its
-        # cache, so a schema that takes seconds to compile delays no other request
-        return self.engine.validate(prompt, params)
 
     @property
     def dead(self) -> str | None:
@@ -108,8 +120,12 @@ class AsyncLLM:
         self._inbox.put(("abort", request_id))
 
     def shutdown(self) -> None:
+        """Stop the engine thread after its current step (idempotent)."""
+        _LIVE.discard(self)
         self._inbox.put(("stop",))
         self._thread.join(timeout=10)
+        if self._owns_engine and not self._thread.is_alive():
+            self.engine.startup.close()
 
     def stats(self) -> dict:
         return self.engine.stats()
@@ -129,9 +145,9 @@ class AsyncLLM:
         if cmd[0] == "stop":
             return False
         if cmd[0] == "add":
-            _, request_id, checked = cmd
+            _, request_id, checked, group = cmd
             try:
-                self.engine.add_request(request_id, checked)
+                self.engine.add_request(request_id, checked, group=group)
             except ValueError as e:
                 self._deliver(request_id, e)
         elif cmd[0] == "abort":
@@ -183,3 +199,16 @@ class AsyncLLM:
             loop.call_soon_threadsafe(stream.put_nowait, item)
         except RuntimeError:  # the caller's event loop is closed: nobody is listening
             pass
+
+
+_LIVE: weakref.WeakSet[AsyncLLM] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_all() -> None:
+    """Registered after ``engine.shutdown``'s hook, so it runs before it (atexit is LIFO)."""
+    for front in list(_LIVE):
+        try:
+            front.shutdown()
+        except Exception:  # noqa: BLE001 - exiting anyway
+            log.debug("stopping an engine thread at exit failed", exc_info=True)

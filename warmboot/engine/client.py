@@ -88,9 +88,14 @@ class EngineClient(Protocol):
     """Why the engine stopped serving for good (the holder then boots a new one), or None."""
 
     async def add_request(
-        self, prompt: Any, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: Any,
+        params: SamplingParams,
+        request_id: str | None = None,
+        group: str | None = None,
     ) -> RequestStream:
-        """Validate and queue; raise ``InvalidRequestError`` naming the problem if bad."""
+        """Validate and queue; raise ``InvalidRequestError`` naming the problem if bad.
+        ``group``: the API call the request belongs to (the scheduler takes calls in turn)."""
         ...
 
     async def debug_state(self) -> dict:

@@ -1,4 +1,5 @@
-"""The offline facade, shaped like vLLM's ``LLM``."""
+"""The offline facade, shaped like vLLM's ``LLM``; ``close()`` (or ``with LLM(...) as llm:``)
+frees its engine."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ Messages = list[dict]
 
 
 class LLM:
-    """``LLM(model=path).generate(prompts, SamplingParams(...))``."""
+    """``LLM(model=path).generate(prompts, SamplingParams(...))``.
+
+    ``close()`` frees the engine (waits for a background compile, stops the device thread,
+    drops the KV pool and the weights); ``with LLM(...) as llm:`` closes on leaving the block.
+    An engine never closed is closed at interpreter exit (``engine.shutdown``).
+    """
 
     def __init__(
         self,
@@ -67,6 +73,20 @@ class LLM:
             pretune_attention=pretune_attention,
         )
         self.engine = LLMEngine(config, max_model_len=max_model_len)
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Free the engine; idempotent. The LLM cannot generate afterwards."""
+        self.engine.startup.close()
+
+    @property
+    def closed(self) -> bool:
+        return self.engine.startup.closed
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -131,6 +151,8 @@ class LLM:
         return self.engine.stats()
 
     def _add_all(self, prompts: Sequence[Prompt], params: list[SamplingParams]) -> list[str]:
+        if self.closed:
+            raise RuntimeError("this LLM is closed")
         checked = []
         for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             try:

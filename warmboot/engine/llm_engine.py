@@ -65,9 +65,12 @@ class LLMEngine:
         request_id: str | None,
         prompt: Prompt | ValidatedRequest,
         params: SamplingParams | None = None,
+        group: str | None = None,
     ) -> str:
         """Queue a request (validated here unless ``prompt`` is a ``ValidatedRequest``); raise
-        ``InvalidRequestError`` (nothing queued) if bad."""
+        ``InvalidRequestError`` (nothing queued) if bad. ``group``: the API call it is part of
+        (the server's id of it): the scheduler takes turns between calls, each prompt and
+        completion of a call one sequence (``core.scheduler``); None: FCFS."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.outputs.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -77,16 +80,16 @@ class LLMEngine:
             checked = prompt
         else:
             checked = self.validate(prompt, params or SamplingParams())
-        children, states = self._children(request_id, checked)
-        group = RequestGroup(request_id, checked.text, list(checked.token_ids), states, children)
-        self.outputs.add(group)
+        children, states = self._children(request_id, checked, group)
+        outputs = RequestGroup(request_id, checked.text, list(checked.token_ids), states, children)
+        self.outputs.add(outputs)
         for child in children:
             if checked.params.structured_outputs is not None:
                 self.grammars.add(child.request_id, checked.params.structured_outputs)
             self.scheduler.add_request(child)
         return request_id
 
-    def _children(self, request_id: str, checked: ValidatedRequest):
+    def _children(self, request_id: str, checked: ValidatedRequest, group: str | None):
         """One ``Request`` and its output state per completion (``n``)."""
         params, eos = checked.params, frozenset(self.facts.eos_token_ids)
         # NOTE: internal ids are unique per submission, so a user id reused while a zombie row
@@ -104,6 +107,7 @@ class LLMEngine:
                 eos_token_ids=eos,
                 leader=children[0] if children else None,
                 completion_index=i,
+                group=group,
             )
             children.append(child)
             logprobs = [] if params.logprobs is not None else None
@@ -156,7 +160,7 @@ class LLMEngine:
             "preemptions": self.scheduler.num_preemptions,
             "loop": self.loop.name,
             "cuda_graphs": self.startup.graphs_note,
-            "compile": dict(self.startup.compile_info),
+            "compile": dict(self.startup.compiling.info),
             "graph_steps": None if graphs is None else sum(graphs.replays.values()),
             "bubble_fraction": meter.bubble_fraction,
             "decode_steps_measured": meter.steps,

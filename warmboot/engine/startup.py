@@ -4,17 +4,20 @@
     -> allocate_kv -> [compile] -> warmup (the canary; a restored image whose canary differs
     boots cold) -> [autotune] -> [cuda_graphs] -> [snapshot_publish] -> ready
 
-``compile`` traces and compiles the model steps (``device.compiled``); a restored snapshot
-that carries inductor's artifacts loads them first, so the phase only re-traces.
+``compile`` traces and compiles the model steps (``device.compiled``); after a restore it
+runs in the background while eager steps serve (``engine.background_compile``).
 
-Every phase is timed into ``Startup.times`` (``stats()["startup_times"]``), and the engine's
+Every phase is logged as it begins and ends (``engine.progress``; a bar while weights load
+or restore) and timed into ``Startup.times`` (``stats()["startup_times"]``); the engine's
 ``start_info`` says which path it took and why.
+
+``close`` waits for a background compile and frees an engine's runner; every live one is
+closed at exit (``engine.shutdown``).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -28,10 +31,12 @@ from warmboot.config import EngineConfig, ModelConfig, ModelFilesError, Schedule
 from warmboot.core.block_manager import BlockManager
 from warmboot.device.graphs import default_batch_sizes
 from warmboot.device.runner import ModelRunner
+from warmboot.engine import progress, shutdown
 from warmboot.engine import settings as resolve
+from warmboot.engine.background_compile import ModelCompile
 from warmboot.engine.settings import RuntimeFacts, Settings
 from warmboot.kernels.backend import KVLayout
-from warmboot.models.checkpoint import check_servable
+from warmboot.models.checkpoint import check_servable, checkpoint_files
 from warmboot.models.registry import ARCHITECTURES
 from warmboot.sampling_params import SamplingParams
 from warmboot.snapshot.canary import CANARY_PROMPT, CANARY_TOKENS
@@ -41,7 +46,7 @@ from warmboot.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from warmboot.snapshot.boot import SnapshotBoot
 
-log = logging.getLogger("warmboot")
+log = logging.getLogger("warmboot.startup")
 CPU_DEFAULT_KV_BYTES = 512 << 20
 GPU_MEMORY_UTILIZATION = 0.9
 
@@ -100,17 +105,32 @@ class Startup:
         """The family module and class serving the model (part of the snapshot key)."""
         self.graphs_note = "off"
         """CUDA graphs: on, off, emulated (CPU tests), or off with the capture's error."""
-        self.compile_info: dict[str, Any] = {"compiled": False}
-        """What the compile phase did: graphs traced, inductor seconds, cache hits/misses."""
-        self.compile_thread: threading.Thread | None = None
-        """A restore's background compile (``compile``)."""
+        self.compiling = ModelCompile(self.phase, self.t0)
+        """The model steps' compile (``compile``): ``compiling.info`` says what it did."""
+        self.runner: ModelRunner | None = None
+        self.closed = False
+        shutdown.track(self)
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(
+        self, name: str, total: int | None = None, detail: str = ""
+    ) -> Iterator[progress.Advance]:
+        """Time phase ``name`` into ``times`` and report it (``progress.phase``)."""
         t0 = time.perf_counter()
-        yield
+        with progress.phase(name, total, detail) as advance:
+            yield advance
         self.times[name] = time.perf_counter() - t0
-        log.info("start-up phase %-12s %.3fs", name, self.times[name])
+
+    def close(self) -> None:
+        """Free what the start-up made: wait for a background compile, then stop the device
+        thread and drop the weights and the KV pool (``ModelRunner.close``). Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        shutdown.forget(self)
+        self.wait_compiled()
+        if self.runner is not None:
+            self.runner.close()
 
     # -- up to an engine with weights and a KV pool ---------------------------------------------
     def boot(self) -> Booted:
@@ -129,12 +149,11 @@ class Startup:
         attention = resolve.attention_backend(
             config.attention_backend, settings.device, lambda: _kv_layout(model_config)
         )
-        runner = self._runner(model_config, settings, attention)
+        runner = self.runner = self._runner(model_config, settings, attention)
         self.snapshot = self._open_snapshot(settings, attention.name)
         self.restored = self.restore_weights(runner)
         if not self.restored:
-            with self.phase("load_weights"):
-                runner.load_model(self.model_dir)
+            self.load_weights(runner)
         with self.phase("allocate_kv"):
             num_blocks = self._num_kv_blocks(runner, settings)
             runner.allocate_kv_cache(num_blocks)
@@ -148,6 +167,12 @@ class Startup:
             kv_bytes_per_token=runner.kv_bytes_per_token(),
         )
         return Booted(model_config, settings, tokenizer, runner, facts)
+
+    def load_weights(self, runner: ModelRunner) -> None:
+        files = checkpoint_files(self.model_dir)
+        total = sum(f.stat().st_size for f in files)
+        with self.phase("load_weights", total) as advance:
+            runner.load_model(self.model_dir, advance)
 
     def _runner(self, model_config: ModelConfig, settings: Settings, attention) -> ModelRunner:
         sched = settings.scheduler
@@ -195,8 +220,9 @@ class Startup:
         with self.phase("snapshot_lookup"):
             manifest = snap.lookup()
         if manifest is not None:
-            with self.phase("restore_weights"):
-                tensors = snap.restore(manifest, runner.dtype, mapped)
+            total = manifest.tensor_bytes
+            with self.phase("restore_weights", total) as advance:
+                tensors = snap.restore(manifest, runner.dtype, mapped, advance)
                 if tensors is not None:
                     try:
                         runner.install_weights(tensors, f"snapshot {manifest.key}")
@@ -242,8 +268,7 @@ class Startup:
             self.restored = False
             log.warning("snapshot canary failed (%s); booting cold", self.snapshot.reason)
             self.wait_compiled()
-            with self.phase("load_weights"):
-                engine.runner.load_model(self.model_dir)
+            self.load_weights(engine.runner)
             self.compile(engine)
             with self.phase("warmup"):
                 canary = run_canary(engine)
@@ -266,41 +291,12 @@ class Startup:
         when they are ready, so no request waits for the trace."""
         if not engine.settings.compiled:
             return
-        self.wait_compiled()
-        self.compile_info = {"compiled": False, "state": "compiling"}
-        self.compile_thread = None
-        if not background:
-            self._compile_now(engine)
-            return
-        self.compile_thread = threading.Thread(
-            target=self._compile_now, args=(engine,), name="warmboot-compile", daemon=True
-        )
-        self.compile_thread.start()
-
-    def _compile_now(self, engine: BootingEngine) -> None:
-        note = "cold boot: compiled here"
-        try:
-            if self.restored:
-                with self.phase("compile_artifacts"):
-                    note = self.snapshot.compile_artifacts()
-            with self.phase("compile"):
-                stats = engine.runner.setup_compiled()
-        except Exception as e:  # noqa: BLE001 - eager steps go on serving
-            if self.compile_thread is None:
-                raise
-            self.compile_info = {"compiled": False, "state": f"failed: {_describe(e)}"}
-            log.error("compiling the model steps failed, serving eagerly: %s", _describe(e))
-            return
-        ready = time.perf_counter() - self.t0
-        self.compile_info = {"compiled": True, **asdict(stats), "artifacts": note}
-        self.compile_info |= {"background": self.compile_thread is not None, "ready_s": ready}
-        log.info("model steps compiled: %s", self.compile_info)
+        artifacts = self.snapshot.compile_artifacts if self.restored else None
+        self.compiling.start(engine.runner, artifacts, background)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait for a background compile; True when the compiled steps run (or none)."""
-        if self.compile_thread is not None:
-            self.compile_thread.join(timeout)
-        return not self.compile_thread or not self.compile_thread.is_alive()
+        return self.compiling.wait(timeout)
 
     def _pretune(self, engine: BootingEngine, publishing: bool) -> None:
         runner = engine.runner

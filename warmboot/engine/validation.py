@@ -1,14 +1,20 @@
 """Request validation, done once on the way in: tokenize, check the ids and lengths against
 the model, and compile any grammar. The result, a ``ValidatedRequest``, is what the engine
-queues; a bad request raises ``InvalidRequestError`` naming the problem."""
+queues; a bad request raises ``InvalidRequestError`` naming the problem.
+
+``check`` does all but the compile (a grammar spec is only checked against the size limits
+and keyed); ``compile`` / ``compile_async`` then compile on the grammar compile pool, so a
+slow grammar never holds a thread that plain requests need. ``validate`` is both, blocking.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from warmboot.core.errors import InvalidRequestError
+from warmboot.device.grammar_limits import GrammarKey
 from warmboot.device.grammar_requests import GrammarRequests
 from warmboot.sampling_params import SamplingParams
 from warmboot.tokenizer import Tokenizer
@@ -25,6 +31,15 @@ class ValidatedRequest:
     params: SamplingParams
     max_tokens: int
     """``params.max_tokens`` or, when unset, what the context leaves."""
+    grammar_key: GrammarKey | None = None
+    """The ``structured_outputs`` spec, within the limits, keyed for the compile pool."""
+    grammar: object | None = None
+    """Its compiled grammar, once compiled (held here: the engine finds it in use)."""
+
+    @property
+    def needs_grammar(self) -> bool:
+        """A spec still to compile (``RequestValidator.compile`` / ``compile_async``)."""
+        return self.grammar_key is not None and self.grammar is None
 
 
 class RequestValidator:
@@ -35,8 +50,34 @@ class RequestValidator:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.grammars = grammars
+        self.compiles = grammars.compiles
 
-    def validate(self, prompt: Prompt, params: SamplingParams) -> ValidatedRequest:
+    def validate(
+        self, prompt: Prompt, params: SamplingParams, timeout: float | None = None
+    ) -> ValidatedRequest:
+        """``check`` then ``compile`` (blocking)."""
+        return self.compile(self.check(prompt, params), timeout)
+
+    def compile(self, checked: ValidatedRequest, timeout: float | None = None) -> ValidatedRequest:
+        """``checked`` with its grammar compiled (blocking; at most ``timeout`` seconds,
+        default ``compiles.timeout_s``); raise ``InvalidRequestError`` if it cannot be."""
+        if not checked.needs_grammar:
+            return checked
+        return replace(checked, grammar=self.compiles.compile(checked.grammar_key, timeout))
+
+    async def compile_async(
+        self, checked: ValidatedRequest, timeout: float | None = None
+    ) -> ValidatedRequest:
+        """``compile`` awaited without holding a thread; cancelling the awaiting task (the
+        client left) gives up the compile (see ``GrammarCompiles``)."""
+        if not checked.needs_grammar:
+            return checked
+        compiled = await self.compiles.compile_async(checked.grammar_key, timeout)
+        return replace(checked, grammar=compiled)
+
+    def check(self, prompt: Prompt, params: SamplingParams) -> ValidatedRequest:
+        """Tokenize and check everything but compiling the grammar (see ``needs_grammar``);
+        never waits on the compile pool."""
         text, token_ids = self._tokenize(prompt, params.truncate_prompt_tokens is None)
         token_ids = self._truncate(token_ids, params)
         max_tokens = self._max_tokens(token_ids, params)
@@ -49,12 +90,10 @@ class RequestValidator:
             bad = [t for t in ids if t >= vocab]
             if bad:
                 raise InvalidRequestError(f"{name} {bad} are outside the vocabulary ({vocab})")
+        key = None
         if params.structured_outputs is not None:
-            try:
-                self.grammars.compile(params.structured_outputs)
-            except ValueError as e:
-                raise InvalidRequestError(f"invalid structured_outputs: {e}") from None
-        return ValidatedRequest(text, token_ids, params, max_tokens)
+            key = self.compiles.prepare(params.structured_outputs)
+        return ValidatedRequest(text, token_ids, params, max_tokens, key)
 
     def _tokenize(self, prompt: Prompt, bounded: bool = True) -> tuple[str | None, list[int]]:
         """``bounded``: refuse a text too long for the context before tokenizing it (not when

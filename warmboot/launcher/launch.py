@@ -12,6 +12,10 @@
 
 Settings sent *after* a restore, never baked into the image: the sampling seed and the KV pool
 size (``start`` frame). Everything else (model, dtype, lengths) is part of the key.
+
+Every step is a start-up phase (``engine.progress``: logged as it begins and ends, named in
+``/health``); a worker relays its engine's phases as frames, which nest under the step that
+waits for them (``sandboxed_boot > worker load_weights``).
 """
 
 from __future__ import annotations
@@ -21,9 +25,12 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from warmboot.engine import progress
 from warmboot.launcher import process_image
 from warmboot.launcher import spec as spec_mod
 from warmboot.launcher.remote import Channel, LaunchInfo, RemoteLLM, WorkerError
@@ -31,7 +38,7 @@ from warmboot.snapshot.canary import canary_mismatch
 from warmboot.snapshot.deadline import StoreTimeout, run_with_deadline
 from warmboot.snapshot.lease import holder, try_lease
 
-log = logging.getLogger("warmboot")
+log = logging.getLogger("warmboot.startup")
 
 
 @dataclass(frozen=True)
@@ -102,19 +109,21 @@ def launch(cfg: LaunchConfig):
 
 # -- paths ---------------------------------------------------------------------------------------
 def _try_restore(cfg: LaunchConfig, store, key: str, spec, t0: float) -> RemoteLLM | None:
-    manifest = _bounded(cfg, "process image lookup", lambda: process_image.lookup(store, key))
+    with progress.phase("process_image_lookup"):
+        manifest = _bounded(cfg, "process image lookup", lambda: process_image.lookup(store, key))
     if manifest is None:
         return None
     work = _work_dir(cfg)
+    phases: dict[str, float] = {}
     try:
         image = work / "image"
-        t_fetch = time.monotonic()
-        nbytes = run_with_deadline(
-            "process image fetch",
-            lambda p: process_image.fetch(store, manifest, image, p),
-            _store_timeout(cfg),
-        )
-        phases = {"fetch_image": time.monotonic() - t_fetch}
+        with _phase(phases, "fetch_image", _image_total(manifest)) as advance:
+            nbytes = run_with_deadline(
+                "process image fetch",
+                lambda p: process_image.fetch(store, manifest, image, p),
+                _store_timeout(cfg),
+                progress=advance,
+            )
         client = _restore_and_start(cfg, spec, work, image, manifest["canary"], phases)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
@@ -173,11 +182,10 @@ def _run_worker(cfg, spec, work: Path, phases: dict):
 
     sandbox = Sandbox(spec, work / "boot")
     try:
-        t = time.monotonic()
-        proc = sandbox.run()
-        channel = Channel(proc.stdin, proc.stdout, "sandboxed worker")
-        channel.expect("booted", cfg.boot_timeout)
-        phases["sandboxed_boot"] = time.monotonic() - t
+        with _phase(phases, "sandboxed_boot"):
+            proc = sandbox.run()
+            channel = Channel(proc.stdin, proc.stdout, "sandboxed worker")
+            channel.expect("booted", cfg.boot_timeout)
     except BaseException:
         sandbox.delete()
         raise
@@ -187,28 +195,30 @@ def _run_worker(cfg, spec, work: Path, phases: dict):
 def _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, phases):
     sandbox, _, channel = _run_worker(cfg, spec, work, phases)
     try:
-        channel.send({"t": "prepare_checkpoint"})
-        quiescent = channel.expect("quiescent", 120)
+        with progress.phase("prepare_checkpoint"):
+            channel.send({"t": "prepare_checkpoint"})
+            quiescent = channel.expect("quiescent", 120)
         image = work / "image"
-        phases["checkpoint"] = sandbox.checkpoint(image)
+        with _phase(phases, "checkpoint"):
+            sandbox.checkpoint(image)
     finally:
         sandbox.delete()
     canary = quiescent["canary"]
     client = _restore_and_start(cfg, spec, work, image, canary, phases)
     meta = {"fields": fields, "canary": canary, "image_bytes": process_image.image_bytes(image),
             "mapped_chunks": quiescent.get("mapped_chunks") or {}}  # fmt: skip
-    t = time.monotonic()
     try:  # NOTE: the restored, checked worker serves whatever happens to the publish
-        new = run_with_deadline(
-            "process image publish",
-            lambda p: process_image.publish(store, key, image, meta, p),
-            _store_timeout(cfg),
-        )
+        with _phase(phases, "publish_image", meta["image_bytes"]) as advance:
+            new = run_with_deadline(
+                "process image publish",
+                lambda p: process_image.publish(store, key, image, meta, p),
+                _store_timeout(cfg),
+                progress=advance,
+            )
     except Exception as e:  # noqa: BLE001 - a full, read-only or stalled store
         log.warning("publishing process snapshot %s failed: %s", key[:12], e)
         return _finish(client, "cold", f"{reason}; booted in gVisor; publish failed: {e}",
                        phases, t0)  # fmt: skip
-    phases["publish_image"] = time.monotonic() - t
     log.info("published process snapshot %s (%.0f MB new)", key[:12], new / 1e6)
     return _finish(client, "cold", f"{reason}; booted in gVisor and published", phases, t0)
 
@@ -218,11 +228,10 @@ def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases:
     from warmboot.launcher.sandbox import Sandbox
 
     sandbox = Sandbox(spec, work / "serve")
-    t = time.monotonic()
     try:
-        proc = sandbox.restore(image, timeout=cfg.restore_timeout)
-        channel = Channel(proc.stdin, proc.stdout, "restored worker")
-        phases["runsc_restore"] = time.monotonic() - t
+        with _phase(phases, "runsc_restore"):
+            proc = sandbox.restore(image, timeout=cfg.restore_timeout)
+            channel = Channel(proc.stdin, proc.stdout, "restored worker")
         return _start(cfg, sandbox, proc, channel, work, canary, phases)
     except BaseException:
         sandbox.delete()
@@ -234,10 +243,9 @@ def _start(cfg, sandbox, proc, channel, work: Path, canary: list | None, phases:
     against, a fresh boot), and wrap the worker in a client that reaps it on exit."""
     from warmboot.tokenizer import Tokenizer
 
-    t = time.monotonic()
-    channel.send({"t": "start", "seed": cfg.seed})
-    started = channel.expect("started", cfg.restore_timeout)
-    phases["start_and_canary"] = time.monotonic() - t
+    with _phase(phases, "start_and_canary"):
+        channel.send({"t": "start", "seed": cfg.seed})
+        started = channel.expect("started", cfg.restore_timeout)
     phases["canary"] = started["canary_s"]
     why = None if canary is None else canary_mismatch(canary, started["canary"])
     if why is not None:
@@ -246,6 +254,22 @@ def _start(cfg, sandbox, proc, channel, work: Path, canary: list | None, phases:
     client = RemoteLLM(channel, tokenizer, started, LaunchInfo("pending", ""))
     client.on_exit(lambda: _reap(sandbox, proc, work))
     return client
+
+
+@contextmanager
+def _phase(phases: dict, name: str, total: int | None = None) -> Iterator[progress.Advance]:
+    """A start-up phase (``progress.phase``) timed into ``phases`` when it succeeds."""
+    t = time.monotonic()
+    with progress.phase(name, total) as advance:
+        yield advance
+    phases[name] = time.monotonic() - t
+
+
+def _image_total(manifest: dict) -> int | None:
+    try:
+        return sum(int(c["size"]) for f in manifest["files"] for c in f["chunks"])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _store_timeout(cfg: LaunchConfig) -> float:
@@ -281,9 +305,10 @@ def _in_process(cfg: LaunchConfig, reason: str, t0: float, fallbacks: tuple[str,
     from warmboot import LLM
     from warmboot.engine.async_llm import AsyncLLM
 
+    log.info("start-up: the engine runs in this process: %s", reason)
     engine = LLM(**cfg.engine).engine
     info = engine.start_info
-    front = AsyncLLM(engine)
+    front = AsyncLLM(engine, owns_engine=True)
     front.start_info_override = LaunchInfo(
         info.path,
         f"{reason}; in-process: {info.reason}",

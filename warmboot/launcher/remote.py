@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from warmboot.core.errors import EngineDeadError, InvalidRequestError
+from warmboot.engine import progress
 from warmboot.engine.client import RequestStream, put_from_thread
 from warmboot.launcher.frames import FrameWriter, OutputAccumulator, params_to_wire, read_frame
 from warmboot.sampling_params import SamplingParams
@@ -50,7 +51,8 @@ class Channel:
             raise WorkerError(f"{self.name} is gone: {e}") from None
 
     def expect(self, kind: str, timeout: float) -> dict:
-        """The next frame, which must be ``kind`` (``stats`` frames are skipped)."""
+        """The next frame, which must be ``kind`` (``stats`` frames are skipped; ``phase``
+        frames are replayed as start-up phases on this thread)."""
         while True:
             try:
                 frame = self.frames.get(timeout=timeout)
@@ -61,6 +63,9 @@ class Channel:
             if frame["t"] == "fatal":
                 raise WorkerError(f"{self.name} failed: {frame['message']}")
             if frame["t"] == "stats":
+                continue
+            if frame["t"] == "phase":
+                progress.relay(frame, "worker")
                 continue
             if frame["t"] != kind:
                 raise WorkerError(f"{self.name} sent {frame['t']!r}, expected {kind!r}")
@@ -104,7 +109,11 @@ class RemoteLLM:
 
     # -- EngineClient --------------------------------------------------------------------------
     async def add_request(
-        self, prompt, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        group: str | None = None,
     ) -> RequestStream:
         if self._dead is not None:
             raise EngineDeadError(f"the worker is gone: {self._dead}")
@@ -113,9 +122,8 @@ class RemoteLLM:
         reply, outputs = loop.create_future(), asyncio.Queue()
         self._pending[rid] = (loop, reply)
         self._streams[rid] = (loop, outputs)
-        self.channel.send(
-            {"t": "add", "id": rid, "prompt": prompt, "params": params_to_wire(params)}
-        )
+        frame = {"t": "add", "id": rid, "prompt": prompt, "params": params_to_wire(params)}
+        self.channel.send(frame | {"group": group})
         try:
             added = await reply
         except BaseException:
@@ -188,6 +196,8 @@ class RemoteLLM:
                 self._settle(frame["id"], frame)
             elif kind == "stats":
                 self._stats = frame["stats"]
+            elif kind == "phase":  # NOTE: an idle-engine operation of the worker's main thread
+                progress.relay(frame, "worker")
             elif kind == "fatal":
                 log.error("worker failed: %s", frame["message"])
                 self._dead = frame["message"]

@@ -6,7 +6,9 @@ Life: boot the engine -> ``booted`` -> (``prepare_checkpoint`` -> shrink the KV 
 ``quiescent``, and the launcher checkpoints the process here) -> ``start`` with the
 settings that must be fresh after a restore (seed, KV size) -> canary -> ``started`` ->
 requests until ``stop`` or end of stdin. Frames are written to the original fd 1; Python's
-``sys.stdout`` is pointed at stderr so a stray print cannot corrupt the stream.
+``sys.stdout`` is pointed at stderr so a stray print cannot corrupt the stream. Start-up
+phases on the main thread go out as ``phase`` frames (the launcher logs them and names them
+in ``/health``); the worker's own log goes to stderr (a log file in the sandbox).
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import os
 import sys
 import threading
 import time
 from dataclasses import replace
 
 from warmboot.core.errors import InvalidRequestError
+from warmboot.engine import progress
 from warmboot.engine.inbox import Inbox
 from warmboot.launcher.frames import (
     FrameWriter,
@@ -39,6 +41,8 @@ class Worker:
         self.engine = engine
         self.writer = writer
         self.inbox = Inbox()
+        self._compiling: dict[str, tuple] = {}
+        """Requests whose grammar is compiling: id -> (frame, params, checked, ticket)."""
         self.full_kv_blocks = engine.facts.num_kv_blocks
         self._last_stats = 0.0
 
@@ -70,16 +74,47 @@ class Worker:
     def _on_add(self, f: dict) -> None:
         try:
             params = params_from_wire(f["params"])
-            checked = self.engine.validate(f["prompt"], _wired(params))
-            self.engine.add_request(f["id"], checked)
+            checked = self.engine.validator.check(f["prompt"], _wired(params))
+            if checked.needs_grammar:  # NOTE: compiled on the grammar pool, not this thread
+                ticket = self.engine.grammars.compiles.submit(checked.grammar_key)
+                self._compiling[f["id"]] = (f, params, checked, ticket)
+                done = {"t": "compiled", "id": f["id"]}
+                ticket.add_done_callback(lambda _: self.inbox.put(done))
+                return
         except (InvalidRequestError, ValueError, TypeError) as e:
-            self.writer.send({"t": "rejected", "id": f["id"], "message": str(e)})
+            self._reject(f, e)
+            return
+        self._queue(f, params, checked)
+
+    def _on_compiled(self, f: dict) -> None:
+        entry = self._compiling.pop(f["id"], None)
+        if entry is None or entry[3].cancelled():  # aborted meanwhile
+            return
+        frame, params, checked, ticket = entry
+        try:
+            checked = replace(checked, grammar=ticket.result())
+        except InvalidRequestError as e:
+            self._reject(frame, e)
+            return
+        self._queue(frame, params, checked)
+
+    def _queue(self, f: dict, params, checked) -> None:
+        try:
+            self.engine.add_request(f["id"], checked, group=f.get("group"))
+        except (InvalidRequestError, ValueError, TypeError) as e:
+            self._reject(f, e)
             return
         added = {"t": "added", "id": f["id"], "prompt": checked.text}
         added["prompt_token_ids"] = checked.token_ids
         self.writer.send({**added, "output_kind": params.output_kind})
 
+    def _reject(self, f: dict, error: Exception) -> None:
+        self.writer.send({"t": "rejected", "id": f["id"], "message": str(error)})
+
     def _on_abort(self, f: dict) -> None:
+        entry = self._compiling.pop(f["id"], None)
+        if entry is not None:
+            entry[3].cancel()  # NOTE: a queued compile nobody waits for never runs
         self.engine.abort_request(f["id"])
 
     def _on_debug(self, f: dict) -> None:
@@ -114,12 +149,15 @@ class Worker:
         import torch
 
         if self.engine.facts.num_kv_blocks != self.full_kv_blocks:
-            self.engine.resize_kv_cache(self.full_kv_blocks)
+            with progress.phase("allocate_kv"):
+                self.engine.resize_kv_cache(self.full_kv_blocks)
         if self.engine.runner.compiled is not None:
-            self.engine.runner.compiled.linears.repack()
+            with progress.phase("repack_weights"):
+                self.engine.runner.compiled.linears.repack()
         torch.manual_seed(int(f.get("seed", 0)))
         t0 = time.perf_counter()
-        canary = self._canary()
+        with progress.phase("canary"):
+            canary = self._canary()
         self.writer.send(
             {
                 "t": "started",
@@ -167,10 +205,18 @@ def _trim_heap() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    frames_out, stdin = sys.stdout.buffer, sys.stdin.buffer
+    frames_out = sys.stdout.buffer
+    # NOTE: unbuffered: a daemon thread blocked inside sys.stdin's buffered reader holds its
+    # lock, and the interpreter's teardown, which flushes sys.stdin, aborts on it
+    stdin = open(sys.stdin.fileno(), "rb", buffering=0, closefd=False)  # noqa: SIM115
     sys.stdout = sys.stderr  # NOTE: fd 1 carries frames only
     logging.basicConfig(level=logging.INFO, format="worker: %(message)s", stream=sys.stderr)
     writer = FrameWriter(frames_out)
+    with progress.listen(lambda event: writer.send(progress.as_frame(event))):
+        return _serve(argv, writer, stdin)
+
+
+def _serve(argv: list[str], writer: FrameWriter, stdin) -> int:
     t0 = time.perf_counter()
     try:
         from warmboot import LLM
@@ -190,12 +236,10 @@ def main(argv: list[str] | None = None) -> int:
         log.exception("worker failed")
         writer.send({"t": "fatal", "message": f"{type(e).__name__}: {e}"})
         return 1
+    finally:  # NOTE: a background compile ends first, so the exit below is clean
+        engine.startup.close()
     return 0
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stderr.flush()  # frames are flushed as they are sent
-    # NOTE: skip interpreter teardown: with the engine's threads still parked in native code it
-    # can abort the process (SIGABRT seen at exit), which the launcher would read as a crash.
-    os._exit(code)
+    sys.exit(main())

@@ -8,7 +8,7 @@ the family lists it as harmless, refused by name; every parameter must be set.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -34,15 +34,25 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    progress: Callable[[int], None] | None = None,
 ) -> CausalLM:
-    """The model with the checkpoint's weights; rope tables for ``max_positions``."""
+    """The model with the checkpoint's weights; rope tables for ``max_positions``.
+    ``progress(n)`` hears the bytes of each checkpoint tensor read (a start-up bar)."""
     model_dir = Path(model_dir)
     check_servable(model_dir, cfg)
     model = build_model(cfg)
     tensors = iter_checkpoint(model_dir, skip=lambda name: model.map_name(name) is None)
+    if progress is not None:
+        tensors = _counted(tensors, progress)
     named = checkpoint_weights(model, tensors, str(model_dir))
     weights = ((name, t.to(device=device, dtype=param_dtype(name, dtype))) for name, t in named)
     return _assign_all(model, weights, dtype, device, max_positions, str(model_dir))
+
+
+def _counted(tensors: Iterable[tuple[str, torch.Tensor]], progress: Callable[[int], None]):
+    for name, tensor in tensors:
+        progress(tensor.nbytes)
+        yield name, tensor
 
 
 FLOAT32_PARAMS = re.compile(r"(^|\.)e_score_correction_bias$")

@@ -12,10 +12,11 @@ connection's disconnect message.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
@@ -25,13 +26,16 @@ from fastapi.responses import JSONResponse, Response
 from warmboot import __version__
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
+from warmboot.server import chunks as chunks_mod
 from warmboot.server import responses as R
 from warmboot.server import tools as tools_mod
+from warmboot.server.admission import Admission, Overloaded, check_length, least_tokens
 from warmboot.server.chat_render import chat_prompt
 from warmboot.server.config import ServerConfig
 from warmboot.server.delivery import sse, until_disconnect
 from warmboot.server.engine_holder import EngineHolder
 from warmboot.server.errors import ApiError, install_errors
+from warmboot.server.fields import UnsupportedParameter
 from warmboot.server.guard import Guard
 from warmboot.server.messages_api import CountTokensRequest, MessageBuilder, MessagesRequest
 from warmboot.server.metrics import ServerMetrics
@@ -40,12 +44,13 @@ from warmboot.server.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    UnsupportedParameter,
 )
 from warmboot.server.responses_api import ResponseBuilder, ResponsesRequest
-from warmboot.server.streams import SentChoices, StreamReader, UsageSoFar, add_all
+from warmboot.server.streams import StreamReader, UsageSoFar, add_all
 
 __all__ = ["ServerConfig", "create_app"]
+TOKENIZE_CONTEXTS = 16
+"""``/tokenize`` takes texts of up to this many contexts (lm-eval splits long documents)."""
 
 
 def create_app(holder: EngineHolder, config: ServerConfig) -> Guard:
@@ -100,6 +105,7 @@ class _Api:
     def __init__(self, holder: EngineHolder, config: ServerConfig, metrics: ServerMetrics):
         self.holder, self.config, self.metrics = holder, config, metrics
         self.reader = StreamReader(metrics)
+        self.admission = Admission(config.admission, metrics)
 
     async def models(self) -> dict:
         return {"object": "list", "data": [self._card()]}
@@ -125,10 +131,14 @@ class _Api:
         if (body.prompt is None) == (body.messages is None):
             raise UnsupportedParameter("prompt", "give exactly one of prompt and messages")
         if body.messages is not None:
+            self._check_chat_length(llm, body.chat(), body.tools)
             render = chat_prompt, llm.tokenizer, body.chat(), body.tools, self.config
             tokens = (await asyncio.to_thread(*render))["prompt_token_ids"]
         else:
             special = body.add_special_tokens is not False
+            limit = TOKENIZE_CONTEXTS * llm.max_model_len  # NOTE: lm-eval's rolling windows
+            check_length(len(body.prompt), llm.tokenizer.max_token_chars, limit, "prompt",
+                         "the prompt is")  # fmt: skip
             tokens = await asyncio.to_thread(llm.tokenizer.encode, body.prompt, special)
         out = {"count": len(tokens), "max_model_len": llm.max_model_len, "tokens": tokens}
         if body.return_token_strs:
@@ -206,9 +216,12 @@ class _Api:
         self._check_model(body.model)
         params = body.sampling_params()
         prompts = body.prompts()
+        mtc = llm.tokenizer.max_token_chars
+        least = sum(least_tokens(len(p), mtc) if isinstance(p, str) else len(p) for p in prompts)
+        self.admission.check_cost(len(prompts), params.n, least, params.prompt_logprobs is not None)
         if not body.add_special_tokens:
             prompts = await asyncio.to_thread(_without_specials, llm, prompts)
-        streams = await add_all(llm, prompts, params)
+        streams, ticket = await self._queue(llm, prompts, params)
         meta = replace(
             self._meta("cmpl", params, llm, body),
             echo_logprobs=body.echo_logprobs,
@@ -218,36 +231,13 @@ class _Api:
         echo = [_prompt_text(llm, p) for p in prompts] if body.echo else []
         if body.stream:
             so_far = UsageSoFar(body.continuous_usage)
-            chunks = self._completion_chunks(meta, streams, echo, body.include_usage, so_far)
-            return sse(chunks)
-        outs = await until_disconnect(request, self.reader.finals(streams))
+            chunks = chunks_mod.completion_chunks(
+                self.reader, meta, streams, echo, body.include_usage, so_far
+            )
+            return sse(chunks, on_close=ticket.release)
+        with _held(ticket):
+            outs = await until_disconnect(request, self.reader.finals(streams))
         return R.completion_body(meta, outs, echo)
-
-    async def _completion_chunks(
-        self, meta, streams, echo, include_usage, so_far: UsageSoFar
-    ) -> AsyncIterator[dict]:
-        finals: dict[int, RequestOutput] = {}
-        sent, firsts = SentChoices(), {}
-        async for p, out in self.reader.merge(streams, finals):
-            so_far.add(p, out)
-            firsts.setdefault(p, out)  # NOTE: the one delta output carrying prompt logprobs
-            for c in out.outputs:
-                if not sent.pending(meta, p, c):
-                    continue
-                first = (echo[p] if echo else "") if sent.first(p, c) else None
-                offset = sent.offset(p, c) + len(first or "")
-                chunk = R.completion_chunk(meta, p, firsts[p], c, first, offset)
-                skip = (
-                    len(firsts[p].prompt_token_ids)
-                    if meta.echo_logprobs and first is not None
-                    else 0
-                )
-                sent.record(p, c, chunk["choices"][0]["logprobs"], offset, skip)
-                if not meta.generates:
-                    sent.end(p, c)
-                yield so_far.stamp(chunk)
-        if include_usage:
-            yield R.usage_chunk(meta, "text_completion", [finals[p] for p in sorted(finals)])
 
     # -- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -256,18 +246,49 @@ class _Api:
         tool_plan = self._tool_plan(llm, body)
         params = body.sampling_params(tool_plan.tag if tool_plan else None)
         tools = body.tools if tool_plan else None
+        self._check_chat_length(llm, body, body.tools)
+        self.admission.check_cost(1, params.n, 0, params.prompt_logprobs is not None)
         prompt = await asyncio.to_thread(chat_prompt, llm.tokenizer, body, tools, self.config)
-        (stream,) = await add_all(llm, [prompt], params)
+        (stream,), ticket = await self._queue(llm, [prompt], params)
         meta = self._meta("chatcmpl", params, llm, body)
         meta = replace(meta, prompt_logprobs=body.prompt_logprobs is not None)
         if body.stream:
             so_far = UsageSoFar(body.continuous_usage)
-            chunks = self._chat_chunks(
-                meta, stream, params.n, body.include_usage, so_far, tool_plan
+            chunks = chunks_mod.chat_chunks(
+                self.reader, meta, stream, params.n, body.include_usage, so_far, tool_plan
             )
-            return sse(chunks)
-        (out,) = await until_disconnect(request, self.reader.finals([stream]))
+            return sse(chunks, on_close=ticket.release)
+        with _held(ticket):
+            (out,) = await until_disconnect(request, self.reader.finals([stream]))
         return R.chat_body(meta, out, tool_plan)
+
+    async def _queue(self, llm, prompts: list, params: SamplingParams):
+        """(streams, ticket): the prompts queued once admitted; the ticket holds their share
+        of the capacity until released."""
+        ticket = self.admission.admit(len(prompts) * params.n)
+        try:
+            streams = await add_all(llm, prompts, params)
+        except BaseException:
+            ticket.release()
+            raise
+        try:
+            ticket.add_tokens(sum(s.num_prompt_tokens for s in streams))
+        except Overloaded:
+            self.reader.abort(streams)
+            raise
+        return streams, ticket
+
+    def _check_chat_length(self, llm, chat: ChatCompletionRequest, tools) -> None:
+        """Refuse a conversation too long for the context before rendering it."""
+        limit = llm.max_model_len
+        if len(chat.messages) > limit:  # NOTE: a template writes a token or more per message
+            raise UnsupportedParameter(
+                "messages", f"{len(chat.messages)} messages cannot fit a context of {limit} tokens"
+            )
+        chars = sum(len(m.text()) for m in chat.messages)
+        chars += len(json.dumps(tools)) if tools else 0
+        check_length(chars, llm.tokenizer.max_token_chars, limit, "messages",
+                     "the messages and tools are")  # fmt: skip
 
     def _tool_plan(self, llm, body: ChatCompletionRequest):
         fmt = self.config.tool_call_parser
@@ -289,42 +310,23 @@ class _Api:
         self._check_model(model)
         tool_plan = self._tool_plan(llm, chat)
         tools = chat.tools if tool_plan else None
+        self._check_chat_length(llm, chat, chat.tools)
         prompt = await asyncio.to_thread(chat_prompt, llm.tokenizer, chat, tools, self.config)
         return llm, tool_plan, prompt
 
     async def _deliver(self, llm, prompt, params, request, streaming: bool, builder):
         """Run one prompt: ``builder``'s typed event stream, or its body once finished."""
-        (stream,) = await add_all(llm, [prompt], params)
+        self.admission.check_cost(1, params.n, 0, params.prompt_logprobs is not None)
+        (stream,), ticket = await self._queue(llm, [prompt], params)
         if streaming:
             finals: dict[int, RequestOutput] = {}
             merged = self.reader.merge([stream], finals)
             deltas = _nonempty(out.outputs[0].delta_text async for _, out in merged)
-            return sse(builder.events(deltas, lambda: finals[0]), typed=True)
-        (out,) = await until_disconnect(request, self.reader.finals([stream]))
+            events = builder.events(deltas, lambda: finals[0])
+            return sse(events, typed=True, on_close=ticket.release)
+        with _held(ticket):
+            (out,) = await until_disconnect(request, self.reader.finals([stream]))
         return builder.finished(out)
-
-    async def _chat_chunks(
-        self, meta, stream, n: int, include_usage, so_far: UsageSoFar, tool_plan=None
-    ) -> AsyncIterator[dict]:
-        for i in range(n):
-            yield R.chat_chunk(meta, i, {"role": "assistant", "content": ""}, None)
-        finals: dict[int, RequestOutput] = {}
-        sent = SentChoices()
-        calls = {i: tools_mod.ToolStream(tool_plan) for i in range(n)} if tool_plan else {}
-        async for _, out in self.reader.merge([stream], finals):
-            so_far.add(0, out)
-            for c in out.outputs:
-                if not sent.pending(meta, 0, c):
-                    continue
-                sent.record(p=0, c=c, logprobs=None, offset=0)
-                if tool_plan is None:
-                    delta = {"content": c.delta_text} if c.delta_text or not c.finished else {}
-                    yield so_far.stamp(R.chat_chunk(meta, c.index, delta, c))
-                else:
-                    for chunk in _tool_chunks(meta, c, calls[c.index]):
-                        yield so_far.stamp(chunk)
-        if include_usage and finals:
-            yield R.usage_chunk(meta, "chat.completion.chunk", [finals[0]])
 
     # -- /v1/messages (Anthropic's) ------------------------------------------------------------
     async def messages(self, body: MessagesRequest, request: Request):
@@ -338,26 +340,6 @@ class _Api:
     async def count_tokens(self, body: CountTokensRequest) -> dict:
         *_, prompt = await self._chat_like(body.model, body.chat_request())
         return {"input_tokens": len(prompt["prompt_token_ids"])}
-
-
-def _tool_chunks(meta, c, calls: tools_mod.ToolStream) -> list[dict]:
-    """A choice's chunks when it may call tools: content held back from where a call may
-    begin; at the end the rest of the content, then the calls and ``tool_calls`` as finish."""
-    content = calls.feed(c.delta_text)
-    if not c.finished:
-        return [R.chat_chunk(meta, c.index, {"content": content}, c)] if content else []
-    rest, found = calls.finish(cut=c.finish_reason == "length")
-    chunks = []
-    if content + rest:
-        chunk = R.chat_chunk(meta, c.index, {"content": content + rest}, c)
-        chunk["choices"][0]["finish_reason"] = None
-        chunks.append(chunk)
-    final = R.chat_chunk(meta, c.index, {"tool_calls": found} if found else {}, c)
-    if chunks:  # the step's logprobs went out with its content
-        final["choices"][0]["logprobs"] = None
-    if found and c.finish_reason == "stop":
-        final["choices"][0]["finish_reason"] = "tool_calls"
-    return [*chunks, final]
 
 
 def _openapi(app: FastAPI, model: str):
@@ -388,6 +370,15 @@ def _prompt_text(llm, prompt) -> str:
     if isinstance(prompt, dict):
         return prompt["prompt"]
     return prompt if isinstance(prompt, str) else llm.tokenizer.decode(prompt, False)
+
+
+@contextmanager
+def _held(ticket):
+    """Release ``ticket`` when the block ends, however it ends."""
+    try:
+        yield
+    finally:
+        ticket.release()
 
 
 def _without_specials(llm, prompts: list) -> list:

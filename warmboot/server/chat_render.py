@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from warmboot.server.config import ServerConfig
-from warmboot.server.protocol import UnsupportedParameter
+from warmboot.server.fields import UnsupportedParameter
 
 RESERVED = frozenset({"messages", "tools", "add_generation_prompt"})
 """Template variables a request's ``chat_template_kwargs`` may not set: fields of their own."""

@@ -1,11 +1,30 @@
 """The server's own settings (``ServerConfig``): the model name it answers to, the API key,
-the request body limit, and whether the debug route is on. A leaf module, so the app, the
+the request body limit, admission limits (``AdmissionLimits``), chat templates, and whether
+the debug route is on. A leaf module, so the app, the
 middleware and the CLI can all share it without importing each other.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """Admission control (``admission``): a call's cost and the server's capacity."""
+
+    max_num_seqs: int = 64
+    """The engine's running batch: sequences beyond it wait."""
+    max_queued_requests: int = 256
+    """Sequences that may wait beyond the running batch."""
+    max_queued_tokens: int = 1 << 18
+    """Prompt tokens that may be in flight (running or waiting)."""
+    max_prompts_per_request: int = 256
+    max_seqs_per_request: int = 256
+    """Prompts x ``n`` of one call (each sequence at most the context: this bounds the
+    call's total tokens too)."""
+    max_prompt_logprob_tokens: int = 1 << 15
+    """Prompt tokens whose logprobs one call asks for (prompts x prompt length)."""
 
 
 @dataclass(frozen=True)
@@ -23,5 +42,6 @@ class ServerConfig:
     chat template)."""
     chat_template: str | None = None
     """A Jinja chat template used instead of the tokenizer's (``--chat-template``)."""
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     trust_request_chat_template: bool = False
     """Render a request's own ``chat_template`` (vLLM's flag); refused (400) otherwise."""

@@ -13,16 +13,19 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.background import BackgroundTask
 
 from warmboot.core.errors import EngineDeadError, InvalidRequestError
 from warmboot.server.errors import ApiError
-from warmboot.server.protocol import error_body
+from warmboot.server.fields import error_body
 
 log = logging.getLogger("warmboot")
 
 
-def sse(chunks: AsyncIterator[dict], typed: bool = False) -> StreamingResponse:
-    """``typed`` (the Responses API): each chunk's ``type`` as the event name, no ``[DONE]``."""
+def sse(chunks: AsyncIterator[dict], typed: bool = False, on_close=None) -> StreamingResponse:
+    """``typed`` (the Responses API): each chunk's ``type`` as the event name, no ``[DONE]``.
+    ``on_close()`` runs once the response has ended, the client gone or not (the stream may
+    never have started)."""
 
     async def events():
         try:
@@ -42,7 +45,10 @@ def sse(chunks: AsyncIterator[dict], typed: bool = False) -> StreamingResponse:
             yield "data: [DONE]\n\n"
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+    closed = None if on_close is None else BackgroundTask(on_close)
+    return StreamingResponse(
+        events(), media_type="text/event-stream", headers=headers, background=closed
+    )
 
 
 async def until_disconnect(request: Request, work):

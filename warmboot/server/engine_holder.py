@@ -1,7 +1,9 @@
 """Boots the engine off the event loop and hands out the ``AsyncLLM`` once it is ready.
 
-Until then the server answers ``/health`` with 503 and every API call with a 503 error, so a
-load balancer can route around a replica that is still starting.
+Until then the server answers ``/health`` with 503 (naming the start-up phase under way) and
+every API call with a 503 error, so a load balancer can route around a replica that is still
+starting. A boot that fails is final (nothing retries it): ``on_fatal`` hears why, and the
+server exits non-zero rather than answering 503 for ever.
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from warmboot.config import ModelFilesError
+from warmboot.engine import progress
 from warmboot.engine.client import EngineClient
 from warmboot.models.registry import UnsupportedModelError
 
-log = logging.getLogger("warmboot")
+log = logging.getLogger("warmboot.startup")
+USER_ERRORS = (UnsupportedModelError, ModelFilesError, ValueError)
+"""Boot failures that need no traceback: the model, its files or the settings are wrong."""
 
 
 class EngineNotReady(RuntimeError):
@@ -38,18 +43,25 @@ class EngineHolder:
         self._factory = factory
         self._freeze_gc = freeze_gc
         self.started_at = time.monotonic() if started_at is None else started_at
+        self._since = "since process start, interpreter start-up included"
+        if started_at is None:
+            self._since = "since the holder was made"
         self.llm: EngineClient | None = None
         self.error: str | None = None
         self.time_to_ready: float | None = None
+        """Seconds to ready: from process start for the first boot, else from the restart."""
         self.phase: str | None = None
-        """The start-up phase under way (``/health`` names it while starting)."""
+        """The start-up phase under way (``/health`` names it while starting); None when
+        ready. An engine in a worker reports its phases too (``worker load_weights``)."""
         self.restarts = 0
         self.fatal: str | None = None
-        """Why the model can never be served here (a bad path, an unsupported checkpoint)."""
+        """Why the boot failed (a bad path, an unsupported checkpoint, bad settings, a crash):
+        nothing retries it, so the model cannot be served here."""
         self.on_fatal: Callable[[str], None] | None = None
         """Called once with ``fatal`` (the server then exits non-zero)."""
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
     @classmethod
     def ready(cls, engine) -> EngineHolder:
@@ -62,8 +74,13 @@ class EngineHolder:
 
     def start(self) -> None:
         """Boot in a background thread."""
+        self.phase = "launching"
         self._thread = threading.Thread(target=self.boot, name="warmboot-boot", daemon=True)
         self._thread.start()
+
+    def booting(self) -> bool:
+        """Whether a background boot is under way."""
+        return self._thread is not None and self._thread.is_alive()
 
     def boot(self) -> None:
         """Boot the engine. With ``freeze_gc`` everything alive once it is ready moves to
@@ -71,24 +88,50 @@ class EngineHolder:
         ~170k objects stalled every thread for ~70 ms (measured on the demo model)."""
         if self._freeze_gc:
             gc.unfreeze()  # NOTE: a replaced engine's objects must stay collectable
+        t0, self.phase = time.monotonic(), self.phase or "launching"
         try:
-            client = self._factory()
+            with progress.listen(self._on_phase):
+                client = self._factory()
         except Exception as e:  # noqa: BLE001 - reported through /health and every API call
-            self.error = f"{type(e).__name__}: {e}"
-            if isinstance(e, (UnsupportedModelError, ModelFilesError)):
-                log.error("the model cannot be served: %s", e)
-                self.fatal = str(e)
-                if self.on_fatal is not None:
-                    self.on_fatal(self.fatal)
-                return
-            log.exception("engine failed to start")
+            self._failed(e)
             return
-        self.time_to_ready = time.monotonic() - self.started_at
-        self.llm = client
+        with self._lock:
+            closed = self._closed
+            if not closed:
+                self._ready(client, time.monotonic() - t0)
+        if closed:  # NOTE: shut down while it booted: it must not outlive the server
+            _quietly_shut(client)
+
+    def _on_phase(self, event: progress.PhaseEvent) -> None:
+        self.phase = event.under_way or f"after {event.name}"
+
+    def _failed(self, e: Exception) -> None:
+        self.error = f"{type(e).__name__}: {e}"
+        user_error = isinstance(e, USER_ERRORS)
+        self.fatal = str(e) if user_error else self.error
+        if not user_error:
+            log.exception("the engine failed to start")
+        else:
+            log.debug("the boot failed", exc_info=True)
+            if self.on_fatal is None:  # NOTE: else the server says it, once, as it exits
+                log.error("the model cannot be served: %s", e)
+        if self.on_fatal is not None:
+            self.on_fatal(self.fatal)
+
+    def _ready(self, client: EngineClient, boot_s: float) -> None:
+        """Serve ``client`` and say how long the start took: the first from process start
+        (interpreter and imports included), a restart from when it began."""
+        if self.restarts:
+            self.time_to_ready, since = boot_s, f"since restart {self.restarts} began"
+        else:
+            self.time_to_ready, since = time.monotonic() - self.started_at, self._since
+        self.llm, self.phase = client, None
         if self._freeze_gc:  # NOTE: after the old client is dropped: it must not be frozen
             gc.collect()
             gc.freeze()
-        log.info("engine ready after %.2fs (%s)", self.time_to_ready, self.start_path()[0])
+        log.info(
+            "engine ready after %.1fs (%s): %s", self.time_to_ready, since, self.start_path()[0]
+        )
 
     def require(self) -> EngineClient:
         llm = self.llm
@@ -133,8 +176,14 @@ class EngineHolder:
         return stats
 
     def shutdown(self) -> None:
-        if self.llm is not None:
-            self.llm.shutdown()
+        """Stop the engine. A boot under way is not waited for (it may be a minute's
+        compile): what it brings up is shut down as soon as it is ready."""
+        with self._lock:
+            first, self._closed, llm = not self._closed, True, self.llm
+        if llm is not None:
+            llm.shutdown()
+        elif first and self.booting():
+            log.warning("shutting down during start-up (%s)", self.phase)
 
 
 def _quietly_shut(client: EngineClient) -> None:

@@ -1,19 +1,24 @@
 """HTTP errors: ``ApiError`` (status, message, type, param, code) and the FastAPI exception
-handlers that turn request validation failures, unsupported parameters, invalid requests, an
-engine that is not ready or has died, and unknown routes or methods into JSON error bodies with
-the right status code: in OpenAI's shape, or in Anthropic's under ``/v1/messages``.
+handlers that turn request validation failures, bodies the JSON parser refuses (nested too
+deeply, an integer too long), unsupported parameters, invalid requests, an engine that is not
+ready or has died, unknown routes or methods, and crashes into JSON error bodies with the
+right status code: in OpenAI's shape, or in Anthropic's under ``/v1/messages``.
 """
 
 from __future__ import annotations
 
+import sys
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
 from warmboot.core.errors import EngineDeadError, InvalidRequestError
+from warmboot.server.admission import Overloaded
 from warmboot.server.engine_holder import EngineNotReady
-from warmboot.server.protocol import UnsupportedParameter, error_body
+from warmboot.server.fields import UnsupportedParameter, error_body
 
 
 class ApiError(Exception):
@@ -43,6 +48,24 @@ def anthropic_error_body(status: int, message: str) -> dict:
     return {"type": "error", "error": error}
 
 
+RETRY_STARTING_S = 5
+"""``Retry-After`` of a 503 while the engine starts."""
+
+
+def body_parse_error(cause: BaseException | None) -> ApiError:
+    """The 400 for a body that ``json.loads`` refuses with something other than a syntax
+    error: nesting past the recursion limit, an integer past Python's digit limit."""
+    if isinstance(cause, RecursionError):
+        depth = sys.getrecursionlimit()
+        msg = f"the request body is nested too deeply: JSON may nest about {depth} levels at most"
+    elif isinstance(cause, ValueError) and "integer string conversion" in str(cause):
+        digits = sys.get_int_max_str_digits()
+        msg = f"the request body holds an integer longer than {digits} digits"
+    else:
+        msg = "the request body could not be parsed" + (f": {cause}" if cause else "")
+    return ApiError(400, msg, "invalid_request_error")
+
+
 def install_errors(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api(request: Request, e: ApiError):
@@ -62,11 +85,35 @@ def install_errors(app: FastAPI) -> None:
 
     @app.exception_handler(EngineNotReady)
     async def _not_ready(request: Request, e: EngineNotReady):
-        return ApiError(503, str(e), "service_unavailable").response(request.url.path)
+        response = ApiError(503, str(e), "service_unavailable").response(request.url.path)
+        response.headers["Retry-After"] = str(RETRY_STARTING_S)
+        return response
+
+    @app.exception_handler(Overloaded)
+    async def _overloaded(request: Request, e: Overloaded):
+        error = ApiError(429, str(e), "rate_limit_error", code="server_overloaded")
+        response = error.response(request.url.path)
+        response.headers["Retry-After"] = str(e.retry_after)
+        return response
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, e: EngineDeadError):
         return ApiError(503, str(e), "service_unavailable").response(request.url.path)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, e: HTTPException):
+        if e.status_code == 400 and e.__cause__ is not None:  # NOTE: FastAPI's body parse
+            error = body_parse_error(e.__cause__)
+        else:
+            type_ = "server_error" if e.status_code >= 500 else "invalid_request_error"
+            error = ApiError(e.status_code, str(e.detail), type_)
+        response = error.response(request.url.path)
+        response.headers.update(e.headers or {})
+        return response
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, e: Exception):  # NOTE: uvicorn still logs the traceback
+        return ApiError(500, "internal server error", "server_error").response(request.url.path)
 
     @app.exception_handler(404)
     async def _not_found(request: Request, _):

@@ -1,7 +1,8 @@
 """The ASGI middleware in front of the FastAPI app (``Guard``). Before a request reaches a
-route it checks the API key (401) and reads the whole request body up to the configured
-limit (413), handing the app a receive that replays it; after the response it counts the
-request by endpoint and status code.
+route it checks the API key (401) and reads the whole request body, whatever the method, up to
+the configured limit (413, at once when the declared length is over it), handing the app a
+receive that replays it; after the response it counts the request by endpoint and status code.
+An error answered before the body is all read closes the connection (its rest is not read).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import zlib
 from fastapi import FastAPI
 
 from warmboot.server.config import ServerConfig
-from warmboot.server.errors import ApiError
+from warmboot.server.errors import ApiError, body_parse_error
 from warmboot.server.metrics import ServerMetrics
 
 ENDPOINTS = {
@@ -58,12 +59,21 @@ class Guard:
             await send(message)
 
         try:
-            error = self._authorize(scope, path)
-            if error is None and scope["method"] in ("POST", "PUT"):
-                scope, receive, error = await self._buffer_body(scope, receive)
-            if error is not None:
-                return await error.response(path)(scope, receive, counting_send)
-            await self.app(scope, receive, counting_send)
+            error = self._authorize(scope, path) or self._declared_too_large(scope)
+            body = b""
+            if error is None:
+                body, error = await self._read_body(receive)
+            if error is not None:  # NOTE: the body's rest is unread: the connection must go
+                response = error.response(path)
+                if _has_body(scope):
+                    response.headers["connection"] = "close"
+                return await response(scope, receive, counting_send)
+            if scope["method"] in ("POST", "PUT"):
+                try:
+                    scope, body = checked_body(scope, body, self.config.max_body_bytes)
+                except ApiError as e:
+                    return await e.response(path)(scope, receive, counting_send)
+            await self.app(scope, _replay(body, receive), counting_send)
         finally:
             endpoint = path if path in ENDPOINTS else "other"
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
@@ -85,35 +95,49 @@ class Guard:
             401, "missing or incorrect API key", "invalid_request_error", code="invalid_api_key"
         )
 
-    async def _buffer_body(self, scope, receive):
-        """Read the whole body (bounded), decompress and check it; hand the app a scope and a
-        receive that replays it."""
+    def _declared_too_large(self, scope) -> ApiError | None:
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        limit = self.config.max_body_bytes
+        if length.isdigit() and int(length) > limit:
+            return ApiError(413, _too_large(limit), "invalid_request_error")
+        return None
+
+    async def _read_body(self, receive) -> tuple[bytes, ApiError | None]:
+        """The whole body, or the error that stopped reading it (over the limit, a hang-up)."""
         limit, chunks, size = self.config.max_body_bytes, [], 0
         while True:
             message = await receive()
             if message["type"] == "http.disconnect":
-                return scope, receive, ApiError(400, "client disconnected", "invalid_request_error")
+                return b"", ApiError(400, "client disconnected", "invalid_request_error")
             size += len(message.get("body", b""))
             if size > limit:
-                msg = f"the request body exceeds the limit of {limit} bytes"
-                return scope, receive, ApiError(413, msg, "invalid_request_error")
+                return b"", ApiError(413, _too_large(limit), "invalid_request_error")
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
-                break
-        try:
-            scope, body = checked_body(scope, b"".join(chunks), limit)
-        except ApiError as e:
-            return scope, receive, e
-        replayed = False
+                return b"".join(chunks), None
 
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
 
-        return scope, replay, None
+def _too_large(limit: int) -> str:
+    return f"the request body exceeds the limit of {limit} bytes"
+
+
+def _has_body(scope) -> bool:
+    headers = dict(scope["headers"])
+    return b"transfer-encoding" in headers or headers.get(b"content-length", b"0") != b"0"
+
+
+def _replay(body: bytes, receive):
+    """A receive that gives ``body`` first, then whatever the connection says (a hang-up)."""
+    replayed = False
+
+    async def replay():
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -165,6 +189,8 @@ def _has_lone_surrogate(body: bytes) -> bool:
     check behind the regex prefilter; a body that is not JSON is left to the app)."""
     try:
         data = json.loads(body)
+    except RecursionError as e:
+        raise body_parse_error(e) from None
     except ValueError:
         return False
     stack = [data]

@@ -46,7 +46,8 @@ from warmboot.core.errors import EngineDeadError, InvalidRequestError
 from warmboot.outputs import RequestOutput
 from warmboot.server import tools as tools_mod
 from warmboot.server.errors import anthropic_error_body
-from warmboot.server.protocol import ChatCompletionRequest, UnsupportedParameter
+from warmboot.server.fields import UnsupportedParameter
+from warmboot.server.protocol import ChatCompletionRequest
 
 Cache = dict[str, Any] | None
 """A ``cache_control`` marker: accepted, ignored."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -58,6 +58,20 @@ class ServerMetrics:
         )
         self.generation_tokens = Counter(
             "warmboot_generation_tokens", "Tokens generated", registry=self.registry
+        )
+        self.admitted = Counter(
+            "warmboot_requests_admitted", "API calls admitted", registry=self.registry
+        )
+        self.rejected = Counter(
+            "warmboot_requests_rejected",
+            "API calls refused at capacity (429), by the bound that was full",
+            ["bound"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "warmboot_sequences_in_flight",
+            "Sequences admitted and not yet finished (running or queued)",
+            registry=self.registry,
         )
         self.registry.register(_EngineCollector(engine_state))
 
@@ -127,7 +141,8 @@ def _start_families(state: dict):
     restarts.add_metric([], float(state["engine_restarts"]))
     yield restarts
     ready_s = GaugeMetricFamily(
-        "warmboot_time_to_ready_seconds", "Seconds from process start to engine ready"
+        "warmboot_time_to_ready_seconds",
+        "Seconds from process start (a restart: from its start) to engine ready",
     )
     ready_s.add_metric([], float(state["time_to_ready_s"]))
     yield ready_s

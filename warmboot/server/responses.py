@@ -147,6 +147,8 @@ class ResponseMeta:
     """vLLM's ``prompt_logprobs`` extension: a ``prompt_logprobs`` list in the response."""
     token_ids_as_text: bool = False
     """vLLM's ``return_tokens_as_token_ids``: logprob tokens named ``token_id:N``."""
+    prompt_parts: dict = field(default_factory=dict, compare=False, repr=False)
+    """Per prompt, its formatted prompt logprobs (``_prompt_parts``), shared by its choices."""
 
 
 def prompt_columns(meta: ResponseMeta, out: RequestOutput) -> dict:
@@ -197,7 +199,7 @@ def _completion_choice(meta, p: int, out: RequestOutput, c, first: str | None, o
     the first new logprob token."""
     text, logprobs = first or "", None
     if meta.echo_logprobs and first is not None:
-        logprobs = prompt_columns(meta, out)
+        logprobs = _prompt_parts(meta, p, out)[0]
     if meta.generates:
         text += c.delta_text
         start = len(c.token_ids) - len(c.delta_token_ids)
@@ -207,8 +209,18 @@ def _completion_choice(meta, p: int, out: RequestOutput, c, first: str | None, o
     choice = {"index": p * meta.n + c.index, "text": text, "logprobs": logprobs}
     choice["finish_reason"] = c.finish_reason if meta.generates else "length"
     if meta.prompt_logprobs and first is not None:
-        choice["prompt_logprobs"] = vllm_prompt_logprobs(out)
+        choice["prompt_logprobs"] = _prompt_parts(meta, p, out)[1]
     return choice
+
+
+def _prompt_parts(meta: ResponseMeta, p: int, out: RequestOutput):
+    """(the echoed prompt's logprob columns, vLLM's prompt logprobs) of prompt ``p``,
+    formatted once for its ``n`` choices."""
+    if p not in meta.prompt_parts:
+        columns = prompt_columns(meta, out) if meta.echo_logprobs else None
+        vllm = vllm_prompt_logprobs(out) if meta.prompt_logprobs else None
+        meta.prompt_parts[p] = (columns, vllm)
+    return meta.prompt_parts[p]
 
 
 def completion_body(meta: ResponseMeta, outs: list[RequestOutput], echo: list[str]) -> dict:

@@ -16,14 +16,14 @@ from pydantic import Field
 from warmboot.outputs import RequestOutput
 from warmboot.server import responses as R
 from warmboot.server import tools as tools_mod
-from warmboot.server.protocol import (
-    ChatCompletionRequest,
+from warmboot.server.fields import (
     JsonSchema,
     ResponseFormat,
     StreamOptions,
     UnsupportedParameter,
     _Strict,
 )
+from warmboot.server.protocol import ChatCompletionRequest
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -47,7 +47,7 @@ class ResponsesRequest(_Strict):
     """``effort`` goes to a chat template that reads ``reasoning_effort``."""
     include: list[str] | None = None
     truncation: Literal["disabled", "auto"] | None = None
-    # ignored by design (protocol.IGNORED): the server is state-free and stores nothing
+    # ignored by design (fields.IGNORED): the server is state-free and stores nothing
     store: bool | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None

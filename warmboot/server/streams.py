@@ -8,6 +8,7 @@ streamed response has already sent per choice (``SentChoices``).
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 from warmboot.core.errors import InvalidRequestError
 from warmboot.engine.client import RequestStream
@@ -18,12 +19,15 @@ from warmboot.server.metrics import ServerMetrics
 
 
 async def add_all(llm, prompts: list, params: SamplingParams) -> list[RequestStream]:
-    """Queue every prompt, or none: a bad one aborts those already queued."""
+    """Queue every prompt, or none: a bad one aborts those already queued. The prompts form
+    one group: the scheduler takes calls in turn, so a call of many prompts cannot hold back
+    a call of one."""
     streams: list[RequestStream] = []
+    group = f"call-{uuid.uuid4().hex}"
     try:
         for i, prompt in enumerate(prompts):
             try:
-                streams.append(await llm.add_request(prompt, params))
+                streams.append(await llm.add_request(prompt, params, group=group))
             except InvalidRequestError as e:
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
                 raise InvalidRequestError(f"{where}{e}") from None

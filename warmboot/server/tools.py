@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from warmboot.server.protocol import UnsupportedParameter
+from warmboot.server.fields import UnsupportedParameter
 
 FORMATS = ("hermes", "llama3_json", "mistral")
 

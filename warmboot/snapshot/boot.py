@@ -91,11 +91,11 @@ class SnapshotBoot:
         return f"{base}; the closest, {closest_key}, differs in: {'; '.join(closest)}"
 
     def restore(
-        self, manifest: Manifest, dtype: torch.dtype, mapped: bool = False
+        self, manifest: Manifest, dtype: torch.dtype, mapped: bool = False, progress=None
     ) -> dict[str, torch.Tensor] | None:
         """Verified tensors on the engine's device, or None with ``reason`` set. ``mapped``:
         map the store's chunk files (a process image then holds no weights) instead of copying
-        them into memory the store cannot change."""
+        them into memory the store cannot change. ``progress(n)`` hears the bytes restored."""
 
         def step(progress) -> dict[str, torch.Tensor]:
             out = restore_tensors(self.store, manifest, self.device, progress, use_mmap=mapped)
@@ -104,7 +104,7 @@ class SnapshotBoot:
             return out
 
         try:
-            tensors = run_with_deadline("snapshot restore", step, self.timeout_s)
+            tensors = run_with_deadline("snapshot restore", step, self.timeout_s, None, progress)
             _check_dtypes(tensors, dtype)
             _adopt_autotune(manifest.facts.get("autotune"))
         except Exception as e:  # noqa: BLE001 - any failure means a cold boot, with its reason

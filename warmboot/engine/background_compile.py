@@ -1,0 +1,96 @@
+"""The start-up's ``compile`` phase: trace and compile the model steps (``device.compiled``),
+in the foreground on a cold boot, or on a background thread after a restore, while the
+engine serves eager steps and switches to the compiled ones when they are ready.
+
+A restored snapshot that carries inductor's artifacts loads them first (the
+``compile_artifacts`` phase), so the compile only re-traces.
+
+The background compile runs on a non-daemon thread, so the interpreter waits for it at exit:
+a daemon thread still inside torch's C++ when the interpreter finalizes is killed through a
+``noexcept`` frame and the process aborts ("terminate called without an active exception",
+exit 134).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import asdict
+from typing import Any
+
+from warmboot.device.runner import ModelRunner
+from warmboot.engine import progress
+
+log = logging.getLogger("warmboot.startup")
+Phase = Callable[..., AbstractContextManager[progress.Advance]]
+"""``Startup.phase``: times a phase into the start-up's times and reports it."""
+
+
+class ModelCompile:
+    """One engine's compile of its model steps, redone whenever the weights change."""
+
+    def __init__(self, phase: Phase, t0: float):
+        self.phase = phase
+        self.t0 = t0
+        """When the start-up began (``info["ready_s"]`` counts from it)."""
+        self.info: dict[str, Any] = {"compiled": False}
+        """What the compile did: graphs traced, inductor seconds, cache hits/misses."""
+        self.thread: threading.Thread | None = None
+        """A restore's background compile."""
+
+    def start(
+        self, runner: ModelRunner, artifacts: Callable[[], str] | None, background: bool
+    ) -> None:
+        """Compile ``runner``'s steps, first loading a restored image's compile ``artifacts``
+        (which returns a note on them) so inductor's caches hit. ``background``: on a thread,
+        so no request waits for the trace."""
+        self.wait()
+        self.info = {"compiled": False, "state": "compiling"}
+        self.thread = None
+        if not background:
+            self._run(runner, artifacts)
+            return
+        # NOTE: not a daemon: the interpreter must wait for it at exit (see the docstring)
+        self.thread = threading.Thread(
+            target=self._run, args=(runner, artifacts), name="warmboot-compile"
+        )
+        self.thread.start()
+
+    def _run(self, runner: ModelRunner, artifacts: Callable[[], str] | None) -> None:
+        note = "cold boot: compiled here"
+        detail = "in the background: eager steps serve meanwhile" if self.thread else ""
+        try:
+            if artifacts is not None:
+                with self.phase("compile_artifacts", detail=detail):
+                    note = artifacts()
+            with self.phase("compile", detail=detail):
+                stats = runner.setup_compiled()
+        except Exception as e:  # noqa: BLE001 - eager steps go on serving
+            if self.thread is None:
+                raise
+            self.info = {"compiled": False, "state": f"failed: {_describe(e)}"}
+            if not threading.main_thread().is_alive():  # NOTE: torch refuses work at exit
+                log.debug("the background compile ended with the interpreter: %s", e)
+                return
+            log.error("compiling the model steps failed, serving eagerly: %s", _describe(e))
+            return
+        ready = time.perf_counter() - self.t0
+        self.info = {"compiled": True, **asdict(stats), "artifacts": note}
+        self.info |= {"background": self.thread is not None, "ready_s": ready}
+        log.info(
+            "model steps compiled: %d graphs, %.1fs in inductor, cache %d hits / %d misses (%s)",
+            stats.graphs, stats.seconds, stats.cache_hits, stats.cache_misses, note,
+        )  # fmt: skip
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for a background compile; True when the compiled steps run (or none)."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+        return not self.thread or not self.thread.is_alive()
+
+
+def _describe(e: Exception) -> str:
+    return f"{type(e).__name__}: {e}"

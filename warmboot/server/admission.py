@@ -1,0 +1,119 @@
+"""Admission control: what one API call may cost, and how much work the server takes on.
+
+Each call is first checked against per-call bounds (prompts, sequences, prompt-logprob
+tokens): past one, a 400 names the limit. It is then admitted against the
+server's capacity: the running batch (``max_num_seqs``) plus a bounded wait
+(``max_queued_requests`` sequences, ``max_queued_tokens`` prompt tokens). Past that the call is
+refused at once with a 429 and ``Retry-After`` (503 while the engine starts), instead of
+queueing for minutes. A ``Ticket`` holds a call's share until its streams end.
+"""
+
+from __future__ import annotations
+
+from warmboot.server.config import AdmissionLimits
+from warmboot.server.fields import UnsupportedParameter
+
+
+class Overloaded(Exception):
+    """The server is at capacity: a 429 with ``Retry-After``."""
+
+    def __init__(self, message: str, retry_after: int = 1):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class Ticket:
+    """One admitted call's share of the capacity; ``release`` is idempotent."""
+
+    def __init__(self, admission: Admission, seqs: int):
+        self._admission, self.seqs, self.tokens = admission, seqs, 0
+
+    def add_tokens(self, tokens: int) -> None:
+        """The call's prompt tokens, once known; past the bound, release and refuse."""
+        admission = self._admission
+        self.tokens += tokens
+        admission.tokens += tokens
+        if admission.tokens > admission.limits.max_queued_tokens:
+            self.release()
+            admission.rejected("tokens")
+            raise Overloaded(
+                f"the server is at capacity: {admission.limits.max_queued_tokens} prompt "
+                "tokens in flight (--max-queued-tokens); retry shortly"
+            )
+
+    def release(self) -> None:
+        if self._admission is None:
+            return
+        self._admission.seqs -= self.seqs
+        self._admission.tokens -= self.tokens
+        self._admission = None
+
+
+class Admission:
+    def __init__(self, limits: AdmissionLimits, metrics=None):
+        self.limits, self.metrics = limits, metrics
+        self.seqs = 0
+        self.tokens = 0
+        if metrics is not None:
+            metrics.in_flight.set_function(lambda: self.seqs)
+
+    def check_cost(self, prompts: int, n: int, least: int, prompt_logprobs: bool) -> None:
+        """Per-call bounds from what is known before tokenizing (a 400 naming the limit);
+        ``least``: a lower bound on the call's prompt tokens (``least_tokens``)."""
+        lim = self.limits
+        if prompts > lim.max_prompts_per_request:
+            _too_much("prompt", f"{prompts} prompts in one request; at most "
+                      f"{lim.max_prompts_per_request} (--max-prompts-per-request)")  # fmt: skip
+        capacity = lim.max_num_seqs + lim.max_queued_requests
+        if prompts * n > min(lim.max_seqs_per_request, capacity):
+            _too_much("n", f"{prompts} prompts x n={n} = {prompts * n} sequences; at most "
+                      f"{min(lim.max_seqs_per_request, capacity)} per request")  # fmt: skip
+        if prompt_logprobs and least > lim.max_prompt_logprob_tokens:
+            _too_much("prompt_logprobs", f"prompt logprobs over at least {least} prompt tokens; "
+                      f"at most {lim.max_prompt_logprob_tokens} per request")  # fmt: skip
+
+    def admit(self, seqs: int) -> Ticket:
+        """Take ``seqs`` sequences of capacity, or raise ``Overloaded``."""
+        room = self.limits.max_num_seqs + self.limits.max_queued_requests - self.seqs
+        if seqs > room:
+            self.rejected("requests")
+            raise Overloaded(
+                f"the server is at capacity: {self.seqs} sequences in flight, of which at most "
+                f"{self.limits.max_queued_requests} may wait (--max-queued-requests); "
+                "retry shortly"
+            )
+        self.seqs += seqs
+        if self.metrics is not None:
+            self.metrics.admitted.inc()
+        return Ticket(self, seqs)
+
+    def rejected(self, why: str) -> None:
+        if self.metrics is not None:
+            self.metrics.rejected.labels(why).inc()
+
+    def state(self) -> dict:
+        return {"seqs_in_flight": self.seqs, "prompt_tokens_in_flight": self.tokens}
+
+
+SLACK = 2
+"""Normalizers may shrink a text (composing accents): bounds allow for half."""
+
+
+def least_tokens(chars: int, max_token_chars: int) -> int:
+    """A lower bound on the tokens of ``chars`` characters of text."""
+    return chars // (SLACK * max(max_token_chars, 1))
+
+
+def check_length(chars: int, max_token_chars: int, max_tokens: int, param: str, what: str):
+    """Refuse, before rendering or tokenizing it, an input of ``chars`` characters that must
+    hold more than ``max_tokens`` tokens (a 400 naming ``param``)."""
+    least = least_tokens(chars, max_token_chars)
+    if least > max_tokens:
+        raise UnsupportedParameter(
+            param, f"{what} too long: at least {least} tokens ({chars} characters); at most "
+            f"{max_tokens}"
+        )  # fmt: skip
+
+
+def _too_much(param: str, message: str) -> None:
+    raise UnsupportedParameter(param, f"the request is too large: {message}")
