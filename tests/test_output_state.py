@@ -30,8 +30,12 @@ class PlainState:
         if not found:
             return None
         cut, stop = min(found)
-        self.text = self.text[:cut]
+        self.text = self.text[: self._end(cut, stop)]
         return stop
+
+    def _end(self, cut: int, stop: str) -> int:
+        """Where the text ends once ``stop`` is found at ``cut``: before it."""
+        return cut
 
     def output(self, finished: bool) -> tuple[str, str]:
         visible = len(self.text) if finished else len(self.text) - self.hold_back

@@ -16,6 +16,7 @@ from tokenizers import AddedToken, decoders, models
 from tokenizers import Tokenizer as HFTokenizer
 
 from tests.helpers import assert_engine_clean, random_prompts, stop_window
+from tests.test_output_state import PlainState
 from tests.test_scheduler import Driver, make_request, reference_output
 from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM, SamplingParams
@@ -103,27 +104,12 @@ def test_include_stop_str_detokenizes_a_stop_token(llm, base):
     assert_engine_clean(llm)
 
 
-class KeptStop:
+class KeptStop(PlainState):
     """Whole-string reference of include_stop_str_in_output: a stop string found in the text
     cuts it right after the stop string; nothing is held back and emitted text stays."""
 
-    def __init__(self, params: SamplingParams):
-        self.params, self.text, self.emitted, self.tokens = params, "", 0, 0
-        self.back = max((len(s) for s in params.stop), default=1) - 1
-
-    def add_text(self, piece: str) -> str | None:
-        if not piece:
-            return None
-        start = max(0, len(self.text) - self.back)
-        self.text += piece
-        if not self.params.stop or self.tokens < self.params.min_tokens:
-            return None
-        found = [(i, s) for s in self.params.stop if (i := self.text.find(s, start)) >= 0]
-        if not found:
-            return None
-        cut, stop = min(found)
-        self.text = self.text[: max(cut + len(stop), self.emitted)]
-        return stop
+    def _end(self, cut: int, stop: str) -> int:
+        return max(cut + len(stop), self.emitted)
 
     def output(self) -> str:
         delta, self.emitted = self.text[self.emitted :], len(self.text)

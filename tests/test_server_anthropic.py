@@ -13,21 +13,11 @@ import openai
 import pytest
 
 from tests.server_harness import MODEL_NAME, running_server, small_llama, tiny_llm
+from tests.test_server_tools import ASK, TIME, WEATHER
 from warmboot.server.engine_holder import EngineHolder
 
 KEY = "s3cret"
 GREEDY = {"extra_body": {"temperature": 0}}  # NOTE: this SDK's create() has no temperature
-ASK = [{"role": "user", "content": "what is the weather in Paris?"}]
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"type": "string", "maxLength": 12},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TIME = {"type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"]}
 TOOLS = [
     {"name": "get_weather", "description": "the forecast", "input_schema": WEATHER},
     {"name": "get_time", "input_schema": TIME},
