@@ -1,6 +1,6 @@
 """What every request API shares: the strict base model (an unknown key is a 400 naming it;
 fields accepted only at their default, ``_refused``), the fields ignored by design
-(``IGNORED``), chat messages (``ChatMessage``), OpenAI's ``response_format`` and vLLM's ``structured_outputs`` turned into
+(``IgnoredByDesign``), chat messages (``ChatMessage``), OpenAI's ``response_format`` and vLLM's ``structured_outputs`` turned into
 ``StructuredOutputs``, ``UnsupportedParameter`` (a 400 naming the field) and OpenAI's error
 shape."""
 
@@ -46,10 +46,19 @@ class _Strict(BaseModel):
 
 _UNSET = (None, False, [], {})
 
-IGNORED = ("user", "metadata", "store", "service_tier", "safety_identifier",
-           "prompt_cache_key", "prompt_cache_retention", "prediction")  # fmt: skip
-"""Accepted and ignored by design: identification, billing and storage hints, and OpenAI's
-predicted outputs (a latency hint); none changes the output. (Prefix caching is automatic.)"""
+
+class IgnoredByDesign(_Strict):
+    """Fields accepted and ignored by design: identification, billing and storage hints (the
+    server is state-free: nothing is stored); none changes the output. (Prefix caching is
+    automatic.) Chat also ignores ``prediction``, a latency hint."""
+
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
 
 
 class StreamOptions(_Strict):

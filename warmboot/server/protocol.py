@@ -2,7 +2,7 @@
 
 Every field of OpenAI's request schemas and of vLLM's documented extras has an explicit
 treatment, listed in the README's request-field table: honoured; accepted and ignored by design
-(``IGNORED``: they do not change the output, e.g. ``user``, ``metadata``, ``store``); or a 400
+(``IgnoredByDesign``: they do not change the output, e.g. ``user``, ``metadata``, ``store``); or a 400
 naming it when set to anything but its default (``_refused``). A field no schema knows is a
 400 naming it, as OpenAI answers, so a client never silently gets something other than it
 asked for.
@@ -18,6 +18,7 @@ from pydantic import Field, StrictInt
 from warmboot.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs
 from warmboot.server.fields import (
     ChatMessage,
+    IgnoredByDesign,
     ResponseFormat,
     StreamOptions,
     StructuredOutputsParams,
@@ -31,7 +32,7 @@ MAX_STOP_SEQUENCES = 16
 MAX_COMPLETIONS_LOGPROBS = 5
 
 
-class _SamplingRequest(_Strict):
+class _SamplingRequest(IgnoredByDesign):
     """Fields shared by both endpoints."""
 
     model: str
@@ -46,14 +47,6 @@ class _SamplingRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
-    # ignored by design (IGNORED)
-    user: str | None = None
-    metadata: dict[str, Any] | None = None
-    store: bool | None = None
-    service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -289,7 +282,7 @@ class ChatCompletionRequest(_SamplingRequest, _ChatRendering):
     parallel_tool_calls: bool = True
     modalities: list[str] | None = None
     prediction: dict[str, Any] | None = None
-    """Ignored by design (``IGNORED``)."""
+    """Ignored by design (``IgnoredByDesign``): a latency hint."""
     # refused unless at their default
     echo: bool = False
     audio: dict[str, Any] | None = None

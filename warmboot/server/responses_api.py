@@ -17,18 +17,18 @@ from warmboot.outputs import RequestOutput
 from warmboot.server import responses as R
 from warmboot.server import tools as tools_mod
 from warmboot.server.fields import (
+    IgnoredByDesign,
     JsonSchema,
     ResponseFormat,
     StreamOptions,
     UnsupportedParameter,
-    _Strict,
 )
 from warmboot.server.protocol import ChatCompletionRequest
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class ResponsesRequest(_Strict):
+class ResponsesRequest(IgnoredByDesign):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -47,14 +47,6 @@ class ResponsesRequest(_Strict):
     """``effort`` goes to a chat template that reads ``reasoning_effort``."""
     include: list[str] | None = None
     truncation: Literal["disabled", "auto"] | None = None
-    # ignored by design (fields.IGNORED): the server is state-free and stores nothing
-    store: bool | None = None
-    metadata: dict[str, Any] | None = None
-    user: str | None = None
-    service_tier: str | None = None
-    safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
-    prompt_cache_retention: str | None = None
     # refused unless at their default
     background: bool = False
     conversation: Any = None
