@@ -12,7 +12,8 @@ and takes nearest-rank p50 / p99 (a probe that fails or gets no token counts as 
 Then the load is stopped and what it got recorded (status codes, seconds to the answer or the
 refusal, connections the server closed); a server that died or stopped answering is
 restarted (recorded). The goal, per engine: under every load, p99 <= 2 x the quiet p99 plus
-one decode step (the inter-token time of a quiet 16-token stream).
+one decode step (the inter-token time of a quiet 16-token stream). The loads come from
+127.0.0.2, the probes from 127.0.0.1: two clients, as a hostile client and the others are.
 
 The loads (sizes are flags, ``--quick`` shrinks them): ``schemas`` (N chats, each with a large
 distinct ``enum`` json_schema), ``nested`` (one schema of 400 nested objects), ``streams``
@@ -50,6 +51,7 @@ import random
 import re
 import resource
 import selectors
+import shlex
 import signal
 import socket
 import subprocess
@@ -72,6 +74,9 @@ SETTLE_S = 30.0
 """At most this long waiting, before a load, for the server to answer quietly again."""
 STEP_TOKENS = 16
 ABANDONED = "abandoned at the stop"
+LOAD_SOURCE = ("127.0.0.2", 0)
+"""The loads' source address: another client than the probes' (127.0.0.1) to the server, as
+a hostile client is in the field (per-client fair scheduling, ``core.fair_queue``)."""
 LOADS = ("schemas", "nested", "streams", "echo", "prompts", "connections", "giants", "deep")
 ENGINES = ("warmboot", "vllm")
 COLORS = {"warmboot": "tab:blue", "vllm": "tab:gray"}
@@ -165,13 +170,15 @@ def exchange(
     limit_s: float = DEADLINE_S,
     cancel: Callable[[], bool] | None = None,
     max_events: int = 0,
+    source: tuple[str, int] | None = None,
 ) -> Answer:
-    """Send one request on a new connection and read its answer until the server closes it,
-    ``max_events`` SSE events came, ``cancel()`` says so, or ``limit_s`` passed."""
+    """Send one request on a new connection (from ``source``) and read its answer until the
+    server closes it, ``max_events`` SSE events came, ``cancel()`` says so, or ``limit_s``
+    passed."""
     t0 = time.perf_counter()
     ans = Answer()
     try:
-        sock = socket.create_connection(addr, timeout=limit_s)
+        sock = socket.create_connection(addr, timeout=limit_s, source_address=source)
     except OSError as e:
         ans.error = f"connect: {type(e).__name__}"
         return ans
@@ -341,7 +348,7 @@ class Requests:
             t = time.monotonic()
             head, body = self.make(i, r)
             cancel = stop.is_set if self.stream or r else None  # NOTE: round 0 runs its course
-            ans = exchange(addr, head, body, self.limit_s, cancel)
+            ans = exchange(addr, head, body, self.limit_s, cancel, source=LOAD_SOURCE)
             with self.lock:
                 self.statuses[ans.key()] += 1
                 if ans.status not in (None, 200):
@@ -395,7 +402,7 @@ class Hold:
         socks = []
         for _ in range(self.count):
             try:
-                s = socket.create_connection(addr, timeout=5)
+                s = socket.create_connection(addr, timeout=5, source_address=LOAD_SOURCE)
             except OSError as e:
                 self.statuses[f"connect: {type(e).__name__}"] += 1
                 continue
@@ -645,7 +652,7 @@ class Warmboot(Engine):
         cmd = [sys.executable, "-m", "warmboot.cli", "serve", "--model", str(self.model)]
         cmd += ["--port", str(self.addr[1]), "--served-model-name", self.model_id]
         cmd += ["--dtype", self.args.dtype, "--max-model-len", str(self.args.max_model_len)]
-        cmd += ["--enforce-eager"]
+        cmd += ["--enforce-eager", *shlex.split(self.args.warmboot_args)]
         log = open(f"/tmp/bench-fairness-warmboot-{self.addr[1]}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -982,6 +989,8 @@ def main() -> None:
     ap.add_argument("--soak-rate", type=float, default=2.0, help="soak requests per second")
     ap.add_argument("--model", type=Path, default=None, help="default: the demo model")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--warmboot-args", default="",
+                    help="more `warmboot serve` flags, e.g. '--max-step-ms 0'")  # fmt: skip
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--out", type=Path, default=OUT)
     for f in dataclasses.fields(Sizes):

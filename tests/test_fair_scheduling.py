@@ -92,16 +92,18 @@ def test_without_groups_admission_is_fcfs():
 
 def test_config_defaults_and_checks():
     cfg = SchedulerConfig()
-    assert (cfg.prefill_chunk, cfg.fair_seats) == (512, 60)
+    assert (cfg.prefill_chunk, cfg.seat_ranks) == (512, (60, 62))
     assert SchedulerConfig(max_num_batched_tokens=8192).prefill_chunk == 2048
     assert SchedulerConfig(max_num_batched_tokens=100).prefill_chunk == 100
     assert SchedulerConfig(long_prefill_token_threshold=0).prefill_chunk == 2048
-    assert SchedulerConfig(max_num_seqs=1).fair_seats == 1  # never every seat reserved
-    assert SchedulerConfig(max_num_seqs=8, reserved_seats=0).fair_seats == 8
+    assert SchedulerConfig(max_num_seqs=1).seat_ranks == (1, 1)  # never every seat reserved
+    assert SchedulerConfig(max_num_seqs=8, reserved_seats=0).seat_ranks == (8, 8)
+    assert SchedulerConfig(max_num_seqs=8, reserved_seats=1).seat_ranks == (7, 7)
     for bad in (
         dict(long_prefill_token_threshold=-1),
         dict(reserved_seats=-1),
         dict(prompt_logprob_token_weight=0.5),
+        dict(max_step_ms=-1),
     ):
         with pytest.raises(ValueError):
             SchedulerConfig(**bad)
@@ -176,7 +178,7 @@ def test_small_call_beside_a_many_prompt_call(grouped):
     steps = steps_to_first_token(d, small)
     if grouped:
         assert steps == 1
-        assert len(d.sched.running) == d.sched.config.fair_seats  # big waits for seats
+        assert len(d.sched.running) == d.sched.config.seat_ranks[0]  # big waits for seats
     else:
         assert steps > 40  # FCFS: behind every waiting prompt of the big call
     check_outputs(d, *big, small)
@@ -246,16 +248,22 @@ def test_budget_left_under_one_weighted_token_still_serves_a_token():
 
 
 def test_reserved_seats_go_to_first_sequences_only():
+    """Of 2 reserved seats, a call's later sequences take neither, a new call of a busy client
+    the first, a new client the last."""
     d = driver(max_num_seqs=8, reserved_seats=2)
     big = call("big", 20, 4, max_tokens=50)
     d.add(*big)
     d.step()
     assert len(d.sched.running) == 6
     news = [call(f"n{i}-", 1, 4, max_tokens=50)[0] for i in range(3)]
-    d.add(*news)
+    d.add(*news[:2])
     d.step()
-    assert {r.request_id for r in d.sched.running} >= {"n0-0", "n1-0"}
-    assert [r.request_id for r in d.sched.waiting][:1] == ["n2-0"]  # the third waits its turn
+    assert "n0-0" in {r.request_id for r in d.sched.running}
+    assert [r.request_id for r in d.sched.waiting][:1] == ["n1-0"]  # the last seat: clients'
+    news[2].client = "other"
+    d.add(news[2])
+    d.step()
+    assert "n2-0" in {r.request_id for r in d.sched.running}
     check_outputs(d, *big, *news)
 
 
@@ -285,7 +293,7 @@ def test_preempted_sequences_keep_their_turn(pipelined):
         for r in c:
             assert r.output_token_ids == reference_output(r)
     assert d.kv.num_used_blocks == 0
-    assert not d.sched.turns._calls  # every call forgotten once done
+    assert not d.sched.turns._clients  # every client and call forgotten once done
 
 
 # -- property test: random workloads with calls ------------------------------------------------
@@ -298,10 +306,13 @@ def fair_workloads(draw):
         spec["group"] = w["reqs"][lead]["group"] if lead is not None else spec["group"]
         spec["plp"] = draw(st.sampled_from([None, None, 0, 3]))
         spec["plp"] = w["reqs"][lead]["plp"] if lead is not None else spec["plp"]
+        spec["client"] = draw(st.sampled_from(["", "x", "y"]))
+        spec["client"] = w["reqs"][lead]["client"] if lead is not None else spec["client"]
     w["cap"] = draw(st.sampled_from([None, 0, 1, 3, 8]))
     w["reserve"] = draw(st.sampled_from([None, 0, 1, 3]))
     w["weight"] = draw(st.sampled_from([1.0, 1.4, 3.0]))
     w["pipelined"] = draw(st.booleans())
+    w["step_ms"] = draw(st.sampled_from([None, 5.0, 40.0, 400.0]))
     return w
 
 
@@ -316,7 +327,7 @@ def make_calls(w) -> list[Request]:
             leader=leader,
             prompt_logprobs=spec["plp"],
         )
-        r.group = spec["group"]
+        r.group, r.client = spec["group"], spec["client"]
         r.completion_index = sum(m.leader is leader for m in made) if leader else 0
         made.append(r)
     return made
@@ -347,7 +358,8 @@ def run_workload(w, d: Driver, made: list[Request]) -> None:
 )
 @given(w=fair_workloads())
 def test_random_workloads_with_calls(w):
-    """Calls, chunk caps, reserves and weights never change a token, lose a block or stall;
+    """Clients, calls, chunk caps, reserves, weights and time caps never change a token, lose a
+    block or stall;
     a step's weighted cost stays within the budget; prompt logprobs are asked for once."""
     cfg = SchedulerConfig(
         max_num_seqs=w["max_num_seqs"],
@@ -355,12 +367,15 @@ def test_random_workloads_with_calls(w):
         long_prefill_token_threshold=w["cap"],
         reserved_seats=w["reserve"],
         prompt_logprob_token_weight=w["weight"],
+        max_step_ms=w["step_ms"],
     )
     d = Driver(num_blocks=w["num_blocks"], block_size=w["bs"], caching=w["caching"])
     d.sched = Scheduler(cfg, d.kv)
+    for units in (1, 8, 16, 32):  # a step costs 10 ms + 1 ms a unit
+        d.sched.step_cost.observe(units, 0.010 + 0.001 * units)
     made = make_calls(w)
     run_workload(w, d, made)
-    assert not d.sched.requests and not d.sched.turns._calls
+    assert not d.sched.requests and not d.sched.turns._clients
     assert d.kv.num_used_blocks == 0 and d.kv.num_held_blocks == 0
     for r in made:
         assert r.output_token_ids == reference_output(r)
@@ -485,13 +500,20 @@ def test_engine_ranks_the_sequences_of_a_group(path):
     params = SamplingParams(temperature=0.0, max_tokens=1, n=2)
     for i in range(2):
         engine.add_request(f"p{i}", [1, 2, 3], params, group="call")
+    engine.add_request("other", [1, 2, 3], params, group="call2")
+    engine.add_request("elsewhere", [1, 2, 3], params, group="call3", client="b")
     engine.add_request("solo", [1, 2, 3], replace(params, n=1))
     reqs = {r.request_id.split("@")[0]: r for r in engine.scheduler.requests.values()}
+    # 0: a client's first live sequence, 1: a call's, 2: the rest
     assert {k: (r.group, r.rank) for k, r in reqs.items()} == {
         "p0#0": ("call", 0),
-        "p0#1": ("call", 1),
+        "p0#1": ("call", 2),
         "p1#0": ("call", 2),
-        "p1#1": ("call", 3),
+        "p1#1": ("call", 2),
+        "other#0": ("call2", 1),
+        "other#1": ("call2", 2),
+        "elsewhere#0": ("call3", 0),
+        "elsewhere#1": ("call3", 2),
         "solo#0": (None, 0),
     }
     drain(engine, {})

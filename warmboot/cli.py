@@ -82,6 +82,11 @@ def _setup_logging(args) -> None:
         logging.getLogger("warmboot.startup").setLevel(logging.INFO)
 
 
+DEFAULT_MAX_STEP_MS = 100.0
+"""``serve``'s step time cap: with it a small request's time to first token stays within about
+twice its quiet figure beside any load (``bench/fairness.py``); the offline engine has none."""
+
+
 def _limit_args(p: argparse.ArgumentParser) -> None:
     """Admission control and HTTP limits (``server.config.AdmissionLimits``,
     ``server.http_server.HttpLimits``): past them a call gets a 429, 400, 408 or 431."""
@@ -102,6 +107,13 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a request body may stall (a 408)")  # fmt: skip
     g.add_argument("--max-connections", type=int, default=1000,
                    help="open connections; past it the longest idle one is closed")  # fmt: skip
+    g.add_argument("--max-step-ms", type=float, default=DEFAULT_MAX_STEP_MS,
+                   help="longest an engine step should run: its token budget follows the "
+                   "measured step cost, so a request arriving mid-step waits about this long "
+                   "at most (0: no cap, throughput first)")  # fmt: skip
+    g.add_argument("--client-id-header", default=None,
+                   help="a header that names the client, set by a trusted proxy (fair "
+                   "scheduling and per-client shares; default: the peer address)")  # fmt: skip
 
 
 def _limits(args):
@@ -222,6 +234,8 @@ def _engine_kwargs(args, model: str) -> dict:
     )
     if hasattr(args, "max_num_seqs"):
         kwargs["max_num_seqs"] = args.max_num_seqs
+    if getattr(args, "max_step_ms", None):
+        kwargs["max_step_ms"] = args.max_step_ms
     return kwargs
 
 
@@ -299,6 +313,7 @@ def _serve(args) -> int:
         chat_template=chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
         admission=admission,
+        client_id_header=args.client_id_header,
     )
 
     def listening(url: str) -> None:

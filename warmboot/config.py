@@ -162,16 +162,23 @@ class SchedulerConfig:
     to a plain prefill token: it adds an LM head over the vocabulary, a float32 log-softmax
     and a top-k (1.30-1.40 measured on the demo model's 512-token prefill, top 1 and 20, on
     1 and 2 CPU threads, eager and compiled)."""
+    max_step_ms: float | None = None
+    """Longest a step should run, in ms: the step's token budget is what the fitted step cost
+    says fits (``core.step_cost``), so a request arriving mid-step waits at most about this long
+    for a seat, and a running stream's inter-token gap stays near it. None or 0: no time cap
+    (throughput first: the offline default; the server's is ``--max-step-ms``)."""
     reserved_seats: int | None = None
-    """Seats (of ``max_num_seqs``) that only a call's first sequence may take: a call's
-    later prompts and completions never fill them, so a new call finds a seat. None:
-    ``max_num_seqs // 16``, at least 1; always fewer than ``max_num_seqs``."""
+    """Seats (of ``max_num_seqs``) that only a client's or a call's first live sequence may
+    take, the last half of them (rounded up) only a client's: a client's later calls never
+    fill those, so a new client finds a seat, and a call's later prompts and completions none
+    of them, so a new call finds one. None: ``max_num_seqs // 16``, at least 1; fewer than
+    ``max_num_seqs``."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("long_prefill_token_threshold", "reserved_seats"):
+        for name in ("long_prefill_token_threshold", "reserved_seats", "max_step_ms"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.prompt_logprob_token_weight >= 1:
@@ -188,12 +195,15 @@ class SchedulerConfig:
         return min(cap or self.max_num_batched_tokens, self.max_num_batched_tokens)
 
     @property
-    def fair_seats(self) -> int:
-        """Seats a call's later sequences may hold (``max_num_seqs`` less the reserve)."""
+    def seat_ranks(self) -> tuple[int, int]:
+        """(seats any sequence may hold, seats a client's or a call's first may hold): the
+        reserve (``reserved_seats``) past the first, its last half (rounded up: a reserve of
+        one seat is the clients') past the second."""
         reserve = self.reserved_seats
         if reserve is None:
             reserve = max(1, self.max_num_seqs // 16)
-        return self.max_num_seqs - min(reserve, self.max_num_seqs - 1)
+        reserve = min(reserve, self.max_num_seqs - 1)
+        return self.max_num_seqs - reserve, self.max_num_seqs - (reserve + 1) // 2
 
 
 @dataclass(frozen=True)

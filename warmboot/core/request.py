@@ -44,13 +44,16 @@ class Request:
     """For n > 1: the sibling whose prompt KV the others wait for and then share."""
     completion_index: int = 0
     group: str | None = None
-    """The API call the sequence belongs to (fair scheduling); None: a call of its own whose
-    completions share one place in the queue."""
+    """The API call the sequence belongs to (fair scheduling); None: a call of its own."""
+    client: str = ""
+    """Who sent the call (fair scheduling: clients take turns, then their calls)."""
     rank: int = 0
-    """Its place among its call's sequences (0: the first); set by the scheduler."""
+    """0: its slot is its client's first live one (may take a reserved seat); set by the
+    scheduler (``core.fair_queue``)."""
     turn: int = 0
-    """The round-robin round it is due in, the queue's order after ``priority``; set by the
-    scheduler."""
+    """Its slot's round, the queue's order after ``priority``; set by the scheduler."""
+    local_turn: int = 0
+    """Its round among its client's calls; set by the scheduler."""
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

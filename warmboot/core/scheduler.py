@@ -2,143 +2,52 @@
 budget, prefill and decode mixed in one step, preemption by recompute. Pure Python; talks to
 the runner in plain data.
 
-Fairness policy (per call). A call is one API request (``Request.group``: the server passes
-its id; every prompt and completion of it is one sequence). Not per client: behind one API key
-or a proxy the server cannot tell clients apart, while a call is what a client waits on.
+Fairness policy (per client, then per call; the order is ``core.fair_queue``'s). A call is
+one API request, a client whoever sent it (the server passes the peer address or a trusted
+proxy's header). Clients take turns, then each client's calls: a client's flood of calls (256
+streams) delays that client, not the others; a call of many prompts delays that call, not the
+client's other calls. Per client because a client can open any number of calls; per call
+within it because one proxy may carry many users.
 
-- Round robin between calls: within a priority the queue is ordered by turn, then arrival.
-  A call's sequences take consecutive turns from the round being served when it arrives
-  (start-time fair queuing, one unit a sequence): each round admits at most one sequence of
-  each call, so a new call waits for neither the backlog of a big one nor, as a flood of
-  new calls, starves it. Preempted requests keep their turn and go first within it. A lower
-  priority value always goes first.
-- Reserved seats: a call's later sequences never take the last ``reserved_seats`` seats.
+- Round robin: within a priority, one sequence of each client per round, then by arrival.
+- Reserved seats: only a client's or a call's first live sequence may take the last
+  ``reserved_seats``, and only a client's the last half of them.
 - Long prefills are chunked: one request computes at most ``prefill_chunk`` tokens a step.
 - Prompt-logprob tokens (an LM head over the vocabulary each) count
   ``prompt_logprob_token_weight`` times against the step budget and the chunk cap.
+- With ``max_step_ms``, a step holds what the fitted step cost (``core.step_cost``) says fits
+  in that time, never less than its decodes plus ``MIN_PREFILL_UNITS`` for running
+  prefills, and as much again that they leave to waiting requests while one could take a
+  free seat.
 
-Bound: a new call's first sequence is admitted in the first step scheduled after it
-arrives that has, once the requests ahead of it are served (preempted requests, lower priority
-values and at most one sequence of each other call), a free seat, KV blocks and budget for its
-first chunk; the budget running requests take is their decodes plus at most
-``prefill_chunk`` (weighted) tokens per prefill, and a call's later sequences never take the
-reserved seats. Beside one call of any size (a 1000-prompt call, a prompt near
-``max_model_len``, echo + prompt_logprobs + n=16) with default settings, that is the next
-step: the sync loop returns its first token from the next ``step()``, the pipelined loop
-(two steps in flight) from the third. Requests without a group are admitted FCFS.
+Bound: a new client's first sequence is admitted in the first step scheduled after it arrives
+that has, once the requests ahead of it are served (preempted requests, lower priority values
+and at most one sequence of each other client), a free seat, KV blocks and budget for its
+first chunk. Beside one client's load of any shape (256 streams, a 1000-prompt call, a
+prompt near ``max_model_len``, echo + prompt_logprobs + n=16), that is the next step: the sync
+loop returns its first token from the next ``step()``, the pipelined loop (two steps in flight)
+from the third; with ``max_step_ms`` each of those steps lasts about that long at most.
 """
 
 from __future__ import annotations
 
 import bisect
-import heapq
-import itertools
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 from warmboot.config import SchedulerConfig
 from warmboot.core.block_manager import BlockManager
+from warmboot.core.fair_queue import Entry, FairTurns, WaitingQueue
 from warmboot.core.request import FinishReason, Request, RequestStatus
+from warmboot.core.step_cost import StepCost
 from warmboot.core.types import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenEvent
 
-Entry = tuple[int, int, int, Request]
-"""A waiting request's place: (priority, turn, position, request)."""
+MIN_PREFILL_UNITS = 32
+"""Prefill budget a time-capped step always has beside its decodes, and that running prefills
+leave to waiting requests: a small request's prompt in one chunk."""
 
 
 def _priority(req: Request) -> int:
     return req.params.priority
-
-
-class WaitingQueue:
-    """Requests waiting for admission in (priority, turn, position) order: lower priority
-    values first, then earlier turns; within one turn, preempted requests (newest preemption
-    first) and then arrivals in order. Without groups every turn is the round at arrival,
-    which keeps the FCFS order.
-
-    Two heaps, calls' first sequences and their later ones, so that a step with only
-    reserved seats left passes over the later ones without popping them all."""
-
-    def __init__(self) -> None:
-        self._heaps: tuple[list[Entry], list[Entry]] = ([], [])
-        self._back = itertools.count()
-        self._front = itertools.count(-1, -1)
-
-    def append(self, req: Request) -> None:
-        """An arrival: behind every request of its priority and turn."""
-        self._push((req.params.priority, req.turn, next(self._back), req))
-
-    def appendleft(self, req: Request) -> None:
-        """A preempted request: ahead of every request of its priority and turn."""
-        self._push((req.params.priority, req.turn, next(self._front), req))
-
-    def _push(self, entry: Entry) -> None:
-        heapq.heappush(self._heaps[entry[3].rank > 0], entry)
-
-    def pop(self, later: bool = True) -> Entry | None:
-        """The next request, or None. ``later=False``: the next first sequence of a call,
-        unless a later sequence of a lower priority value waits (none overtakes that)."""
-        first, rest = self._heaps
-        if rest and (not first or rest[0] < first[0]):
-            if later:
-                return heapq.heappop(rest)
-            if not first or rest[0][0] < first[0][0]:
-                return None
-        return heapq.heappop(first) if first else None
-
-    def restore(self, entries: Iterable[Entry]) -> None:
-        """Put popped entries back in their places."""
-        for entry in entries:
-            self._push(entry)
-
-    def remove(self, req: Request) -> None:
-        heap = self._heaps[req.rank > 0]
-        i = next(i for i, e in enumerate(heap) if e[3] is req)
-        last = heap.pop()
-        if i < len(heap):
-            heap[i] = last
-            heapq.heapify(heap)
-
-    def __len__(self) -> int:
-        return len(self._heaps[0]) + len(self._heaps[1])
-
-    def __iter__(self) -> Iterator[Request]:
-        """In admission order (sorts: for stats and tests, not for the step)."""
-        return (e[3] for e in sorted(self._heaps[0] + self._heaps[1], key=lambda e: e[:3]))
-
-
-@dataclass
-class _Call:
-    last_turn: int
-    sequences: int = 0
-    live: int = 0
-
-
-class FairTurns:
-    """Gives each sequence its ``rank`` and ``turn`` (see the module docstring); forgets a
-    call once none of its sequences is left."""
-
-    def __init__(self) -> None:
-        self.round = 0
-        """The latest turn admitted."""
-        self._calls: dict[str, _Call] = {}
-
-    def assign(self, req: Request) -> None:
-        if req.group is None:
-            req.rank, req.turn = 0, self.round
-            return
-        call = self._calls.setdefault(req.group, _Call(self.round - 1))
-        req.rank, req.turn = call.sequences, max(self.round, call.last_turn + 1)
-        call.last_turn, call.sequences, call.live = req.turn, call.sequences + 1, call.live + 1
-
-    def admitted(self, req: Request) -> None:
-        self.round = max(self.round, req.turn)
-
-    def release(self, req: Request) -> None:
-        call = self._calls.get(req.group) if req.group is not None else None
-        if call is not None:
-            call.live -= 1
-            if not call.live:
-                del self._calls[req.group]
 
 
 class Scheduler:
@@ -147,6 +56,8 @@ class Scheduler:
         self.kv = kv
         self.waiting = WaitingQueue()
         self.turns = FairTurns()
+        self.step_cost = StepCost()
+        """Fed by the loop as steps retire (``max_step_ms``)."""
         self.running: list[Request] = []
         """Ordered by priority, then admission: the step serves it in order and preempts
         from its end."""
@@ -183,11 +94,31 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_since_step)
         self._finished_since_step = []
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        budget, reserve = self._budget()
+        left = self._schedule_running(out, budget, reserve)
         if not out.preempted_req_ids:
-            self._schedule_waiting(out, budget)
+            left = self._schedule_waiting(out, left)
+        out.budget_units = budget - left
         return out
+
+    def _budget(self) -> tuple[float, float]:
+        """(the step's budget, the part of it running prefills leave to waiting requests)."""
+        cfg = self.config
+        cap = cfg.max_step_ms and self.step_cost.units_within(cfg.max_step_ms / 1000)
+        if not cap:
+            return cfg.max_num_batched_tokens, 0
+        decodes = sum(r.num_tokens - r.num_computed_tokens <= 1 for r in self.running)
+        prefills = len(self.running) > decodes
+        reserve = MIN_PREFILL_UNITS if self._admissible_waits() else 0
+        floor = decodes + max(MIN_PREFILL_UNITS * prefills + reserve, MIN_PREFILL_UNITS)
+        budget = min(cfg.max_num_batched_tokens, max(cap, floor))
+        return budget, max(0, min(reserve, budget - decodes - 1))  # NOTE: a prefill moves
+
+    def _admissible_waits(self) -> bool:
+        """Whether a waiting request could take a seat now (siblings wait for their leader)."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        return any(not self._waits_for_leader(r) for r in self.waiting.requests())
 
     def _chunk(self, req: Request, remaining: int, budget: float) -> tuple[int, float]:
         """How many of its ``remaining`` tokens ``req`` computes in this step (at most the
@@ -197,15 +128,17 @@ class Scheduler:
         n = min(remaining, max(1, int(min(budget, cfg.prefill_chunk) / weight)), int(budget))
         return n, n * weight
 
-    def _schedule_running(self, out: SchedulerOutput, budget: float) -> float:
+    def _schedule_running(self, out: SchedulerOutput, budget: float, reserve: float) -> float:
         incoming = 0  # blocks that preempted victims return when the in-flight step retires
         i = 0
         while i < len(self.running) and budget >= 1:
             req = self.running[i]
-            if req.num_planned_outputs >= req.max_tokens:
+            remaining = req.num_tokens - req.num_computed_tokens
+            own = budget - reserve if remaining > 1 else budget  # NOTE: prefills leave the reserve
+            if req.num_planned_outputs >= req.max_tokens or own < 1:
                 i += 1  # NOTE: its last token is in flight; never launch a row past max_tokens
                 continue
-            n, cost = self._chunk(req, req.num_tokens - req.num_computed_tokens, budget)
+            n, cost = self._chunk(req, remaining, own)
             room, incoming = self._make_room(req, n, out, incoming)
             if not room:
                 if req.status is not RequestStatus.RUNNING:
@@ -244,13 +177,15 @@ class Scheduler:
                 return False, incoming
         return True, incoming
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: float) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: float) -> float:
         skipped: list[Entry] = []
+        anyone, firsts = self.config.seat_ranks
         while budget >= 1 and len(self.running) < self.config.max_num_seqs:
-            entry = self.waiting.pop(later=len(self.running) < self.config.fair_seats)
+            seated = len(self.running)
+            entry = self.waiting.pop(rank=2 if seated < anyone else 1 if seated < firsts else 0)
             if entry is None:
                 break
-            req = entry[3]
+            req = entry.req
             if self._waits_for_leader(req):
                 skipped.append(entry)
                 continue
@@ -265,11 +200,12 @@ class Scheduler:
                 req.num_cached_tokens = start
             req.num_computed_tokens = start
             req.status = RequestStatus.RUNNING
-            self.turns.admitted(req)
+            self.turns.admitted(entry)
             bisect.insort(self.running, req, key=_priority)  # NOTE: all equal: an append
             out.scheduled.append(self._scheduled(req, n))
             budget -= cost
         self.waiting.restore(skipped)
+        return budget
 
     def _waits_for_leader(self, req: Request) -> bool:
         # n > 1: siblings wait until the leader's first token is committed; by then its prompt's

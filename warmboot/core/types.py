@@ -52,6 +52,8 @@ class SchedulerOutput:
     preempted_req_ids: list[str] = field(default_factory=list)
     finished_req_ids: list[str] = field(default_factory=list)
     """Requests finished since the previous step: the runner drops their per-request state."""
+    budget_units: float = 0.0
+    """The step budget its chunks used (prompt-logprob tokens weigh more): ``StepCost``'s x."""
 
     @property
     def num_batched_tokens(self) -> int:

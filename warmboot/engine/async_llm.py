@@ -63,10 +63,12 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str | None = None,
         group: str | None = None,
+        client: str = "",
     ) -> RequestStream:
         """Validate (off the event loop) and queue a request; raise ``InvalidRequestError`` if
         bad. Iterate the returned stream for outputs; leaving it early aborts the request.
-        ``group``: the API call it belongs to (the scheduler takes calls in turn)."""
+        ``group``: the API call it belongs to, ``client``: who sent it (the scheduler takes
+        clients in turn, then their calls)."""
         if self._error is not None:
             raise EngineDeadError("the engine loop has stopped") from self._error
         request_id = request_id or f"async-{next(self._ids)}"
@@ -78,7 +80,7 @@ class AsyncLLM:
         checked = await self.engine.validator.compile_async(checked)
         queue_: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue_)
-        self._inbox.put(("add", request_id, checked, group))
+        self._inbox.put(("add", request_id, checked, group, client))
         return RequestStream(request_id, len(checked.token_ids), queue_, self.abort)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
@@ -145,9 +147,9 @@ class AsyncLLM:
         if cmd[0] == "stop":
             return False
         if cmd[0] == "add":
-            _, request_id, checked, group = cmd
+            _, request_id, checked, group, client = cmd
             try:
-                self.engine.add_request(request_id, checked, group=group)
+                self.engine.add_request(request_id, checked, group=group, client=client)
             except ValueError as e:
                 self._deliver(request_id, e)
         elif cmd[0] == "abort":

@@ -31,6 +31,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_model_len: int | None = None,
         max_num_batched_tokens: int = 2048,
+        max_step_ms: float | None = None,
         block_size: int = 16,
         kv_cache_memory_bytes: int | None = None,
         num_kv_blocks: int | None = None,
@@ -65,7 +66,9 @@ class LLM:
                 enable_prefix_caching=enable_prefix_caching,
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_step_ms=max_step_ms,
             ),
             snapshot_store=None if snapshot_store is None else str(snapshot_store),
             snapshot_publish=snapshot_publish,

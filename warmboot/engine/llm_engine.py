@@ -66,11 +66,13 @@ class LLMEngine:
         prompt: Prompt | ValidatedRequest,
         params: SamplingParams | None = None,
         group: str | None = None,
+        client: str = "",
     ) -> str:
         """Queue a request (validated here unless ``prompt`` is a ``ValidatedRequest``); raise
         ``InvalidRequestError`` (nothing queued) if bad. ``group``: the API call it is part of
-        (the server's id of it): the scheduler takes turns between calls, each prompt and
-        completion of a call one sequence (``core.scheduler``); None: FCFS."""
+        (the server's id of it), ``client``: who sent it. The scheduler takes turns between
+        clients, then between a client's calls, each prompt and completion of a call one
+        sequence (``core.fair_queue``); no group: a call of its own."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.outputs.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -80,7 +82,7 @@ class LLMEngine:
             checked = prompt
         else:
             checked = self.validate(prompt, params or SamplingParams())
-        children, states = self._children(request_id, checked, group)
+        children, states = self._children(request_id, checked, group, client)
         outputs = RequestGroup(request_id, checked.text, list(checked.token_ids), states, children)
         self.outputs.add(outputs)
         for child in children:
@@ -89,7 +91,7 @@ class LLMEngine:
             self.scheduler.add_request(child)
         return request_id
 
-    def _children(self, request_id: str, checked: ValidatedRequest, group: str | None):
+    def _children(self, request_id: str, checked: ValidatedRequest, group: str | None, client: str):
         """One ``Request`` and its output state per completion (``n``)."""
         params, eos = checked.params, frozenset(self.facts.eos_token_ids)
         # NOTE: internal ids are unique per submission, so a user id reused while a zombie row
@@ -108,6 +110,7 @@ class LLMEngine:
                 leader=children[0] if children else None,
                 completion_index=i,
                 group=group,
+                client=client,
             )
             children.append(child)
             logprobs = [] if params.logprobs is not None else None

@@ -73,6 +73,7 @@ class Loop:
     def __init__(self, parts: StepParts):
         self.parts = parts
         self.meter = BubbleMeter()
+        self._busy = 0.0
 
     def in_flight(self) -> bool:
         return False
@@ -109,7 +110,11 @@ class Loop:
             p.scheduler.finish_requests(stopped + ended, FinishReason.STOP)
         p.block_manager.unhold_seqs(handle.held_seqs)
         decode_only = handle.sched.decode_only and bool(touched)
-        self.meter.mark(p.runner.stream.busy_seconds(), decode_only)
+        busy = p.runner.stream.busy_seconds()
+        if handle.inputs is not None:  # NOTE: device time since the last commit: this step's
+            p.scheduler.step_cost.observe(handle.sched.budget_units, busy - self._busy)
+        self._busy = busy
+        self.meter.mark(busy, decode_only)
         return touched
 
 

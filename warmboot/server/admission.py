@@ -5,7 +5,9 @@ tokens): past one, a 400 names the limit. It is then admitted against the
 server's capacity: the running batch (``max_num_seqs``) plus a bounded wait
 (``max_queued_requests`` sequences, ``max_queued_tokens`` prompt tokens). Past that the call is
 refused at once with a 429 and ``Retry-After`` (503 while the engine starts), instead of
-queueing for minutes. A ``Ticket`` holds a call's share until its streams end.
+queueing for minutes; so is a client that holds half of that capacity while another client
+holds some (``client_of`` names the client: the peer address, or a trusted proxy's header).
+A ``Ticket`` holds a call's share until its streams end.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ class Overloaded(Exception):
 class Ticket:
     """One admitted call's share of the capacity; ``release`` is idempotent."""
 
-    def __init__(self, admission: Admission, seqs: int):
-        self._admission, self.seqs, self.tokens = admission, seqs, 0
+    def __init__(self, admission: Admission, seqs: int, client: str):
+        self._admission, self.seqs, self.tokens, self.client = admission, seqs, 0, client
 
     def add_tokens(self, tokens: int) -> None:
         """The call's prompt tokens, once known; past the bound, release and refuse."""
@@ -44,8 +46,12 @@ class Ticket:
     def release(self) -> None:
         if self._admission is None:
             return
-        self._admission.seqs -= self.seqs
-        self._admission.tokens -= self.tokens
+        admission = self._admission
+        admission.seqs -= self.seqs
+        admission.tokens -= self.tokens
+        admission.by_client[self.client] -= self.seqs
+        if not admission.by_client[self.client]:
+            del admission.by_client[self.client]
         self._admission = None
 
 
@@ -54,6 +60,7 @@ class Admission:
         self.limits, self.metrics = limits, metrics
         self.seqs = 0
         self.tokens = 0
+        self.by_client: dict[str, int] = {}
         if metrics is not None:
             metrics.in_flight.set_function(lambda: self.seqs)
 
@@ -72,20 +79,28 @@ class Admission:
             _too_much("prompt_logprobs", f"prompt logprobs over at least {least} prompt tokens; "
                       f"at most {lim.max_prompt_logprob_tokens} per request")  # fmt: skip
 
-    def admit(self, seqs: int) -> Ticket:
-        """Take ``seqs`` sequences of capacity, or raise ``Overloaded``."""
-        room = self.limits.max_num_seqs + self.limits.max_queued_requests - self.seqs
-        if seqs > room:
+    def admit(self, seqs: int, client: str = "") -> Ticket:
+        """Take ``seqs`` sequences of capacity for ``client``, or raise ``Overloaded``."""
+        capacity = self.limits.max_num_seqs + self.limits.max_queued_requests
+        if seqs > capacity - self.seqs:
             self.rejected("requests")
             raise Overloaded(
                 f"the server is at capacity: {self.seqs} sequences in flight, of which at most "
                 f"{self.limits.max_queued_requests} may wait (--max-queued-requests); "
                 "retry shortly"
             )
+        held = self.by_client.get(client, 0)
+        if held + seqs > capacity // 2 and self.seqs > held:
+            self.rejected("client")
+            raise Overloaded(
+                f"this client holds {held} of the server's {capacity} places while other "
+                "clients wait; one client may hold at most half of them; retry shortly"
+            )
         self.seqs += seqs
+        self.by_client[client] = held + seqs
         if self.metrics is not None:
             self.metrics.admitted.inc()
-        return Ticket(self, seqs)
+        return Ticket(self, seqs, client)
 
     def rejected(self, why: str) -> None:
         if self.metrics is not None:
@@ -93,6 +108,16 @@ class Admission:
 
     def state(self) -> dict:
         return {"seqs_in_flight": self.seqs, "prompt_tokens_in_flight": self.tokens}
+
+
+def client_of(request, header: str | None) -> str:
+    """Who sent ``request`` (fair scheduling and shares): ``header``'s value when the server is
+    told to trust it (a proxy sets it) and it is present, else the peer's address."""
+    if header:
+        value = request.headers.get(header)
+        if value:
+            return f"h:{value}"
+    return request.client.host if request.client is not None else ""
 
 
 SLACK = 2

@@ -29,7 +29,13 @@ from warmboot.sampling_params import SamplingParams
 from warmboot.server import chunks as chunks_mod
 from warmboot.server import responses as R
 from warmboot.server import tools as tools_mod
-from warmboot.server.admission import Admission, Overloaded, check_length, least_tokens
+from warmboot.server.admission import (
+    Admission,
+    Overloaded,
+    check_length,
+    client_of,
+    least_tokens,
+)
 from warmboot.server.chat_render import chat_prompt
 from warmboot.server.config import ServerConfig
 from warmboot.server.delivery import sse, until_disconnect
@@ -221,7 +227,7 @@ class _Api:
         self.admission.check_cost(len(prompts), params.n, least, params.prompt_logprobs is not None)
         if not body.add_special_tokens:
             prompts = await asyncio.to_thread(_without_specials, llm, prompts)
-        streams, ticket = await self._queue(llm, prompts, params)
+        streams, ticket = await self._queue(llm, prompts, params, request)
         meta = replace(
             self._meta("cmpl", params, llm, body),
             echo_logprobs=body.echo_logprobs,
@@ -249,7 +255,7 @@ class _Api:
         self._check_chat_length(llm, body, body.tools)
         self.admission.check_cost(1, params.n, 0, params.prompt_logprobs is not None)
         prompt = await asyncio.to_thread(chat_prompt, llm.tokenizer, body, tools, self.config)
-        (stream,), ticket = await self._queue(llm, [prompt], params)
+        (stream,), ticket = await self._queue(llm, [prompt], params, request)
         meta = self._meta("chatcmpl", params, llm, body)
         meta = replace(meta, prompt_logprobs=body.prompt_logprobs is not None)
         if body.stream:
@@ -262,12 +268,13 @@ class _Api:
             (out,) = await until_disconnect(request, self.reader.finals([stream]))
         return R.chat_body(meta, out, tool_plan)
 
-    async def _queue(self, llm, prompts: list, params: SamplingParams):
+    async def _queue(self, llm, prompts: list, params: SamplingParams, request: Request):
         """(streams, ticket): the prompts queued once admitted; the ticket holds their share
         of the capacity until released."""
-        ticket = self.admission.admit(len(prompts) * params.n)
+        client = client_of(request, self.config.client_id_header)
+        ticket = self.admission.admit(len(prompts) * params.n, client)
         try:
-            streams = await add_all(llm, prompts, params)
+            streams = await add_all(llm, prompts, params, client)
         except BaseException:
             ticket.release()
             raise
@@ -317,7 +324,7 @@ class _Api:
     async def _deliver(self, llm, prompt, params, request, streaming: bool, builder):
         """Run one prompt: ``builder``'s typed event stream, or its body once finished."""
         self.admission.check_cost(1, params.n, 0, params.prompt_logprobs is not None)
-        (stream,), ticket = await self._queue(llm, [prompt], params)
+        (stream,), ticket = await self._queue(llm, [prompt], params, request)
         if streaming:
             finals: dict[int, RequestOutput] = {}
             merged = self.reader.merge([stream], finals)

@@ -43,5 +43,8 @@ class ServerConfig:
     chat_template: str | None = None
     """A Jinja chat template used instead of the tokenizer's (``--chat-template``)."""
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
+    client_id_header: str | None = None
+    """A header naming the client (fair scheduling, per-client shares), set by a trusted
+    proxy; None: the peer address names it (``--client-id-header``)."""
     trust_request_chat_template: bool = False
     """Render a request's own ``chat_template`` (vLLM's flag); refused (400) otherwise."""

@@ -18,16 +18,19 @@ from warmboot.server import responses as R
 from warmboot.server.metrics import ServerMetrics
 
 
-async def add_all(llm, prompts: list, params: SamplingParams) -> list[RequestStream]:
+async def add_all(
+    llm, prompts: list, params: SamplingParams, client: str = ""
+) -> list[RequestStream]:
     """Queue every prompt, or none: a bad one aborts those already queued. The prompts form
-    one group: the scheduler takes calls in turn, so a call of many prompts cannot hold back
-    a call of one."""
+    one group of ``client``'s: the scheduler takes clients, then their calls, in turn, so a
+    client's flood of calls cannot hold back another client, nor a call of many prompts a
+    call of one."""
     streams: list[RequestStream] = []
     group = f"call-{uuid.uuid4().hex}"
     try:
         for i, prompt in enumerate(prompts):
             try:
-                streams.append(await llm.add_request(prompt, params, group=group))
+                streams.append(await llm.add_request(prompt, params, group=group, client=client))
             except InvalidRequestError as e:
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
                 raise InvalidRequestError(f"{where}{e}") from None
