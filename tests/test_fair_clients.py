@@ -87,39 +87,43 @@ def test_aborting_a_waiting_request_gives_back_its_clients_latest_slot():
 
 
 # -- step cost ---------------------------------------------------------------------------------
-def test_step_cost_fits_fixed_and_per_unit_time():
+def test_step_cost_fits_fixed_prefill_and_decode_time():
     cost = StepCost()
     assert cost.units_within(0.1) is None
-    for units in [1, 64, 1, 128, 32, 1, 256] * 3:
-        cost.observe(units, 0.050 + 0.002 * units)
-    fixed, per_unit = cost.fit()
-    assert fixed == pytest.approx(0.050) and per_unit == pytest.approx(0.002)
+    for units, rows in [(1, 0), (64, 4), (0, 32), (128, 8), (32, 0), (0, 1), (256, 16)] * 3:
+        cost.observe(units, rows, 0.050 + 0.002 * units + 0.006 * rows)
+    assert cost.fit() == pytest.approx((0.050, 0.002, 0.006))
     assert cost.units_within(0.1) == 25
-    assert cost.units_within(0.01) == 1  # never below one unit
+    assert cost.units_within(0.2, decode_rows=10) == 10 + 45
+    assert cost.units_within(0.01, decode_rows=5) == 5 + 1  # the decodes and one unit at least
 
 
-def test_step_cost_without_spread_puts_the_time_on_the_units():
+def test_step_cost_pools_the_terms_it_cannot_tell_apart():
     cost = StepCost()
-    for _ in range(MIN_SAMPLES):
-        cost.observe(10, 0.1)
-    assert cost.fit() == pytest.approx((0.0, 0.01))
-    cost.observe(0, 5.0)  # an empty step teaches nothing
-    assert cost.fit() == pytest.approx((0.0, 0.01))
+    for rows in [1, 8, 32, 64] * 2:  # decodes only: one cost per unit of either kind
+        cost.observe(0, rows, 0.050 + 0.004 * rows)
+    assert cost.fit() == pytest.approx((0.050, 0.004, 0.004))
+    flat = StepCost()
+    for _ in range(MIN_SAMPLES):  # one size: all the time on the units
+        flat.observe(10, 0, 0.1)
+    assert flat.fit() == pytest.approx((0.0, 0.01, 0.01))
+    flat.observe(0, 0, 5.0)  # an empty step teaches nothing
+    assert flat.fit() == pytest.approx((0.0, 0.01, 0.01))
 
 
 def test_step_cost_follows_a_change_of_speed():
     cost = StepCost()
     for units in [8, 64] * 20:
-        cost.observe(units, 0.001 * units)
+        cost.observe(units, 1, 0.001 * (units + 1))
     for units in [8, 64] * 40:
-        cost.observe(units, 0.004 * units)  # e.g. a neighbour took the other core
+        cost.observe(units, 1, 0.004 * (units + 1))  # e.g. a neighbour took the other core
     assert cost.fit()[1] == pytest.approx(0.004, rel=0.05)
 
 
 def timed(d, fixed_ms: float = 50.0, per_unit_ms: float = 2.0):
     """Teach ``d``'s scheduler a step cost of ``fixed_ms`` + ``per_unit_ms`` a unit."""
     for units in (1, 16, 64, 256):
-        d.sched.step_cost.observe(units, (fixed_ms + per_unit_ms * units) / 1000)
+        d.sched.step_cost.observe(units, 0, (fixed_ms + per_unit_ms * units) / 1000)
     return d
 
 

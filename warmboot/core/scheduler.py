@@ -38,7 +38,7 @@ from warmboot.config import SchedulerConfig
 from warmboot.core.block_manager import BlockManager
 from warmboot.core.fair_queue import Entry, FairTurns, WaitingQueue
 from warmboot.core.request import FinishReason, Request, RequestStatus
-from warmboot.core.step_cost import StepCost
+from warmboot.core.step_cost import MIN_SAMPLES, StepCost
 from warmboot.core.types import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenEvent
 
 MIN_PREFILL_UNITS = 32
@@ -104,10 +104,10 @@ class Scheduler:
     def _budget(self) -> tuple[float, float]:
         """(the step's budget, the part of it running prefills leave to waiting requests)."""
         cfg = self.config
-        cap = cfg.max_step_ms and self.step_cost.units_within(cfg.max_step_ms / 1000)
-        if not cap:
+        if not cfg.max_step_ms or self.step_cost.samples < MIN_SAMPLES:
             return cfg.max_num_batched_tokens, 0
         decodes = sum(r.num_tokens - r.num_computed_tokens <= 1 for r in self.running)
+        cap = self.step_cost.units_within(cfg.max_step_ms / 1000, decodes)
         prefills = len(self.running) > decodes
         reserve = MIN_PREFILL_UNITS if self._admissible_waits() else 0
         floor = decodes + max(MIN_PREFILL_UNITS * prefills + reserve, MIN_PREFILL_UNITS)

@@ -112,7 +112,9 @@ class Loop:
         decode_only = handle.sched.decode_only and bool(touched)
         busy = p.runner.stream.busy_seconds()
         if handle.inputs is not None:  # NOTE: device time since the last commit: this step's
-            p.scheduler.step_cost.observe(handle.sched.budget_units, busy - self._busy)
+            sched = handle.sched
+            rows = sum(s.num_tokens == 1 for s in sched.scheduled)
+            p.scheduler.step_cost.observe(sched.budget_units - rows, rows, busy - self._busy)
         self._busy = busy
         self.meter.mark(busy, decode_only)
         return touched
