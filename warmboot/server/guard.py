@@ -3,6 +3,8 @@ route it checks the API key (401) and reads the whole request body, whatever the
 the configured limit (413, at once when the declared length is over it), handing the app a
 receive that replays it; after the response it counts the request by endpoint and status code.
 An error answered before the body is all read closes the connection (its rest is not read).
+A large body is screened in a child process first (``body_parse``): a request the app would
+refuse early is answered from there, never parsed on the event loop.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ import re
 import zlib
 
 from fastapi import FastAPI
+from starlette.responses import Response
 
+from warmboot.server.body_parse import MAX_WAITING, Screen
 from warmboot.server.config import ServerConfig
 from warmboot.server.errors import ApiError, body_parse_error
 from warmboot.server.metrics import ServerMetrics
@@ -46,8 +50,14 @@ class Guard:
     def __init__(self, app: FastAPI, config: ServerConfig, metrics: ServerMetrics):
         self.app, self.config, self.metrics = app, config, metrics
         self.state = app.state
+        self.screen = Screen(config)
 
     async def __call__(self, scope, receive, send):
+        if scope["type"] == "lifespan":
+            try:
+                return await self.app(scope, receive, send)
+            finally:
+                self.screen.close()
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
@@ -70,9 +80,14 @@ class Guard:
                 return await response(scope, receive, counting_send)
             if scope["method"] in ("POST", "PUT"):
                 try:
-                    scope, body = checked_body(scope, body, self.config.max_body_bytes)
+                    scope, body = decoded_body(scope, body, self.config.max_body_bytes)
+                    refused = await self._screened(scope, body)
+                    if refused is None:
+                        check_text(body)
                 except ApiError as e:
-                    return await e.response(path)(scope, receive, counting_send)
+                    refused = e.response(path)
+                if refused is not None:
+                    return await refused(scope, receive, counting_send)
             await self.app(scope, _replay(body, receive), counting_send)
         finally:
             endpoint = path if path in ENDPOINTS else "other"
@@ -94,6 +109,26 @@ class Guard:
         return ApiError(
             401, "missing or incorrect API key", "invalid_request_error", code="invalid_api_key"
         )
+
+    async def _screened(self, scope, body: bytes) -> Response | None:
+        """The app's early refusal of a large body, found in a child process; else None."""
+        llm = self.state.holder.llm
+        if not self.screen.wants(scope, body) or llm is None or getattr(llm, "dead", None):
+            return None  # NOTE: an engine not (or no longer) ready: the app answers 503
+        if self.screen.waiting >= MAX_WAITING:
+            error = ApiError(429, f"{MAX_WAITING} large request bodies are waiting to be read; "
+                             "retry shortly", "rate_limit_error", code="server_overloaded")  # fmt: skip
+            response = error.response(scope["path"])
+            response.headers["Retry-After"] = "1"
+            return response
+        tok = llm.tokenizer
+        facts = {"max_model_len": llm.max_model_len, "max_token_chars": tok.max_token_chars,
+                 "vocab_size": len(tok), "chat_template": tok.chat_template}  # fmt: skip
+        found = await self.screen.refusal(scope, facts, body)
+        if found is None:
+            return None
+        status, content = found
+        return Response(content, status, media_type="application/json")
 
     def _declared_too_large(self, scope) -> ApiError | None:
         length = dict(scope["headers"]).get(b"content-length", b"0")
@@ -144,10 +179,9 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 """A JSON escape of a UTF-16 surrogate, paired or not: the prefilter of ``_has_lone_surrogate``."""
 
 
-def checked_body(scope, body: bytes, limit: int) -> tuple[dict, bytes]:
-    """The body as the app may read it: gzip or deflate undone (within ``limit``), UTF-8, no
-    unpaired surrogate escapes; a JSON content type whatever the client sent (``curl -d``).
-    Raise ``ApiError`` (400, 413 or 415) naming the problem."""
+def decoded_body(scope, body: bytes, limit: int) -> tuple[dict, bytes]:
+    """gzip or deflate undone (within ``limit``); a JSON content type whatever the client sent
+    (``curl -d``). Raise ``ApiError`` (400, 413 or 415) naming the problem."""
     headers = dict(scope["headers"])
     encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").strip().lower()
     if encoding in ("gzip", "deflate"):
@@ -155,6 +189,16 @@ def checked_body(scope, body: bytes, limit: int) -> tuple[dict, bytes]:
     elif encoding not in ("", "identity"):
         raise ApiError(415, f"unsupported content-encoding {encoding!r}; use gzip or deflate",
                        "invalid_request_error")  # fmt: skip
+    headers.pop(b"content-encoding", None)
+    headers[b"content-length"] = str(len(body)).encode()
+    # NOTE: every body is JSON, whatever type was sent (curl -d sends a form type)
+    headers[b"content-type"] = b"application/json"
+    return {**scope, "headers": list(headers.items())}, body
+
+
+def check_text(body: bytes) -> None:
+    """A 400 (``ApiError``) for a body that is not UTF-8 or holds an unpaired surrogate
+    escape."""
     try:
         body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -163,11 +207,6 @@ def checked_body(scope, body: bytes, limit: int) -> tuple[dict, bytes]:
     if _SURROGATE_ESCAPE.search(body) and _has_lone_surrogate(body):
         raise ApiError(400, "the request body holds an unpaired UTF-16 surrogate escape "
                        "(such as \\ud800): not valid Unicode text", "invalid_request_error")  # fmt: skip
-    headers.pop(b"content-encoding", None)
-    headers[b"content-length"] = str(len(body)).encode()
-    # NOTE: every body is JSON, whatever type was sent (curl -d sends a form type)
-    headers[b"content-type"] = b"application/json"
-    return {**scope, "headers": list(headers.items())}, body
 
 
 def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
