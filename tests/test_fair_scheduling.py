@@ -372,7 +372,7 @@ def test_random_workloads_with_calls(w):
     d = Driver(num_blocks=w["num_blocks"], block_size=w["bs"], caching=w["caching"])
     d.sched = Scheduler(cfg, d.kv)
     for units in (1, 8, 16, 32):  # a step costs 10 ms + 1 ms a unit
-        d.sched.step_cost.observe(units, 0, 0.010 + 0.001 * units)
+        d.sched.step_cost.observe(units, 0, 0, 0.010 + 0.001 * units)
     made = make_calls(w)
     run_workload(w, d, made)
     assert not d.sched.requests and not d.sched.turns._clients

@@ -82,9 +82,10 @@ def _setup_logging(args) -> None:
         logging.getLogger("warmboot.startup").setLevel(logging.INFO)
 
 
-DEFAULT_MAX_STEP_MS = 100.0
-"""``serve``'s step time cap: with it a small request's time to first token stays within about
-twice its quiet figure beside any load (``bench/fairness.py``); the offline engine has none."""
+DEFAULT_MAX_STEP_MS = 250.0
+"""``serve``'s step time cap. On two CPU cores it costs about an eighth of a batch's prefill
+throughput (100 ms: nearly a third; ``bench/step_cap.py``) and keeps steps of seconds off the
+critical path of every newcomer; on a GPU it rarely binds. The offline engine has none."""
 
 
 def _limit_args(p: argparse.ArgumentParser) -> None:

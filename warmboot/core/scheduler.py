@@ -16,9 +16,9 @@ within it because one proxy may carry many users.
 - Prompt-logprob tokens (an LM head over the vocabulary each) count
   ``prompt_logprob_token_weight`` times against the step budget and the chunk cap.
 - With ``max_step_ms``, a step holds what the fitted step cost (``core.step_cost``) says fits
-  in that time, never less than its decodes plus ``MIN_PREFILL_UNITS`` for running
-  prefills, and as much again that they leave to waiting requests while one could take a
-  free seat.
+  in that time (or in twice its unavoidable cost, if longer), never less than its decodes
+  plus ``MIN_PREFILL_UNITS`` for running prefills, and as much again that they leave to
+  waiting requests while one could take a free seat.
 
 Bound: a new client's first sequence is admitted in the first step scheduled after it arrives
 that has, once the requests ahead of it are served (preempted requests, lower priority values
@@ -107,7 +107,8 @@ class Scheduler:
         if not cfg.max_step_ms or self.step_cost.samples < MIN_SAMPLES:
             return cfg.max_num_batched_tokens, 0
         decodes = sum(r.num_tokens - r.num_computed_tokens <= 1 for r in self.running)
-        cap = self.step_cost.units_within(cfg.max_step_ms / 1000, decodes)
+        context = sum(r.num_computed_tokens + 1 for r in self.running)
+        cap = self.step_cost.units_within(cfg.max_step_ms / 1000, decodes, context)
         prefills = len(self.running) > decodes
         reserve = MIN_PREFILL_UNITS if self._admissible_waits() else 0
         floor = decodes + max(MIN_PREFILL_UNITS * prefills + reserve, MIN_PREFILL_UNITS)

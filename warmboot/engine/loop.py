@@ -114,7 +114,8 @@ class Loop:
         if handle.inputs is not None:  # NOTE: device time since the last commit: this step's
             sched = handle.sched
             rows = sum(s.num_tokens == 1 for s in sched.scheduled)
-            p.scheduler.step_cost.observe(sched.budget_units - rows, rows, busy - self._busy)
+            read = sum(s.start_pos + s.num_tokens for s in sched.scheduled)
+            p.scheduler.step_cost.observe(sched.budget_units - rows, rows, read, busy - self._busy)
         self._busy = busy
         self.meter.mark(busy, decode_only)
         return touched
