@@ -93,9 +93,11 @@ class EngineClient(Protocol):
         params: SamplingParams,
         request_id: str | None = None,
         group: str | None = None,
+        client: str = "",
     ) -> RequestStream:
         """Validate and queue; raise ``InvalidRequestError`` naming the problem if bad.
-        ``group``: the API call the request belongs to (the scheduler takes calls in turn)."""
+        ``group``: the API call the request belongs to, ``client``: who sent it (the scheduler
+        takes clients in turn, then their calls)."""
         ...
 
     async def debug_state(self) -> dict:

@@ -114,6 +114,7 @@ class RemoteLLM:
         params: SamplingParams,
         request_id: str | None = None,
         group: str | None = None,
+        client: str = "",
     ) -> RequestStream:
         if self._dead is not None:
             raise EngineDeadError(f"the worker is gone: {self._dead}")
@@ -123,7 +124,7 @@ class RemoteLLM:
         self._pending[rid] = (loop, reply)
         self._streams[rid] = (loop, outputs)
         frame = {"t": "add", "id": rid, "prompt": prompt, "params": params_to_wire(params)}
-        self.channel.send(frame | {"group": group})
+        self.channel.send(frame | {"group": group, "client": client})
         try:
             added = await reply
         except BaseException:

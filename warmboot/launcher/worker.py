@@ -100,7 +100,9 @@ class Worker:
 
     def _queue(self, f: dict, params, checked) -> None:
         try:
-            self.engine.add_request(f["id"], checked, group=f.get("group"))
+            self.engine.add_request(
+                f["id"], checked, group=f.get("group"), client=f.get("client", "")
+            )
         except (InvalidRequestError, ValueError, TypeError) as e:
             self._reject(f, e)
             return
