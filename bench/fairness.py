@@ -1,6 +1,6 @@
 """Issue 23's fairness figures: p50 / p99 time to first token (TTFT) of a stream of small
 requests, quiet and beside each hostile load, for warmboot and for vLLM's CPU build on the
-same model; and a bounded soak of warmboot with its memory (RSS) sampled.
+same model (the soak, warmboot's memory under a long mixed load, is ``bench/soak.py``).
 
 Each engine runs as its own server process (bf16, eager, same ``max_model_len``), one engine
 at a time. Per load: a load process (so its client work never holds the probe's GIL) keeps the
@@ -24,18 +24,12 @@ chat message, 10^5 messages, 10^4 tools, /v1/responses with 10^5 items, /tokeniz
 each shrunk to fit the 4 MB body limit), ``deep`` (100k-deep JSON holding a ``\\u`` escape, a
 5000-digit integer).
 
-Soak (warmboot only, a fresh server): a mixed workload at ``--soak-rate`` requests/s (small
-and long completions, chats with tools, streams abandoned mid-way, bad requests, distinct
-schemas) for ``--soak-minutes``; the RSS of the server and its children every 5 s; the slope
-after the warm-up (the first sixth) in MB/min.
-
-Run from the repository root (a full run: about 15 min for the loads of both engines, plus
-the soak)::
+Run from the repository root (a full run: about 15 min for the loads of both engines)::
 
     python -m bench.fairness [--engines warmboot,vllm] [--loads schemas,streams,...]
-                             [--soak-minutes 30] [--quick]
+                             [--warmboot-args '--max-step-ms 100'] [--quick]
 
-Writes ``docs/benchmarks/fairness.{json,md,png}`` and ``docs/benchmarks/soak.png``.
+Writes ``docs/benchmarks/fairness.{json,md,png}``.
 """
 
 from __future__ import annotations
@@ -816,159 +810,6 @@ def report_row(row: dict) -> None:
     )
 
 
-# --- the soak ------------------------------------------------------------------------------
-
-
-def tree_rss_mb(pid: int) -> float:
-    """VmRSS of ``pid`` and all its descendants, MB."""
-    children: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                stat = Path(f"/proc/{d}/stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(d))
-    total, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo += children.get(p, [])
-        try:
-            for line in Path(f"/proc/{p}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    total += int(line.split()[1])
-        except OSError:
-            pass
-    return total / 1024
-
-
-SOAK_KINDS = {
-    "small": 30,
-    "long": 10,
-    "chat+tools": 20,
-    "abandoned stream": 15,
-    "bad": 15,
-    "schema": 10,
-}
-TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": f"t{k}",
-            "description": "a tool",
-            "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
-        },
-    }
-    for k in range(3)
-]
-
-
-def soak_request(kind: str, k: int, model: str) -> tuple[bytes, bytes, int]:
-    """(head, body, SSE events to read before leaving: 0 = all) of the soak's ``k``-th."""
-    if kind in ("small", "long"):
-        body = small_body(model, 4 if kind == "small" else 128)
-        return post("/v1/completions", body), body, 0
-    if kind == "abandoned stream":
-        body = small_body(model, 256)
-        return post("/v1/completions", body), body, 3
-    if kind == "chat+tools":
-        body = dumps(chat(model, max_tokens=16, tools=TOOLS, temperature=0.0))
-        return post("/v1/chat/completions", body), body, 0
-    if kind == "schema":
-        schema = {
-            "type": "object",
-            "properties": {f"p{k}_{j}": {"type": "integer"} for j in range(4)},
-        }
-        body = dumps(chat(model, max_tokens=16, response_format=json_schema(schema)))
-        return post("/v1/chat/completions", body), body, 0
-    bad = [
-        b"{",
-        dumps({"model": "nope", "prompt": "x"}),
-        dumps({"model": model, "prompt": "x", "max_tokens": -5}),
-        dumps({"model": model}),
-    ]
-    body = bad[k % len(bad)]
-    return post("/v1/completions", body), body, 0
-
-
-def soak(model: Path, args, minutes: float) -> dict:
-    engine = Warmboot(model, args)
-    engine.start()
-    try:
-        samples, counts = soak_loop(engine, minutes * 60, args.soak_rate)
-    finally:
-        engine.stop()
-    return soak_summary(samples, counts, minutes)
-
-
-def soak_loop(engine: Engine, seconds: float, rate: float) -> tuple[list, dict]:
-    rng, counts, lock = random.Random(0), {}, threading.Lock()
-    inflight = threading.Semaphore(16)
-    samples, done = [], threading.Event()
-    sampler = threading.Thread(
-        target=sample_rss, args=(engine.proc.pid, samples, done), daemon=True
-    )
-    sampler.start()
-
-    def run(kind: str, k: int) -> None:
-        head, body, events = soak_request(kind, k, engine.model_id)
-        key = exchange(engine.addr, head, body, max_events=events).key()
-        with lock:
-            counts.setdefault(kind, Counter())[key] += 1
-        inflight.release()
-
-    t0, k = time.monotonic(), 0
-    while time.monotonic() - t0 < seconds:
-        kind = rng.choices(list(SOAK_KINDS), weights=list(SOAK_KINDS.values()))[0]
-        if inflight.acquire(blocking=False):
-            threading.Thread(target=run, args=(kind, k), daemon=True).start()
-        else:
-            counts.setdefault(kind, Counter())["skipped (16 in flight)"] += 1
-        k += 1
-        time.sleep(max(0.0, t0 + k / rate - time.monotonic()))
-    end = time.monotonic() + DEADLINE_S  # NOTE: let the requests in flight end
-    for _ in range(16):
-        inflight.acquire(timeout=max(0.0, end - time.monotonic()))
-    done.set()
-    sampler.join()
-    with lock:
-        return samples, {kind: dict(c) for kind, c in counts.items()}
-
-
-def sample_rss(pid: int, samples: list, done: threading.Event, every_s: float = 5.0) -> None:
-    t0 = time.monotonic()
-    while True:
-        samples.append((round(time.monotonic() - t0, 1), round(tree_rss_mb(pid), 1)))
-        if done.wait(every_s):
-            samples.append((round(time.monotonic() - t0, 1), round(tree_rss_mb(pid), 1)))
-            return
-
-
-def soak_summary(samples: list, counts: dict, minutes: float) -> dict:
-    warm_s = minutes * 60 / 6
-    after = [(t, m) for t, m in samples if t >= warm_s] or samples[-1:]
-    slope = None
-    if len(after) >= 2:
-        ts, mb = [t / 60 for t, _ in after], [m for _, m in after]
-        mt, mm = sum(ts) / len(ts), sum(mb) / len(mb)
-        var = sum((t - mt) ** 2 for t in ts)
-        slope = round(sum((t - mt) * (m - mm) for t, m in zip(ts, mb, strict=True)) / var, 3)
-    return {
-        "minutes": minutes,
-        "warmup_s": round(warm_s, 1),
-        "rss_mb_start": samples[0][1],
-        "rss_mb_warm": after[0][1],
-        "rss_mb_end": samples[-1][1],
-        "slope_mb_per_min": slope,
-        "samples": samples,
-        "requests": counts,
-    }
-
-
-# --- the report ----------------------------------------------------------------------------
-
-
 def sizes_from(args) -> Sizes:
     """The flags given, else the ``--quick`` sizes, else the defaults."""
     z = Sizes(**(QUICK if args.quick else {}))
@@ -985,8 +826,6 @@ def main() -> None:
         "--loads", default=",".join(LOADS), help="comma-separated subset of " + ",".join(LOADS)
     )
     ap.add_argument("--quick", action="store_true", help="tiny sizes and windows: a smoke run")
-    ap.add_argument("--soak-minutes", type=float, default=30.0)
-    ap.add_argument("--soak-rate", type=float, default=2.0, help="soak requests per second")
     ap.add_argument("--model", type=Path, default=None, help="default: the demo model")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--warmboot-args", default="",
@@ -1014,8 +853,7 @@ def main() -> None:
     raise_fd_limit()
     made = {"warmboot": Warmboot, "vllm": Vllm}
     rows = [r for e in engines for r in run_engine(made[e](args.model, args), z, loads)]
-    soaked = soak(args.model, args, args.soak_minutes) if args.soak_minutes > 0 else None
-    write_report(args, z, engines, loads, rows, soaked)
+    write_report(args, z, engines, loads, rows)
 
 
 def outcome_text(row: dict) -> str:
@@ -1050,7 +888,7 @@ def met_text(row: dict | None) -> str:
     return "yes" if row["met"] else "**no**"
 
 
-def write_report(args, z: Sizes, engines, loads, rows, soaked) -> None:
+def write_report(args, z: Sizes, engines, loads, rows) -> None:
     from bench.common import pyplot, report_meta, save_report
 
     meta = report_meta(
@@ -1063,12 +901,9 @@ def write_report(args, z: Sizes, engines, loads, rows, soaked) -> None:
         meta["vllm"] = vllm_cpu.VLLM_VERSION
     by = {(r["engine"], r["load"]): r for r in rows}
     lines = report_lines(args, meta, z, engines, loads, by)
-    if soaked:
-        lines += soak_lines(soaked)
-        plot_soak(args.out, soaked, meta)
     plt = pyplot()
     fig = plot_fairness(plt, engines, ["quiet", *loads], by, meta)
-    save_report(args.out, "fairness", meta, {"loads": rows, "soak": soaked}, lines, fig)
+    save_report(args.out, "fairness", meta, {"loads": rows}, lines, fig)
 
 
 def report_lines(args, meta, z: Sizes, engines, loads, by) -> list[str]:
@@ -1134,25 +969,6 @@ def reasons(by) -> list[str]:
     return ["Error messages (the first of each status):", "", *lines, ""] if lines else []
 
 
-def soak_lines(s: dict) -> list[str]:
-    reqs = "; ".join(
-        f"{k}: " + ", ".join(f"{c} x{n}" for c, n in v.items()) for k, v in s["requests"].items()
-    )
-    return [
-        f"## Soak: warmboot, {s['minutes']:g} min",
-        "",
-        f"Mixed workload (weights {SOAK_KINDS}) from a fresh server; RSS of the server process"
-        f" and its children every 5 s. RSS at start {s['rss_mb_start']} MB, after the warm-up"
-        f" ({s['warmup_s']:g} s) {s['rss_mb_warm']} MB, at the end {s['rss_mb_end']} MB; slope"
-        f" after the warm-up {s['slope_mb_per_min']} MB/min.",
-        "",
-        f"Requests (status: count): {reqs}.",
-        "",
-        "![soak](soak.png)",
-        "",
-    ]
-
-
 def plot_fairness(plt, engines, loads, by, meta):
     fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.8 / max(1, len(engines))
@@ -1180,26 +996,6 @@ def plot_fairness(plt, engines, loads, by, meta):
     )
     ax.legend(fontsize=8)
     return fig
-
-
-def plot_soak(out: Path, s: dict, meta) -> None:
-    from bench.common import pyplot
-
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot([t / 60 for t, _ in s["samples"]], [m for _, m in s["samples"]], marker=".")
-    ax.axvline(s["warmup_s"] / 60, color="gray", linestyle=":", label="end of warm-up")
-    ax.set_xlabel("minutes")
-    ax.set_ylabel("RSS, MB (server + children)")
-    ax.set_title(
-        f"warmboot soak, slope {s['slope_mb_per_min']} MB/min after warm-up · {meta['machine']} · {meta['date']}",
-        fontsize=8,
-    )
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    out.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out / "soak.png", dpi=120)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,10 @@
 """bench/fairness.py's parts that need no model server: the raw HTTP client against a stdlib
-server, the loads' bodies, the percentiles, the soak's RSS and slope, the flags."""
+server, the loads' bodies, the percentiles, the flags."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import socket
 import threading
 import time
@@ -84,13 +83,6 @@ def test_summarize_counts_failures_as_infinite():
     assert f.summarize(ok)["p99_ms"] == 990.0
     got = f.summarize([*ok[:98], (None, "429"), (None, "429")])
     assert got["p50_ms"] == 500.0 and got["p99_ms"] is None and got["failed"] == 2
-
-
-def test_soak_summary_slope_and_rss():
-    samples = [(t * 5.0, 100.0 + t) for t in range(13)]  # 1 MB per 5 s = 12 MB/min
-    got = f.soak_summary(samples, {}, minutes=1.0)
-    assert got["slope_mb_per_min"] == pytest.approx(12.0) and got["rss_mb_warm"] == 102.0
-    assert f.tree_rss_mb(os.getpid()) > 10
 
 
 def test_sizes_from_flags_then_quick_then_defaults():
