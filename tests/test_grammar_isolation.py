@@ -49,7 +49,7 @@ class SlowBackend:
         self.gate = threading.Event()
         self.started: list[tuple] = []
         self.done: dict[tuple, Compiled] = {}
-        self.cached_bytes = 0
+        self.cached_bytes = self.cached_grammars = self.cache_bytes = 0
 
     def lookup(self, key):
         return self.done.get(key)

@@ -1,9 +1,10 @@
 """Grammar-constrained decoding (``StructuredOutputs``) on xgrammar.
 
 A ``GrammarBackend`` compiles specs for one tokenizer (cached by spec, bounded in count and
-bytes; run compiles through ``grammar_compiles`` to bound their time); a ``GrammarMatcher``
-tracks one sequence and fills its row of a packed token bitmask (``grammar_bitmask``, whose
-``apply_bitmask`` turns the disallowed tokens into ``-inf`` logits).
+bytes: ``CACHE_GRAMMARS``, ``CACHE_BYTES``; run compiles through ``grammar_compiles`` to bound
+their time); a ``GrammarMatcher`` tracks one sequence and fills its row of a packed token
+bitmask (``grammar_bitmask``, whose ``apply_bitmask`` turns the disallowed tokens into
+``-inf`` logits).
 
 xgrammar is imported lazily (first ``GrammarBackend``) so that importing this module costs only
 what the engine pays anyway (torch); see ``xgrammar_import`` for how its ``transformers``
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 import weakref
 from collections import OrderedDict
@@ -27,6 +29,14 @@ from warmboot.device.grammar_bitmask import allow_only
 from warmboot.device.xgrammar_import import import_xgrammar
 from warmboot.sampling_params import StructuredOutputs
 
+CACHE_GRAMMARS = 256
+CACHE_BYTES = 64 << 20
+"""The compiled-grammar cache's default bounds. A typical schema compiles to 10-300 KB (the
+demo's 49k vocabulary: 256 of them take a few MB), so the count binds first; the largest specs
+the limits admit take far more (a 10k-string enum: 39 MiB with 20-character strings, 177 MiB
+with 95), so the bytes bind for those. One grammar over the byte bound stays cached alone (a
+slow compile a caller gave up on is still found by its retry) until the next one is cached."""
+
 
 class CompiledGrammar:
     """A compiled ``StructuredOutputs`` spec; share it between matchers (it is immutable)."""
@@ -35,7 +45,8 @@ class CompiledGrammar:
 
     def __init__(self, key: tuple, compiled: Any, never: frozenset[int]) -> None:
         self.key = key
-        self.nbytes = int(compiled.memory_size_bytes)
+        self.nbytes = int(compiled.memory_size_bytes) + sys.getsizeof(key[1])
+        """xgrammar's count plus the spec text the cache keys it by (up to 1 MB of it)."""
         self._compiled = compiled
         self._never = never
 
@@ -47,8 +58,9 @@ class GrammarBackend:
     """Compiles StructuredOutputs for one tokenizer; compiled grammars cached by spec.
 
     The cache keeps the most recently used grammars within ``cache_size`` entries and
-    ``cache_bytes`` bytes (xgrammar's own count: a 60k-string enum takes 141 MB); a grammar
+    ``cache_bytes`` bytes (``CompiledGrammar.nbytes``; see ``CACHE_BYTES``); a grammar
     still referenced elsewhere (a request holding it) stays found after its eviction.
+    ``cached_bytes`` and ``cached_grammars`` say what it holds.
     """
 
     def __init__(
@@ -58,8 +70,8 @@ class GrammarBackend:
         eos_token_ids: Sequence[int],
         *,
         any_whitespace: bool = False,
-        cache_size: int = 256,
-        cache_bytes: int = 256 << 20,
+        cache_size: int = CACHE_GRAMMARS,
+        cache_bytes: int = CACHE_BYTES,
     ) -> None:
         """Build the xgrammar tokenizer info from a ``tokenizer.json`` file.
 
@@ -94,7 +106,7 @@ class GrammarBackend:
         self._any_whitespace = any_whitespace
         self._cache: OrderedDict[tuple, CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
-        self._cache_bytes = cache_bytes
+        self.cache_bytes = cache_bytes
         self.cached_bytes = 0
         self._live: weakref.WeakValueDictionary[tuple, CompiledGrammar] = (
             weakref.WeakValueDictionary()
@@ -196,10 +208,14 @@ class GrammarBackend:
             self._live[key] = compiled
             self._cache.move_to_end(key)
             while len(self._cache) > self._cache_size or (
-                self.cached_bytes > self._cache_bytes and len(self._cache) > 1
+                self.cached_bytes > self.cache_bytes and len(self._cache) > 1
             ):
                 self.cached_bytes -= self._cache.popitem(last=False)[1].nbytes
         return compiled
+
+    @property
+    def cached_grammars(self) -> int:
+        return len(self._cache)
 
     def matcher(self, compiled: CompiledGrammar) -> GrammarMatcher:
         """A fresh matcher (one per sequence) at the start of ``compiled``."""

@@ -40,7 +40,7 @@ from concurrent.futures import Future, InvalidStateError
 from typing import Any
 
 from warmboot.core.errors import InvalidRequestError
-from warmboot.device.grammar_backend import CompiledGrammar, GrammarBackend, spec_key
+from warmboot.device.grammar_backend import CACHE_BYTES, CompiledGrammar, GrammarBackend, spec_key
 from warmboot.device.grammar_limits import GrammarKey, GrammarLimits, prepare
 from warmboot.sampling_params import StructuredOutputs
 
@@ -184,6 +184,9 @@ class GrammarCompiles:
             return self._cv.wait_for(lambda: not self._jobs, wait)
 
     def stats(self) -> dict:
+        """Counts by outcome, the queue and threads, and what the backend's cache holds (bytes,
+        grammars: 0 before the first compile) within its byte bound."""
+        backend = self._backend
         with self._cv:
             running = [j for j in self._jobs.values() if j.started_at is not None]
             return {
@@ -192,7 +195,9 @@ class GrammarCompiles:
                 "running": len(running),
                 "abandoned": sum(1 for j in running if not j.tickets),
                 "threads": self._threads,
-                "cached_bytes": 0 if self._backend is None else self._backend.cached_bytes,
+                "cached_bytes": 0 if backend is None else backend.cached_bytes,
+                "cached_grammars": 0 if backend is None else backend.cached_grammars,
+                "cache_limit_bytes": CACHE_BYTES if backend is None else backend.cache_bytes,
             }
 
     # -- the queue -----------------------------------------------------------------------------

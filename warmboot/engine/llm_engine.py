@@ -156,6 +156,7 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "kv_blocks_total": kv.num_blocks,
             "kv_bytes_per_token": self.facts.kv_bytes_per_token,
+            "kv_cache_bytes": kv.num_blocks * kv.block_size * self.facts.kv_bytes_per_token,
             "kv_blocks_used": kv.num_used_blocks,
             "kv_usage": kv.usage,
             "prefix_cache_queries": kv.prefix_queries,
@@ -169,6 +170,7 @@ class LLMEngine:
             "decode_steps_measured": meter.steps,
             "launched_rows": meter.launched_rows,
             "startup_times": dict(self.startup_times),
+            "grammar": self.grammars.compiles.stats(),
         }
 
     def wait_compiled(self, timeout: float | None = None) -> bool:

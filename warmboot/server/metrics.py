@@ -119,7 +119,44 @@ class _EngineCollector:
         )
         graph_steps.add_metric([], float(state.get("graph_steps") or 0))
         yield graph_steps
+        yield from _memory_families(state)
         yield from _start_families(state)
+
+
+def _memory_families(state: dict):
+    """What the bounded memory holders hold: the KV pool, the compiled-grammar cache. (An
+    engine image from an older version lacks these keys: the families are then left out.)"""
+    if "kv_cache_bytes" in state:
+        pool = GaugeMetricFamily(
+            "warmboot_kv_cache_bytes",
+            "Bytes of the KV block pool (on CPU its pages become resident as blocks are first "
+            "written, so RSS grows by up to this much under load)",
+        )
+        pool.add_metric([], float(state["kv_cache_bytes"]))
+        yield pool
+    grammar = state.get("grammar")
+    if not grammar:
+        return
+    for name, key, doc in (
+        ("warmboot_grammar_cache_bytes", "cached_bytes",
+         "Bytes held by the compiled-grammar cache (xgrammar's count plus the spec text)"),
+        ("warmboot_grammar_cache_limit_bytes", "cache_limit_bytes",
+         "The compiled-grammar cache's bound in bytes"),
+        ("warmboot_grammar_cache_entries", "cached_grammars", "Compiled grammars cached"),
+    ):  # fmt: skip
+        gauge = GaugeMetricFamily(name, doc)
+        gauge.add_metric([], float(grammar[key]))
+        yield gauge
+    compiles = CounterMetricFamily(
+        "warmboot_grammar_compiles",
+        "Grammars asked for, by outcome: hit (already compiled), compiled or failed (a compile "
+        "ran), timed_out (a caller stopped waiting), dropped (queued, then nobody waited)",
+        labels=["outcome"],
+    )
+    for outcome, key in (("hit", "hits"), ("compiled", "compiled"), ("failed", "failed"),
+                         ("timed_out", "timed_out"), ("dropped", "dropped")):  # fmt: skip
+        compiles.add_metric([outcome], float(grammar.get(key, 0)))
+    yield compiles
 
 
 def _start_families(state: dict):
