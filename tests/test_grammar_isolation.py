@@ -153,10 +153,28 @@ def nested(levels: int) -> dict:
             ),
             "5001 object properties",
         ),
+        (
+            StructuredOutputs(
+                json={
+                    "type": "object",
+                    "required": ["p0"],
+                    "properties": {f"p{i}": {} for i in range(258)},
+                }
+            ),
+            "257 optional properties in one object",
+        ),  # fmt: skip
         (StructuredOutputs(regex="a" * (1 << 20) + "b"), "characters"),
         (StructuredOutputs(structural_tag=json.dumps({"x": nested(70)})), "levels of nesting"),
     ],
-    ids=["enum60k", "nested400", "nested5000-text", "properties", "regex-chars", "tag"],
+    ids=[
+        "enum60k",
+        "nested400",
+        "nested5000-text",
+        "properties",
+        "optional",
+        "regex-chars",
+        "tag",
+    ],  # fmt: skip
 )
 def test_specs_over_the_limits_are_refused_fast(validator, spec, words):
     t0 = time.perf_counter()
@@ -171,7 +189,9 @@ def test_specs_over_the_limits_are_refused_fast(validator, spec, words):
 
 def test_openai_sized_schemas_pass_the_limits(validator):
     """OpenAI's own maxima (5000 properties, 10 levels, 1000 enum values) are admitted."""
-    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(5000)}}
+    names = [f"p{i}" for i in range(5000)]
+    wide = {"type": "object", "properties": {n: {"type": "string"} for n in names},
+            "required": names}  # fmt: skip
     deep = {"type": "array", "items": {"anyOf": [nested(10), {"type": "null"}]}}
     enum = {"enum": [f"value-{i}" for i in range(1000)]}
     for schema in (wide, deep, enum):

@@ -33,6 +33,11 @@ class GrammarLimits:
     """Object properties, all objects together."""
     max_enum_values: int = 10_000
     """``enum`` members and ``const`` values, all together."""
+    max_optional_properties: int = 256
+    """Properties one object does not list as ``required``: an object's grammar grows with
+    the orders its optional properties may come in (1000 compile in 11.5 s and 444 MB, 5000
+    take over 10 minutes and 4 GB; all required, 1000 compile in 0.2 s). OpenAI's strict
+    structured outputs require every property."""
 
 
 class GrammarTooLarge(InvalidRequestError):
@@ -60,13 +65,15 @@ def prepare(spec: StructuredOutputs, limits: GrammarLimits) -> GrammarKey:
 
 def _check_doc(kind: str, doc: Any, limits: GrammarLimits) -> None:
     """Refuse a parsed JSON schema or structural tag over the limits (no recursion)."""
-    depth = properties = values = 0
+    depth = properties = values = optional = 0
     stack = [(doc, 1)]
     while stack:
         node, level = stack.pop()
         if isinstance(node, dict):
             props, enum = node.get("properties"), node.get("enum")
-            properties += len(props) if isinstance(props, dict) else 0
+            if isinstance(props, dict):
+                properties += len(props)
+                optional = max(optional, _optional(props, node.get("required")))
             values += (len(enum) if isinstance(enum, list) else 0) + ("const" in node)
             stack.extend((v, level + 1) for v in node.values() if isinstance(v, dict | list))
         elif isinstance(node, list):
@@ -79,9 +86,16 @@ def _check_doc(kind: str, doc: Any, limits: GrammarLimits) -> None:
     for what, n, limit in (
         ("object properties", properties, limits.max_properties),
         ("enum/const values", values, limits.max_enum_values),
+        ("optional properties in one object", optional, limits.max_optional_properties),
     ):
         if n > limit:
             raise _too_large(kind, what, n, limit)
+
+
+def _optional(props: dict, required: Any) -> int:
+    named = set(required) if isinstance(required, list) and all(
+        isinstance(r, str) for r in required) else set()  # fmt: skip
+    return sum(1 for name in props if name not in named)
 
 
 def _check_count(spec: StructuredOutputs, what: str, n: int, limit: int) -> None:

@@ -38,7 +38,7 @@ from warmboot.server.admission import (
 )
 from warmboot.server.chat_render import chat_prompt
 from warmboot.server.config import ServerConfig
-from warmboot.server.delivery import sse, until_disconnect
+from warmboot.server.delivery import json_body, sse, until_disconnect
 from warmboot.server.engine_holder import EngineHolder
 from warmboot.server.errors import ApiError, install_errors
 from warmboot.server.fields import UnsupportedParameter
@@ -243,7 +243,7 @@ class _Api:
             return sse(chunks, on_close=ticket.release)
         with _held(ticket):
             outs = await until_disconnect(request, self.reader.finals(streams))
-        return R.completion_body(meta, outs, echo)
+        return await json_body(R.completion_body, meta, outs, echo)
 
     # -- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request):
@@ -266,7 +266,7 @@ class _Api:
             return sse(chunks, on_close=ticket.release)
         with _held(ticket):
             (out,) = await until_disconnect(request, self.reader.finals([stream]))
-        return R.chat_body(meta, out, tool_plan)
+        return await json_body(R.chat_body, meta, out, tool_plan)
 
     async def _queue(self, llm, prompts: list, params: SamplingParams, request: Request):
         """(streams, ticket): the prompts queued once admitted; the ticket holds their share
@@ -333,7 +333,7 @@ class _Api:
             return sse(events, typed=True, on_close=ticket.release)
         with _held(ticket):
             (out,) = await until_disconnect(request, self.reader.finals([stream]))
-        return builder.finished(out)
+        return await json_body(builder.finished, out)
 
     # -- /v1/messages (Anthropic's) ------------------------------------------------------------
     async def messages(self, body: MessagesRequest, request: Request):

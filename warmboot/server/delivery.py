@@ -1,7 +1,8 @@
 """Getting a handler's result to the client: a stream of chunks as server-sent events
 (``sse``, which ends an errored stream with an error event and always sends ``[DONE]``), and
 a non-streaming result raced against the client's disconnect (``until_disconnect``, which
-cancels the work, and so aborts its requests, when the client goes away first).
+cancels the work, and so aborts its requests, when the client goes away first), and a
+finished result's body encoded off the event loop (``json_body``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from warmboot.core.errors import EngineDeadError, InvalidRequestError
@@ -20,6 +21,18 @@ from warmboot.server.errors import ApiError
 from warmboot.server.fields import error_body
 
 log = logging.getLogger("warmboot")
+
+
+async def json_body(build, *args) -> Response:
+    """``build(*args)``, a dict, as a JSON response, built and encoded on a worker thread: a
+    large body (16 echoed choices with prompt logprobs: megabytes of dicts) would hold the event
+    loop for seconds, and pure Python there yields the GIL to it every few ms."""
+
+    def encode() -> bytes:
+        body = build(*args)
+        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+    return Response(await asyncio.to_thread(encode), media_type="application/json")
 
 
 def sse(chunks: AsyncIterator[dict], typed: bool = False, on_close=None) -> StreamingResponse:
