@@ -83,9 +83,9 @@ def _setup_logging(args) -> None:
 
 
 DEFAULT_MAX_STEP_MS = 250.0
-"""``serve``'s step time cap. On two CPU cores it costs about an eighth of a batch's prefill
-throughput (100 ms: nearly a third; ``bench/step_cap.py``) and keeps steps of seconds off the
-critical path of every newcomer; on a GPU it rarely binds. The offline engine has none."""
+"""``serve``'s step time cap. On two CPU cores it costs a fifth of a batch's prefill throughput
+(100 ms: two fifths; ``bench/step_cap.py``) and keeps steps of seconds (3.7 s there) off the
+path of every newcomer and running stream; on a GPU it rarely binds. Offline: none."""
 
 
 def _limit_args(p: argparse.ArgumentParser) -> None:
