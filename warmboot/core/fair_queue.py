@@ -14,8 +14,9 @@ levels:
 Within a priority the order is (turn, position); a lower priority value always goes first.
 Preempted sequences keep their slot's turn and go first within it. A slot's rank says what
 took it: 0, a client with nothing else live; 1, a call with nothing else live; 2, the rest.
-The scheduler's reserved seats go to ranks 0 and 1, the last of them to rank 0 only. A sequence without a call is a client of its own: those are FCFS
-(the offline engine's order), first slots all.
+The scheduler's reserved seats go to ranks 0 and 1, the last of them to rank 0 only. A
+sequence without a call is a client of its own: those are FCFS (the offline engine's order),
+first slots all.
 """
 
 from __future__ import annotations
