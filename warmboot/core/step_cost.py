@@ -27,6 +27,8 @@ import numpy as np
 
 MIN_SAMPLES = 4
 """Steps seen before the fit is used (until then the budget is uncapped)."""
+REFIT_EVERY = 4
+"""Steps between two solves of the fit (each about 40 us; the scheduler asks every step)."""
 
 
 class StepCost:
@@ -35,6 +37,8 @@ class StepCost:
         self.samples = 0
         self._xx = np.zeros((4, 4))
         self._xy = np.zeros(4)
+        self._fit: tuple[float, float, float, float] | None = None
+        self._fit_at = 0
 
     def observe(self, prefill_units: float, decode_rows: int, context: int, seconds: float):
         """A retired step: its prefill budget units, decode rows, KV tokens read, device time."""
@@ -47,9 +51,14 @@ class StepCost:
 
     def fit(self) -> tuple[float, float, float, float] | None:
         """(fixed seconds, per prefill unit, per decode row, per context token), or None
-        before ``MIN_SAMPLES`` steps."""
+        before ``MIN_SAMPLES`` steps; solved again once ``REFIT_EVERY`` more have come."""
         if self.samples < MIN_SAMPLES:
             return None
+        if self._fit is None or self.samples - self._fit_at >= REFIT_EVERY:
+            self._fit, self._fit_at = self._refit(), self.samples
+        return self._fit
+
+    def _refit(self) -> tuple[float, float, float, float]:
         for terms in _MODELS:  # NOTE: columns of x each model keeps (pooling rows and units)
             beta = _solve(terms.T @ self._xx @ terms, terms.T @ self._xy)
             if beta is not None:
