@@ -1,6 +1,6 @@
 """What ``max_step_ms`` costs and buys: the longest step, a lone long prompt's time to first
 token and the prefill throughput of a batch, with no cap and with caps of 100 / 250 / 500 ms
-(``serve`` caps at 100 by default; the offline engine has none).
+(``serve`` caps at 250 by default; the offline engine has none).
 
 A request arriving mid-step waits for that step (and, in the pipelined loop, the next): the
 longest step bounds a newcomer's wait. On a GPU a cap of 100 ms rarely binds; on two CPU cores
