@@ -646,10 +646,10 @@ class Warmboot(Engine):
         cmd = [sys.executable, "-m", "warmboot.cli", "serve", "--model", str(self.model)]
         cmd += ["--port", str(self.addr[1]), "--served-model-name", self.model_id]
         cmd += ["--dtype", self.args.dtype, "--max-model-len", str(self.args.max_model_len)]
-        cmd += ["--enforce-eager", *shlex.split(self.args.warmboot_args)]
-        log = open(f"/tmp/bench-fairness-warmboot-{self.addr[1]}.log", "w")  # noqa: SIM115
+        self.cmd = [*cmd, "--enforce-eager", *shlex.split(self.args.warmboot_args)]
+        log = open(f"/tmp/bench-{self.model_id}-warmboot-{self.addr[1]}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         log.close()
         deadline = time.monotonic() + 600

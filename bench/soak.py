@@ -26,7 +26,6 @@ import random
 import re
 import shlex
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -34,7 +33,7 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from bench.fairness import chat, dumps, exchange, free_port, health, json_schema, post
+from bench.fairness import Warmboot, chat, dumps, exchange, json_schema, post
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks"
@@ -54,37 +53,18 @@ GAUGES = {
 }
 
 
-class Server:
+class Server(Warmboot):
     """``warmboot serve`` in its own session, healthy; ``stop`` ends the whole group."""
 
-    def __init__(self, args):
-        self.addr = ("127.0.0.1", free_port())
-        model = ["--model", str(args.model)] if args.model else []
-        self.cmd = [sys.executable, "-m", "warmboot.cli", "serve", *model, "--port",
-                    str(self.addr[1]), "--served-model-name", MODEL_ID, "--dtype", args.dtype,
-                    "--max-model-len", str(args.max_model_len), "--enforce-eager",
-                    *shlex.split(args.serve_args)]  # fmt: skip
-        self.log = Path(f"/tmp/bench-soak-{self.addr[1]}.log")
-        with self.log.open("w") as log:
-            self.proc = subprocess.Popen(self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True)  # fmt: skip
-        deadline = time.monotonic() + 600
-        while health(self.addr)[0] is None:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the server did not become healthy; see {self.log}")
-            time.sleep(0.2)
+    model_id = MODEL_ID
 
-    def stop(self) -> None:
-        for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-                self.proc.wait(timeout=wait_s)
-                return
-            except ProcessLookupError:
-                return
-            except subprocess.TimeoutExpired:
-                pass
+    def __init__(self, args):
+        from warmboot.models.demo import ensure_default_model
+
+        serve = argparse.Namespace(dtype=args.dtype, max_model_len=args.max_model_len,
+                                   warmboot_args=args.serve_args)  # fmt: skip
+        super().__init__(args.model or ensure_default_model(), serve)
+        self.start()
 
 
 # --- what the server holds ---------------------------------------------------------------

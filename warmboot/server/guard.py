@@ -88,7 +88,7 @@ class Guard:
                     refused = e.response(path)
                 if refused is not None:
                     return await refused(scope, receive, counting_send)
-            await self.app(scope, _replay(body, receive), counting_send)
+            await self.app(scope, replay_body(body, receive), counting_send)
         finally:
             endpoint = path if path in ENDPOINTS else "other"
             self.metrics.requests.labels(endpoint, str(status["code"])).inc()
@@ -161,7 +161,7 @@ def _has_body(scope) -> bool:
     return b"transfer-encoding" in headers or headers.get(b"content-length", b"0") != b"0"
 
 
-def _replay(body: bytes, receive):
+def replay_body(body: bytes, receive):
     """A receive that gives ``body`` first, then whatever the connection says (a hang-up)."""
     replayed = False
 

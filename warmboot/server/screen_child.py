@@ -61,7 +61,7 @@ def engine_holder(facts: dict) -> _Stand:
 async def verdict(app, scope: dict, body: bytes) -> dict:
     """``{"fits": true}``, or the refusal ``{"status", "body"}`` of the request."""
     from warmboot.server.errors import ApiError
-    from warmboot.server.guard import check_text
+    from warmboot.server.guard import check_text, replay_body
 
     REACHED.clear()
     try:
@@ -69,14 +69,9 @@ async def verdict(app, scope: dict, body: bytes) -> dict:
     except ApiError as e:
         return {"status": e.status, "body": e.response(scope["path"]).body.decode()}
     answer: dict = {"body": []}
-    replayed = False
 
-    async def receive():
-        nonlocal replayed
-        if not replayed:
-            replayed = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()  # NOTE: the client never leaves
+    async def never_leaves():  # NOTE: the client never leaves
+        await asyncio.Event().wait()
 
     async def send(message):
         if message["type"] == "http.response.start":
@@ -84,7 +79,7 @@ async def verdict(app, scope: dict, body: bytes) -> dict:
         elif message["type"] == "http.response.body":
             answer["body"].append(message.get("body", b""))
 
-    await asyncio.wait_for(app(scope, receive, send), LIMIT_S)
+    await asyncio.wait_for(app(scope, replay_body(body, never_leaves), send), LIMIT_S)
     if REACHED.is_set() or answer.get("status") not in REFUSALS:
         return {"fits": True}
     return {"status": answer["status"], "body": b"".join(answer["body"]).decode()}
