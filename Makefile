@@ -11,7 +11,7 @@ LMEVAL_STAMP := $(LMEVAL)/.installed
 CLIENTS       := .venv-clients
 CLIENTS_STAMP := $(CLIENTS)/.installed
 
-.PHONY: demo test lint bench clean runsc promtool gpu-wheels
+.PHONY: demo test lint bench clean runsc promtool gpu-wheels native
 .PHONY: check
 
 $(STAMP): requirements.txt pyproject.toml
@@ -54,10 +54,16 @@ promtool:
 		&& install -m 755 $$d/usr/bin/promtool /usr/local/bin/promtool; rm -rf "$$d"; \
 		command -v promtool >/dev/null 2>&1 || echo "promtool not installed: the /metrics lint test will skip"; }
 
-demo: $(STAMP) runsc
+# The native CPU kernels (warmboot/kernels/native), built with the system's g++ once per key
+# (sources, compiler, torch, CPU flags) into $WARMBOOT_CACHE/native; without this target the
+# first engine that wants them builds them (about 20 s).
+native: $(STAMP)
+	$(PY) -c "from warmboot.kernels import native as n; print('native kernels:', n.library() or n.unavailable_reason(), n.isa() or '')"
+
+demo: $(STAMP) runsc native
 	$(PY) -m warmboot.cli demo
 
-test: $(STAMP) runsc promtool $(LMEVAL_STAMP) $(CLIENTS_STAMP)
+test: $(STAMP) runsc promtool native $(LMEVAL_STAMP) $(CLIENTS_STAMP)
 	$(PY) -m ruff check warmboot tests bench
 	$(PY) -m pytest -q -ra
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from warmboot.device import guard_gate
 from warmboot.device.threads import torch_threads
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata
 from warmboot.kernels.step_ops import (
@@ -45,6 +47,8 @@ from warmboot.kernels.step_ops import (
 from warmboot.models.base import CausalLM
 from warmboot.models.layers.linear import Linear, PackedMethod
 from warmboot.models.layers.moe import FusedExperts, OpExperts
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -78,6 +82,8 @@ class CompiledSteps:
         self.cpu_threads = cpu_threads
         """OpenMP threads of the generated C++ kernels (baked in at compile time): the
         device thread's count, whichever thread compiles."""
+        self.warm = False
+        """Both graphs traced (``warm_up``): steps may skip the guards."""
         self._layer = self._compile(_layer_step)
         self._head = self._compile(_head_step)
 
@@ -99,7 +105,7 @@ class CompiledSteps:
         ctx = self.context(meta)
         _symbolic_rows(positions)
         with bound(ctx):
-            return self.model(ids, positions, ctx, self._run_layer)
+            return self._unguarded(lambda: self.model(ids, positions, ctx, self._run_layer))
 
     def _run_layer(self, layer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if layer is self._first_layer:  # NOTE: later layers take the graph's own output
@@ -111,7 +117,23 @@ class CompiledSteps:
         _allow_entries()
         _symbolic_rows(hidden)
         with bound(self.context(None)):
-            return self._head(self.model, hidden)
+            return self._unguarded(lambda: self._head(self.model, hidden))
+
+    def _unguarded(self, call: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``call`` without guards once warmed (``guard_gate``). Should it still need a
+        trace (torch raises then, before running anything), it runs again guarded: the
+        layers it ran already wrote the same K/V as the rerun writes."""
+        if not self.warm:
+            return call()
+        try:
+            with guard_gate.unguarded():
+                return call()
+        except RuntimeError as e:
+            if not guard_gate.needed_a_trace(e):
+                raise
+        log.warning("a warmed compiled step needed a new trace; compiling it now")
+        with guard_gate.compiling():
+            return call()
 
     def warm_up(self, scratch_block: int, block_size: int) -> CompileStats:
         """Compile both graphs on two scratch decode rows (they write only the scratch block,
@@ -135,11 +157,13 @@ class CompiledSteps:
         threads = {"cpp.threads": self.cpu_threads} if self.cpu_threads else {}
         # NOTE: traced with the device thread's torch thread count, or its first step recompiles
         with (
+            guard_gate.compiling(),
             torch.inference_mode(),
             inductor_config.patch(threads),
             torch_threads(self.cpu_threads),
         ):
             self.logits(self.hidden(ids, positions, meta))
+        self.warm = True
         return self.stats
 
 

@@ -100,6 +100,10 @@ class CpuStream:
                 if self._error is not None:
                     continue
                 t0 = time.perf_counter()
+                if self._threads and torch.get_num_threads() != self._threads:
+                    # NOTE: the count is process-wide in torch's OpenMP build: a host thread's
+                    # torch_threads() (a warm-up, a probe) restores its own on exit
+                    torch.set_num_threads(self._threads)
                 try:
                     item()
                 except BaseException as e:  # noqa: BLE001 - reported through the next event

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from warmboot.kernels import native
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, AttentionSpec
 from warmboot.models.layers.moe import DENSE_EXPERTS, FusedExperts, grouped_experts
 
@@ -50,6 +51,9 @@ class PackedLinears:
 
     @staticmethod
     def pack(weight: torch.Tensor) -> torch.Tensor:
+        """Native panels for bf16 (``kernels.native``: 4-D), else oneDNN's blocked layout."""
+        if native_gemm(weight):
+            return torch.ops.warmboot_cpu.pack_linear(weight.detach())
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
     def add_layer(self, linears: list[nn.Module]) -> None:
@@ -126,17 +130,33 @@ class ExpertTable:
             raise RuntimeError("the packed experts are released (repack() after a restore)")
         gate_up, down, b13, b2 = self.gate_up, self.down, m.gate_up_proj_bias, m.down_proj_bias
 
+        n13, n2 = m.gate_up_proj.shape[1], m.down_proj.shape[1]
+
         def up_gemm(e: int, rows: torch.Tensor) -> torch.Tensor:
-            return _packed_gemm(rows, gate_up[e], None if b13 is None else b13[e])
+            return packed_gemm(rows, gate_up[e], None if b13 is None else b13[e], n13)
 
         def down_gemm(e: int, rows: torch.Tensor) -> torch.Tensor:
-            return _packed_gemm(rows, down[e], None if b2 is None else b2[e])
+            return packed_gemm(rows, down[e], None if b2 is None else b2[e], n2)
 
         return grouped_experts(x, weights, ids, m.num_experts, up_gemm, down_gemm, m.act_and_mul)
 
 
-def _packed_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def packed_gemm(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    if weight.dim() == 4:  # NOTE: native panels (PackedLinears.pack)
+        return torch.ops.warmboot_cpu.linear(x, weight, bias, n)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def native_gemm(weight: torch.Tensor) -> bool:
+    """Whether ``PackedLinears.pack`` gives ``weight`` to the native bf16 GEMM."""
+    return (
+        weight.dtype == torch.bfloat16
+        and weight.shape[-1] % 2 == 0
+        and weight.device.type == "cpu"
+        and native.library() is not None
+    )
 
 
 def _detached(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -212,7 +232,7 @@ def _(q, k, v):
 def packed_linear(x: torch.Tensor, slot: int, out_features: int) -> torch.Tensor:
     ctx = _context("packed_linear")
     weight, bias = ctx.linears.lookup(ctx.layer, slot)
-    return _packed_gemm(x, weight, bias)
+    return packed_gemm(x, weight, bias, out_features)
 
 
 @packed_linear.register_fake

@@ -1,0 +1,119 @@
+"""The native bf16 GEMM (``kernels/native/csrc/gemm.cpp``) against a float64 reference, in
+every instruction set this CPU can run, and wired into the compiled step's packed linears."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from warmboot.kernels import native
+from warmboot.kernels.step_ops import PackedLinears, native_gemm, packed_gemm
+
+pytestmark = pytest.mark.skipif(
+    native.library() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"
+)
+
+ISAS = ["portable", "avx2", "avx512", "avx512_bf16"]
+
+
+def _runnable() -> list[str]:
+    best = native.isa()
+    return ISAS[: ISAS.index(best) + 1] if best else []
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    if request.param not in _runnable():
+        pytest.skip(f"this CPU cannot run {request.param}")
+    best = native.isa()
+    torch.ops.warmboot_cpu.use_isa(request.param)
+    yield request.param
+    torch.ops.warmboot_cpu.use_isa(best)
+
+
+def _case(m: int, n: int, k: int, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * k**-0.5).to(torch.bfloat16)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
+    return x, w, b
+
+
+def _reference(x, w, b) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    return y if b is None else y + b.double()
+
+
+def _check(y: torch.Tensor, ref: torch.Tensor) -> None:
+    # bf16 output: one rounding, 2^-8 relative at most; fp32 sums add far less at these sizes
+    err = (y.double() - ref).abs()
+    assert (err <= ref.abs() * 2**-8 + 1e-4).all(), f"max error {err.max().item():.3g}"
+
+
+@pytest.mark.parametrize(
+    "m,n,k",
+    [
+        (1, 1, 2),
+        (1, 33, 576),
+        (3, 95, 130),
+        (8, 960, 576),
+        (9, 64, 1536),
+        (33, 70, 64),
+        (64, 40, 96),
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_float64(isa, m, n, k, bias):
+    x, w, b = _case(m, n, k, bias)
+    y = torch.ops.warmboot_cpu.linear(x, torch.ops.warmboot_cpu.pack_linear(w), b, n)
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    _check(y, _reference(x, w, b))
+
+
+def test_float32_rows_and_leading_dims(isa):
+    x, w, b = _case(6, 50, 80, True)
+    packed = torch.ops.warmboot_cpu.pack_linear(w)
+    y = torch.ops.warmboot_cpu.linear(x.float().view(2, 3, 80), packed, b, 50)
+    assert y.shape == (2, 3, 50) and y.dtype == torch.float32
+    ref = _reference(x, w, b).view(2, 3, 50)
+    assert (y.double() - ref).abs().max() < 1e-3  # NOTE: bf16 paths round the rows to bf16
+
+
+def test_zero_rows_and_threads():
+    x, w, _ = _case(0, 40, 64, False)
+    packed = torch.ops.warmboot_cpu.pack_linear(w)
+    assert torch.ops.warmboot_cpu.linear(x, packed, None, 40).shape == (0, 40)
+    x, w, b = _case(5, 1000, 256, True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        y = torch.ops.warmboot_cpu.linear(x, torch.ops.warmboot_cpu.pack_linear(w), b, 1000)
+    finally:
+        torch.set_num_threads(threads)
+    _check(y, _reference(x, w, b))
+
+
+def test_bad_input_is_refused():
+    x, w, _ = _case(2, 40, 64, False)
+    packed = torch.ops.warmboot_cpu.pack_linear(w)
+    with pytest.raises(RuntimeError, match="even in_features"):
+        torch.ops.warmboot_cpu.pack_linear(torch.zeros(4, 7, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="bfloat16 weight"):
+        torch.ops.warmboot_cpu.pack_linear(w.float())
+    with pytest.raises(RuntimeError, match="features"):
+        torch.ops.warmboot_cpu.linear(x[:, :32], packed, None, 40)
+    with pytest.raises(RuntimeError, match="out_features"):
+        torch.ops.warmboot_cpu.linear(x, packed, None, 80)
+    with pytest.raises(RuntimeError, match="pack_linear"):
+        torch.ops.warmboot_cpu.linear(x, w, None, 40)
+    with pytest.raises(RuntimeError, match="cannot run|unknown"):
+        torch.ops.warmboot_cpu.use_isa("amx")
+
+
+def test_packed_linears_take_native_panels_for_bf16_only():
+    x, w, b = _case(4, 48, 64, True)
+    packed = PackedLinears.pack(w)
+    assert native_gemm(w) and packed.dim() == 4
+    _check(packed_gemm(x, packed, b, 48), _reference(x, w, b))
+    assert PackedLinears.pack(w.float()).dim() == 2  # fp32 stays on oneDNN
+    assert not native_gemm(torch.zeros(4, 7, dtype=torch.bfloat16))  # odd in_features

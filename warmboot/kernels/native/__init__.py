@@ -1,0 +1,166 @@
+"""Native CPU kernels for the decode hot path, written here in C++ (``csrc/``).
+
+Built from the repo's sources with the system's C++ compiler and torch's own headers and
+libraries (``torch.utils.cpp_extension``'s include and library paths; no download, no
+ninja): one shared library that registers its ops under ``torch.ops.warmboot_cpu``. The
+build is cached under ``$WARMBOOT_CACHE/native/<key>/``, the key hashing the sources, the
+compiler's version, the flags, torch's version and the CPU's flags, so a changed source,
+compiler or machine builds again and nothing stale is loaded. ``make native`` builds it
+ahead; otherwise the first engine that wants it does (about 10 s, once per key).
+
+Each kernel picks its instruction set at run time from the CPU's flags (AVX-512 with BF16
+dot products, else AVX2/FMA, else portable C++): ``isa()`` names the one in use.
+
+``library()`` is None, with ``unavailable_reason()`` saying why, where no compiler works or
+the platform is not x86-64 Linux; callers then keep torch's and oneDNN's paths.
+``$WARMBOOT_NATIVE=0`` turns the kernels off (the A/B switch of ``bench/decode.py``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import threading
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from warmboot.config import cache_root
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).resolve().parent / "csrc"
+ENV = "WARMBOOT_NATIVE"
+FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fno-math-errno", "-w"]
+LIBRARY_NAME = "warmboot_native.so"
+
+_LOCK = threading.Lock()
+_state: dict = {}
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") not in ("", "0")
+
+
+def library() -> Path | None:
+    """The loaded library's path (built first when the cache lacks it), or None."""
+    if not enabled():
+        return None
+    with _LOCK:
+        if "path" not in _state:
+            _state["path"], _state["reason"] = _build_and_load()
+        return _state["path"]
+
+
+def unavailable_reason() -> str | None:
+    if not enabled():
+        return f"${ENV}=0"
+    library()
+    return _state.get("reason")
+
+
+def isa() -> str | None:
+    """The instruction set the kernels run with on this CPU (None without the library)."""
+    return torch.ops.warmboot_cpu.isa() if library() else None
+
+
+def _build_and_load() -> tuple[Path | None, str | None]:
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None, f"native kernels are built for x86-64 Linux, not {platform.machine()}"
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        return None, "no C++ compiler (g++ or $CXX) on PATH"
+    try:
+        path = build(compiler)
+        torch.ops.load_library(str(path))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = f"{e}\n{e.stderr}" if isinstance(e, subprocess.CalledProcessError) else str(e)
+        log.warning("native CPU kernels unavailable (torch's kernels serve): %s", detail)
+        return None, f"the native kernels did not build or load: {detail}"
+    log.info("native CPU kernels: %s (%s)", path, torch.ops.warmboot_cpu.isa())
+    return path, None
+
+
+def build(compiler: str) -> Path:
+    """Build the library unless the cache holds it for this key; returns its path."""
+    sources = sorted(CSRC.glob("*.cpp"))
+    out_dir = cache_root() / "native" / key(compiler, sorted(CSRC.glob("*.[ch]*")))
+    target = out_dir / LIBRARY_NAME
+    if target.exists():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".lock", "w") as lock:  # NOTE: one builder per key across processes
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.exists():
+            _compile(compiler, sources, target)
+    return target
+
+
+def key(compiler: str, sources: list[Path]) -> str:
+    """Sources and headers, compiler, flags, torch and the CPU's flags."""
+    h = hashlib.sha256()
+    for src in sources:
+        h.update(src.name.encode() + b"\0" + src.read_bytes())
+    h.update(_compiler_version(compiler).encode())
+    h.update(" ".join(FLAGS + _link_flags()).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return h.hexdigest()[:24]
+
+
+def _compile(compiler: str, sources: list[Path], target: Path) -> None:
+    """Each source to an object file, in parallel, then one link."""
+    from torch.utils.cpp_extension import include_paths
+
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    base = [compiler, *FLAGS, abi, *(f"-I{p}" for p in include_paths())]
+    objects = [tmp.with_name(f"{src.stem}.{os.getpid()}.o") for src in sources]
+    jobs = [
+        subprocess.Popen([*base, "-c", str(src), "-o", str(obj)], stderr=subprocess.PIPE)
+        for src, obj in zip(sources, objects, strict=True)
+    ]
+    try:
+        for job in jobs:
+            _check(job.args, job.wait(), job.stderr.read())
+        link = [compiler, "-shared", *map(str, objects), "-o", str(tmp), *_link_flags()]
+        done = subprocess.run(link, capture_output=True)
+        _check(link, done.returncode, done.stderr)
+    finally:
+        for obj in objects:
+            obj.unlink(missing_ok=True)
+    os.replace(tmp, target)  # NOTE: atomic: a reader never loads half a file
+
+
+def _check(argv: list[str], returncode: int, stderr: bytes) -> None:
+    if returncode:
+        text = stderr.decode(errors="replace")[-2000:]
+        raise subprocess.CalledProcessError(returncode, argv[0], stderr=text)
+
+
+def _link_flags() -> list[str]:
+    from torch.utils.cpp_extension import library_paths
+
+    lib = library_paths()[0]
+    return [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
+
+
+@cache
+def _compiler_version(compiler: str) -> str:
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+
+
+@cache
+def _cpu_flags() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return " ".join(sorted(set(line.partition(":")[2].split())))

@@ -1,0 +1,181 @@
+// y = x @ W.T + b for bf16 weights at decode sizes (1 to ~64 rows), streaming W once.
+//
+// W (N, K) is packed once at load into panels of 32 output columns: (ceil(N/32), K/2, 32, 2)
+// bf16, the two values of a k pair side by side (the layout AVX-512 BF16's dot product
+// reads), zero-padded to whole panels. A call walks the panels in order (one thread per
+// range of panels); within a panel every row chunk reuses the panel from cache, so W leaves
+// memory once per call whatever the row count: the GEMM runs at memory speed until the
+// rows make it compute-bound.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <vector>
+
+#include "isa.h"
+
+namespace warmboot {
+namespace {
+
+constexpr int64_t kCols = 32;
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
+// MR rows x 32 columns in 2 * MR registers; x as bf16 pairs broadcast per k pair.
+// NOTE: named accumulators, not an array: GCC keeps an array of vectors in memory too and
+// stores it back every iteration (2.5x slower)
+#define WB_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7)
+template <int MR>
+void panel_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k2, float* acc) {
+#define WB_DECL(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0;
+  WB_ROWS(WB_DECL)
+  for (int64_t kp = 0; kp < k2; ++kp) {
+    const uint16_t* wp = w + kp * 64;
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
+#define WB_STEP(r)                                                                   \
+  if constexpr (MR > r) {                                                            \
+    int32_t pair;                                                                    \
+    std::memcpy(&pair, x + r * ldx + 2 * kp, 4);                                     \
+    const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);                           \
+    a##r##0 = _mm512_dpbf16_ps(a##r##0, xb, w0);                                     \
+    a##r##1 = _mm512_dpbf16_ps(a##r##1, xb, w1);                                     \
+  }
+    WB_ROWS(WB_STEP)
+  }
+#define WB_STORE(r)                                 \
+  if constexpr (MR > r) {                           \
+    _mm512_storeu_ps(acc + r * 32, a##r##0);        \
+    _mm512_storeu_ps(acc + r * 32 + 16, a##r##1);   \
+  }
+  WB_ROWS(WB_STORE)
+#undef WB_DECL
+#undef WB_STEP
+#undef WB_STORE
+}
+
+void panels_bf16(const uint16_t* x, int64_t m, int64_t ldx, const uint16_t* w, int64_t k2,
+                 float* acc) {
+  int64_t r = 0;
+  for (; r + 8 <= m; r += 8) panel_bf16<8>(x + r * ldx, ldx, w, k2, acc + r * 32);
+  switch (m - r) {
+    case 7: return panel_bf16<7>(x + r * ldx, ldx, w, k2, acc + r * 32);
+    case 6: return panel_bf16<6>(x + r * ldx, ldx, w, k2, acc + r * 32);
+    case 5: return panel_bf16<5>(x + r * ldx, ldx, w, k2, acc + r * 32);
+    case 4: return panel_bf16<4>(x + r * ldx, ldx, w, k2, acc + r * 32);
+    case 3: return panel_bf16<3>(x + r * ldx, ldx, w, k2, acc + r * 32);
+    case 2: return panel_bf16<2>(x + r * ldx, ldx, w, k2, acc + r * 32);
+    case 1: return panel_bf16<1>(x + r * ldx, ldx, w, k2, acc + r * 32);
+    default: return;
+  }
+}
+#pragma GCC pop_options
+
+namespace avx512 {
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,fma")
+#include "gemm_generic.h"
+#pragma GCC pop_options
+}  // namespace avx512
+
+namespace avx2 {
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#include "gemm_generic.h"
+#pragma GCC pop_options
+}  // namespace avx2
+
+namespace portable {
+#include "gemm_generic.h"
+}  // namespace portable
+
+using GenericPanels = void (*)(const float*, int64_t, int64_t, const uint32_t*, int64_t, float*);
+
+GenericPanels generic_kernel() {
+  switch (detect_isa()) {
+    case Isa::Avx512Bf16:
+    case Isa::Avx512: return avx512::panels_generic;
+    case Isa::Avx2: return avx2::panels_generic;
+    default: return portable::panels_generic;
+  }
+}
+
+// One panel's (m, 32) fp32 sums plus bias, stored into y's columns [n0, n0 + width).
+void store_panel(const float* acc, int64_t m, const at::Tensor& y, const float* bias,
+                 int64_t n0, int64_t width) {
+  const int64_t n = y.size(1);
+  for (int64_t r = 0; r < m; ++r) {
+    const float* src = acc + r * kCols;
+    if (y.scalar_type() == at::kFloat) {
+      float* dst = y.data_ptr<float>() + r * n + n0;
+      for (int64_t c = 0; c < width; ++c) dst[c] = src[c] + (bias ? bias[n0 + c] : 0.f);
+    } else {
+      at::BFloat16* dst = y.data_ptr<at::BFloat16>() + r * n + n0;
+      for (int64_t c = 0; c < width; ++c) dst[c] = src[c] + (bias ? bias[n0 + c] : 0.f);
+    }
+  }
+}
+
+at::Tensor pack_linear(const at::Tensor& weight) {
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16,
+              "pack_linear wants a 2-D bfloat16 weight, got ", weight.sizes(), " ",
+              weight.scalar_type());
+  const int64_t n = weight.size(0), k = weight.size(1);
+  TORCH_CHECK(k % 2 == 0, "pack_linear wants an even in_features, got ", k);
+  const int64_t panels = (n + kCols - 1) / kCols;
+  auto padded = at::zeros({panels * kCols, k}, weight.options());
+  padded.narrow(0, 0, n).copy_(weight);
+  // (P, 32, K/2, 2) -> (P, K/2, 32, 2)
+  return padded.view({panels, kCols, k / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias,
+                  int64_t n) {
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kCols && packed.size(3) == 2 &&
+                  packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
+              "linear wants a weight from pack_linear");
+  const int64_t k2 = packed.size(1), k = 2 * k2, panels = packed.size(0);
+  TORCH_CHECK(x.size(-1) == k, "linear: x has ", x.size(-1), " features, the weight ", k);
+  TORCH_CHECK(n > (panels - 1) * kCols && n <= panels * kCols, "linear: out_features ", n,
+              " does not match the packed weight");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat,
+              "linear wants bfloat16 or float32 rows, got ", x.scalar_type());
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = n;
+  const auto x2 = x.reshape({-1, k}).contiguous();
+  const int64_t m = x2.size(0);
+  auto y = at::empty({m, n}, x.options());
+  if (m == 0) return y.view(out_shape);
+  at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const bool bf16 = detect_isa() == Isa::Avx512Bf16;
+  const at::Tensor xin = bf16 ? x2.to(at::kBFloat16) : x2.to(at::kFloat);
+  const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
+  const GenericPanels generic = generic_kernel();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> acc(m * kCols);
+    for (int64_t p = p0; p < p1; ++p) {
+      const uint16_t* wp = w + p * k2 * 2 * kCols;
+      if (bf16) {
+        panels_bf16(reinterpret_cast<const uint16_t*>(xin.data_ptr<at::BFloat16>()), m, k, wp,
+                    k2, acc.data());
+      } else {
+        generic(xin.data_ptr<float>(), m, k, reinterpret_cast<const uint32_t*>(wp), k2,
+                acc.data());
+      }
+      store_panel(acc.data(), m, y, bp, p * kCols, std::min(kCols, n - p * kCols));
+    }
+  });
+  return y.view(out_shape);
+}
+
+}  // namespace
+}  // namespace warmboot
+
+TORCH_LIBRARY_FRAGMENT(warmboot_cpu, m) {
+  m.def("pack_linear(Tensor weight) -> Tensor", &warmboot::pack_linear);
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor",
+        &warmboot::linear);
+}
