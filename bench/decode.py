@@ -61,6 +61,8 @@ def run_transformers(model, prompts, new_tokens: int) -> tuple[float, list[list[
 
 
 ENGINES = ("warmboot", "warmboot_eager", "vllm", "transformers")
+SPLIT = ("warmboot", "warmboot_eager", "vllm")
+"""Engines whose prefill (a one-token run) and decode are also reported apart."""
 
 
 def machine() -> str:
@@ -81,17 +83,18 @@ def main() -> None:
     args = ap.parse_args()
     model_dir = args.model or str(ensure_default_model())
     batches = [int(b) for b in args.batches.split(",")]
-    rows, boots = [], {}
+    rows, boots, steps = [], {}, {}
     for dtype in args.dtypes.split(","):
         engines = start_engines(args, model_dir, dtype, max(batches))
         boots[dtype] = {k: v for k, v in engines.items() if k.endswith("_boot_s")}
+        steps[dtype] = engines["warmboot_step"]
         try:
             for batch in batches:
                 rows.append(measure(args, engines, dtype, batch))
         finally:
             if engines.get("vllm") is not None:
                 engines["vllm"].close()
-    write_report(args, model_dir, rows, boots)
+    write_report(args, model_dir, rows, boots, steps)
 
 
 def start_engines(args, model_dir: str, dtype: str, top: int) -> dict:
@@ -101,11 +104,13 @@ def start_engines(args, model_dir: str, dtype: str, top: int) -> dict:
     kw = dict(dtype=dtype, max_model_len=max_len, max_num_seqs=top)
     kw["max_num_batched_tokens"] = top * args.prompt_len
     out: dict = {}
-    for name, eager in (("warmboot", False), ("warmboot_eager", True)):
+    # NOTE: warmboot's default (None): compiled or eager, and the GEMM, as measured at start
+    for name, eager in (("warmboot", None), ("warmboot_eager", True)):
         t0 = time.perf_counter()
         out[name] = LLM(model_dir, enforce_eager=eager, **kw)
         out[f"{name}_boot_s"] = time.perf_counter() - t0
     torch_dtype = getattr(torch, dtype)
+    out["warmboot_step"] = out["warmboot"].engine.stats()["compile"].get("step_choice")
     out["transformers"] = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()
     out["vllm"] = None
     if not args.no_vllm:
@@ -125,31 +130,42 @@ def measure(args, engines: dict, dtype: str, batch: int) -> dict:
     vocab = engines["warmboot"].engine.model_config.vocab_size
     prompts = prompts_for(batch, args.prompt_len, vocab, seed=batch)
     times: dict[str, list[float]] = {e: [] for e in ENGINES}
+    firsts: dict[str, list[float]] = {e: [] for e in SPLIT}
     tokens: dict[str, list] = {}
     for _ in range(args.repeats):  # interleaved, so drift hits every engine alike
         for name in ENGINES:
-            engine = engines.get(name)
-            if engine is None:
+            if engines.get(name) is None:
                 continue
-            if name == "transformers":
-                t, toks = run_transformers(engine, prompts, args.new_tokens)
-            elif name == "vllm":
-                t, toks = engine.run(prompts, args.new_tokens)
-            else:
-                t, toks = run_warmboot(engine, prompts, args.new_tokens)
+            t, tokens[name] = run_engine(name, engines[name], prompts, args.new_tokens)
             times[name].append(t)
-            tokens[name] = toks
+            if name in SPLIT:  # NOTE: the prefill alone: one new token
+                firsts[name].append(run_engine(name, engines[name], prompts, 1)[0])
     n = batch * args.new_tokens
-    row = {"dtype": dtype, "batch": batch, "seconds": times}
+    row = {"dtype": dtype, "batch": batch, "seconds": times, "prefill_seconds": firsts}
     for name, ts in times.items():
         row[f"{name}_tok_s"] = n / statistics.median(ts) if ts else None
+    for name, ts in firsts.items():
+        if ts:
+            first, total = statistics.median(ts), statistics.median(times[name])
+            row[f"{name}_prefill_tok_s"] = batch * args.prompt_len / first
+            row[f"{name}_decode_tok_s"] = batch * (args.new_tokens - 1) / max(total - first, 1e-9)
     ref = tokens["warmboot"]
     row["same_tokens"] = {k: _agreement(ref, v) for k, v in tokens.items() if k != "warmboot"}
     if row["vllm_tok_s"]:
         row["ratio_vs_vllm"] = row["warmboot_tok_s"] / row["vllm_tok_s"]
         row["eager_ratio_vs_vllm"] = row["warmboot_eager_tok_s"] / row["vllm_tok_s"]
+        for part in ("prefill", "decode"):
+            row[f"{part}_ratio_vs_vllm"] = row[f"warmboot_{part}_tok_s"] / row[f"vllm_{part}_tok_s"]
     print(json.dumps({k: v for k, v in row.items() if k != "seconds"}), flush=True)
     return row
+
+
+def run_engine(name: str, engine, prompts, new_tokens: int) -> tuple[float, list[list[int]]]:
+    if name == "transformers":
+        return run_transformers(engine, prompts, new_tokens)
+    if name == "vllm":
+        return engine.run(prompts, new_tokens)
+    return run_warmboot(engine, prompts, new_tokens)
 
 
 def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
@@ -157,7 +173,7 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
 
 
-def write_report(args, model_dir: str, rows: list[dict], boots: dict) -> None:
+def write_report(args, model_dir: str, rows: list[dict], boots: dict, steps: dict) -> None:
     import transformers
 
     meta = {
@@ -170,6 +186,7 @@ def write_report(args, model_dir: str, rows: list[dict], boots: dict) -> None:
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
         "boot_s": boots,
+        "step_choice": steps,
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
@@ -180,7 +197,8 @@ def write_report(args, model_dir: str, rows: list[dict], boots: dict) -> None:
         f"one bound OpenMP thread) · transformers {meta['transformers']} · model "
         f"`{meta['model']}` · prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, "
         f"EOS ignored, offline API · median of {args.repeats} interleaved runs · warmboot at its "
-        "defaults (compiled steps, one compute thread on 2 cores) · `python bench/decode.py`",
+        "defaults (the step measured at start, one compute thread on 2 cores) · "
+        "`python bench/decode.py`",
         "",
         "| dtype | batch | warmboot tok/s | eager tok/s | vLLM tok/s | transformers tok/s "
         "| warmboot / vLLM | eager / vLLM | same tokens (eager, vLLM, transformers) |",
@@ -195,7 +213,24 @@ def write_report(args, model_dir: str, rows: list[dict], boots: dict) -> None:
             f"{_f(r['transformers_tok_s'])} | {_x(r.get('ratio_vs_vllm'))} | "
             f"{_x(r.get('eager_ratio_vs_vllm'))} | {agree} |"
         )
+    lines += [
+        "",
+        "Prefill (a one-token run: prompt tokens/s) and decode (the rest: output tokens/s) apart:",
+        "",
+        "| dtype | batch | warmboot prefill | vLLM prefill | ratio | warmboot decode "
+        "| eager decode | vLLM decode | ratio |",
+        "| :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['dtype']} | {r['batch']} | {_f(r.get('warmboot_prefill_tok_s'))} | "
+            f"{_f(r.get('vllm_prefill_tok_s'))} | {_x(r.get('prefill_ratio_vs_vllm'))} | "
+            f"{_f(r.get('warmboot_decode_tok_s'))} | {_f(r.get('warmboot_eager_decode_tok_s'))} | "
+            f"{_f(r.get('vllm_decode_tok_s'))} | {_x(r.get('decode_ratio_vs_vllm'))} |"
+        )
     lines += ["", "Start-up of each engine in this run (s): " + json.dumps(_rounded(boots))]
+    choice = {d: {k: c[k] for k in ("mode", "kernel")} for d, c in steps.items() if c}
+    lines += ["", "warmboot's step as measured at its start: " + json.dumps(choice)]
     (args.out / "decode.md").write_text("\n".join(lines) + "\n")
     plot(args.out / "decode.png", meta, rows)
     print("\n".join(lines))

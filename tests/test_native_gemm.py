@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from warmboot.kernels import native
-from warmboot.kernels.step_ops import PackedLinears, native_gemm, packed_gemm
+from warmboot.kernels.step_ops import native_gemm, pack_weight, packed_gemm
 
 pytestmark = pytest.mark.skipif(
     native.library() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"
@@ -112,8 +112,9 @@ def test_bad_input_is_refused():
 
 def test_packed_linears_take_native_panels_for_bf16_only():
     x, w, b = _case(4, 48, 64, True)
-    packed = PackedLinears.pack(w)
+    packed = pack_weight(w)
     assert native_gemm(w) and packed.dim() == 4
     _check(packed_gemm(x, packed, b, 48), _reference(x, w, b))
-    assert PackedLinears.pack(w.float()).dim() == 2  # fp32 stays on oneDNN
+    assert pack_weight(w.float()).dim() == 2  # fp32 stays on oneDNN
+    assert pack_weight(w, "onednn").dim() == 2
     assert not native_gemm(torch.zeros(4, 7, dtype=torch.bfloat16))  # odd in_features

@@ -42,6 +42,7 @@ def test_bf16_compiled_step_runs_the_native_gemm_within_bf16_error(tiny_model_di
     prompts = [{"prompt_token_ids": p} for p in random_prompts([9, 5, 12], VOCAB_SIZE, seed=3)]
     compiled = _engine(path, "bfloat16", eager=False)
     table = compiled.engine.runner.compiled.linears
+    table.use("native")  # NOTE: whichever kernel the start measured faster
     assert all(w.dim() == 4 for w, _ in table.layers[0]) and table.head.dim() == 4
     got = _prompt_logprobs(compiled, prompts)
     want = _prompt_logprobs(_engine(path, "float32", eager=True), prompts)

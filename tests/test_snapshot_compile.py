@@ -57,6 +57,8 @@ def test_cold_boot_compiles_and_publishes_the_artifacts(published):
     art = manifest["facts"]["compile_artifacts"]
     assert art["bytes"] > 0 and len(art["hmac"]) == 64
     assert any(f["path"] == "compile/inductor.bin" for f in manifest["files"])
+    choice = manifest["facts"]["step_choice"]
+    assert choice == cold["compile"]["step_choice"] and choice["source"] == "measured"
 
 
 def test_restore_loads_the_artifacts_and_compiles_nothing(published):
@@ -68,6 +70,9 @@ def test_restore_loads_the_artifacts_and_compiles_nothing(published):
     assert "cache files written" in info["artifacts"], "the kernels come with the image"
     assert info["cache_misses"] == 0 and info["cache_hits"] == info["graphs"] == 2, info
     assert warm["tokens"] == cold["tokens"]
+    want = {k: cold["compile"]["step_choice"][k] for k in ("mode", "kernel")}
+    assert info["step_choice"] == want | {"ms_per_step": {}, "source": "recorded"}
+    assert "step_choice" in cold["phases"] and "step_choice" not in warm["phases"]
     assert "compile_artifacts" in warm["phases"] and "load_weights" not in warm["phases"]
     assert warm["compile"]["background"], "a restore serves while its steps compile"
     assert "compile" not in warm["ready_phases"], "the restore waited for the compile"

@@ -70,10 +70,12 @@ class CompiledSteps:
         backend: AttentionBackend,
         dtype: torch.dtype,
         cpu_threads: int | None = None,
+        kernel: str = "native",
     ):
         self.kv_caches = kv_caches
         self.backend = backend
         self.linears = PackedLinears()
+        self.linears.kernel = kernel
         self.packed = can_pack(dtype, kv_caches[0][0].device)
         self.model = packed_view(model, self.linears, self.packed)
         self.specs = model.attention_specs()
@@ -138,20 +140,11 @@ class CompiledSteps:
     def warm_up(self, scratch_block: int, block_size: int) -> CompileStats:
         """Compile both graphs on two scratch decode rows (they write only the scratch block,
         which no request owns): every later step, of any token count, reuses them."""
-        device = self.kv_caches[0][0].device
-        i64 = dict(dtype=torch.int64, device=device)
-        rows = 2
-        meta = AttentionMetadata(
-            slot_mapping=torch.full((rows,), scratch_block * block_size, **i64),
-            num_decode_tokens=rows,
-            decode_block_tables=torch.full((rows, 1), scratch_block, **i64),
-            decode_seq_lens=torch.ones(rows, **i64),
-            prefills=[],
-            block_size=block_size,
-        )
+        meta = scratch_decode(2, 1, scratch_block, block_size, self.kv_caches[0][0].device)
         # NOTE: inputs made outside inference mode, as the runner's are (else every step
         # fails a dispatch-key guard and recompiles)
-        ids, positions = torch.zeros(rows, **i64), torch.zeros(rows, **i64)
+        i64 = dict(dtype=torch.int64, device=meta.slot_mapping.device)
+        ids, positions = torch.zeros(2, **i64), torch.zeros(2, **i64)
         import torch._inductor.config as inductor_config
 
         threads = {"cpp.threads": self.cpu_threads} if self.cpu_threads else {}
@@ -165,6 +158,22 @@ class CompiledSteps:
             self.logits(self.hidden(ids, positions, meta))
         self.warm = True
         return self.stats
+
+
+def scratch_decode(
+    rows: int, context: int, scratch_block: int, block_size: int, device: torch.device
+) -> AttentionMetadata:
+    """``rows`` decode rows of ``context`` tokens (<= block_size) that read and write only the
+    scratch block, which no request owns: a step to compile or time between real ones."""
+    i64 = dict(dtype=torch.int64, device=device)
+    return AttentionMetadata(
+        slot_mapping=torch.full((rows,), scratch_block * block_size + context - 1, **i64),
+        num_decode_tokens=rows,
+        decode_block_tables=torch.full((rows, 1), scratch_block, **i64),
+        decode_seq_lens=torch.full((rows,), context, **i64),
+        prefills=[],
+        block_size=block_size,
+    )
 
 
 def _inductor(stats: CompileStats, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
@@ -202,7 +211,7 @@ def packed_view(model: CausalLM, table: PackedLinears, pack: bool = True) -> Cau
     view = copy.deepcopy(model, memo)
     for layer in view.layers:
         experts = [m for m in layer.modules() if isinstance(m, FusedExperts)]
-        table.experts.append([ExpertTable(m, pack) for m in experts])
+        table.experts.append([ExpertTable(m, pack, table.kernel) for m in experts])
         for slot, module in enumerate(experts):
             module.method = OpExperts(slot)
         if pack:

@@ -160,12 +160,13 @@ class ModelRunner:
         self._kv_buffer = None
         self.sampling_state.clear()
 
-    def setup_compiled(self) -> CompileStats:
+    def setup_compiled(self, kernel: str = "native") -> CompileStats:
         """Compile the model steps (after the weights and the KV pool; again after either
-        changes): every later forward runs the compiled graphs."""
+        changes): every later forward runs the compiled graphs. ``kernel``: the bf16 GEMM."""
         self.compiled = None
-        threads = self.cpu_threads
-        compiled = CompiledSteps(self.model, self.kv_caches, self.attention, self.dtype, threads)
+        compiled = CompiledSteps(
+            self.model, self.kv_caches, self.attention, self.dtype, self.cpu_threads, kernel
+        )
         stats = compiled.warm_up(self.scratch_block, self.block_size)
         compiled.kv_caches = self.kv_caches  # NOTE: the pool may have been reallocated meanwhile
         self.compiled = compiled

@@ -21,7 +21,9 @@ from contextlib import AbstractContextManager
 from dataclasses import asdict
 from typing import Any
 
+from warmboot.device import step_choice
 from warmboot.device.runner import ModelRunner
+from warmboot.device.step_choice import StepChoice
 from warmboot.engine import progress
 
 log = logging.getLogger("warmboot.startup")
@@ -42,24 +44,39 @@ class ModelCompile:
         """A restore's background compile."""
 
     def start(
-        self, runner: ModelRunner, artifacts: Callable[[], str] | None, background: bool
+        self,
+        runner: ModelRunner,
+        artifacts: Callable[[], str] | None,
+        background: bool,
+        recorded: StepChoice | None = None,
+        allow_eager: bool = True,
     ) -> None:
         """Compile ``runner``'s steps, first loading a restored image's compile ``artifacts``
         (which returns a note on them) so inductor's caches hit. ``background``: on a thread,
-        so no request waits for the trace."""
+        so no request waits for the trace. ``recorded``: a snapshot's step choice, applied
+        as it is; otherwise a foreground compile measures one (``device.step_choice``),
+        eager among the candidates where ``allow_eager``."""
         self.wait()
         self.info = {"compiled": False, "state": "compiling"}
         self.thread = None
         if not background:
-            self._run(runner, artifacts)
+            self._run(runner, artifacts, recorded, allow_eager)
             return
         # NOTE: not a daemon: the interpreter must wait for it at exit (see the docstring)
         self.thread = threading.Thread(
-            target=self._run, args=(runner, artifacts), name="warmboot-compile"
+            target=self._run,
+            args=(runner, artifacts, recorded, allow_eager),
+            name="warmboot-compile",
         )
         self.thread.start()
 
-    def _run(self, runner: ModelRunner, artifacts: Callable[[], str] | None) -> None:
+    def _run(
+        self,
+        runner: ModelRunner,
+        artifacts: Callable[[], str] | None,
+        recorded: StepChoice | None = None,
+        allow_eager: bool = True,
+    ) -> None:
         note = "cold boot: compiled here"
         detail = "in the background: eager steps serve meanwhile" if self.thread else ""
         try:
@@ -67,7 +84,11 @@ class ModelCompile:
                 with self.phase("compile_artifacts", detail=detail):
                     note = artifacts()
             with self.phase("compile", detail=detail):
-                stats = runner.setup_compiled()
+                stats = runner.setup_compiled(recorded.kernel if recorded else "native")
+            choice = recorded or StepChoice(source="default: measured on a cold start only")
+            if recorded is None and self.thread is None:
+                with self.phase("step_choice"):
+                    choice = step_choice.choose(runner, allow_eager)
         except Exception as e:  # noqa: BLE001 - eager steps go on serving
             if self.thread is None:
                 raise
@@ -78,7 +99,8 @@ class ModelCompile:
             log.error("compiling the model steps failed, serving eagerly: %s", _describe(e))
             return
         ready = time.perf_counter() - self.t0
-        self.info = {"compiled": True, **asdict(stats), "artifacts": note}
+        self.info = {"compiled": runner.compiled is not None, **asdict(stats), "artifacts": note}
+        self.info["step_choice"] = choice.as_fact()
         self.info |= {"background": self.thread is not None, "ready_s": ready}
         log.info(
             "model steps compiled: %d graphs, %.1fs in inductor, cache %d hits / %d misses (%s)",

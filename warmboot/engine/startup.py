@@ -31,6 +31,7 @@ from warmboot.config import EngineConfig, ModelConfig, ModelFilesError, Schedule
 from warmboot.core.block_manager import BlockManager
 from warmboot.device.graphs import default_batch_sizes
 from warmboot.device.runner import ModelRunner
+from warmboot.device.step_choice import StepChoice
 from warmboot.engine import progress, shutdown
 from warmboot.engine import settings as resolve
 from warmboot.engine.background_compile import ModelCompile
@@ -280,6 +281,8 @@ class Startup:
         if publishing:
             with self.phase("snapshot_publish"):
                 facts = asdict(engine.facts) | {"canary": canary, "cold_boot": dict(self.times)}
+                if "step_choice" in self.compiling.info:
+                    facts["step_choice"] = self.compiling.info["step_choice"]
                 artifacts = saved_artifacts() if engine.settings.compiled else None
                 self.snapshot.publish(engine.runner.model, facts, artifacts)
         return self._ready()
@@ -288,11 +291,19 @@ class Startup:
         """Trace and compile the model steps (again after the weights change); a restored
         image's compile artifacts are loaded first, so inductor's caches hit. ``background``
         (a restore): the engine serves eager steps at once and switches to the compiled ones
-        when they are ready, so no request waits for the trace."""
+        when they are ready, so no request waits for the trace. The step that serves is the
+        one a restored image recorded, or is measured (``device.step_choice``)."""
         if not engine.settings.compiled:
             return
         artifacts = self.snapshot.compile_artifacts if self.restored else None
-        self.compiling.start(engine.runner, artifacts, background)
+        manifest = self.snapshot.manifest if self.restored else None
+        recorded = StepChoice.from_fact(manifest.facts.get("step_choice")) if manifest else None
+        # NOTE: enforce_eager=False asks for compiled steps: then only the kernel is chosen
+        allow_eager = self.config.enforce_eager is None
+        if recorded is not None and recorded.mode == "eager" and allow_eager:
+            self.compiling.info = {"compiled": False, "step_choice": recorded.as_fact()}
+            return
+        self.compiling.start(engine.runner, artifacts, background, recorded, allow_eager)
 
     def wait_compiled(self, timeout: float | None = None) -> bool:
         """Wait for a background compile; True when the compiled steps run (or none)."""

@@ -41,6 +41,9 @@ class PackedLinears:
     per layer one row per projection slot, and the LM head."""
 
     def __init__(self) -> None:
+        self.kernel = "native"
+        """The bf16 GEMM: ``native`` (``kernels.native``, where it builds) or ``onednn``;
+        ``use`` switches (``device.step_choice`` measures which is faster)."""
         self.experts: list[list[ExpertTable]] = []
         """Per layer: its ``FusedExperts``, in slot order (``fused_experts``)."""
         self.layers: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
@@ -49,12 +52,15 @@ class PackedLinears:
         self._sources: list[list[torch.Tensor]] = []
         self._head_source: torch.Tensor | None = None
 
-    @staticmethod
-    def pack(weight: torch.Tensor) -> torch.Tensor:
-        """Native panels for bf16 (``kernels.native``: 4-D), else oneDNN's blocked layout."""
-        if native_gemm(weight):
-            return torch.ops.warmboot_cpu.pack_linear(weight.detach())
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return pack_weight(weight, self.kernel)
+
+    def use(self, kernel: str) -> None:
+        """Pack every weight again for ``kernel`` (no recompile: the GEMM op is opaque)."""
+        if kernel != self.kernel:
+            self.release()
+            self.kernel = kernel
+            self.repack()
 
     def add_layer(self, linears: list[nn.Module]) -> None:
         """One decoder layer's linears (anything with ``weight`` and ``bias``), in slot order."""
@@ -76,7 +82,7 @@ class PackedLinears:
 
     def repack(self) -> None:
         for table in (t for row in self.experts for t in row):
-            table.repack()
+            table.repack(self.kernel)
         if self.head is not None:
             return
         self.layers = [
@@ -104,16 +110,18 @@ class ExpertTable:
     """One ``FusedExperts``' weights for the compiled step: each expert's two matrices packed
     for oneDNN (copies, when ``pack``), or the module's own dense weights."""
 
-    def __init__(self, module: FusedExperts, pack: bool):
-        self.module, self.pack = module, pack
+    def __init__(self, module: FusedExperts, pack: bool, kernel: str = "native"):
+        self.module, self.pack, self.kernel = module, pack, kernel
         self.gate_up: list[torch.Tensor] | None = None
         self.down: list[torch.Tensor] | None = None
         self.repack()
 
-    def repack(self) -> None:
+    def repack(self, kernel: str | None = None) -> None:
+        """Pack again (after ``release``), for ``kernel`` if given."""
+        self.kernel = kernel or self.kernel
         if self.pack and self.gate_up is None:
-            self.gate_up = [PackedLinears.pack(w) for w in self.module.gate_up_proj]
-            self.down = [PackedLinears.pack(w) for w in self.module.down_proj]
+            self.gate_up = [pack_weight(w, self.kernel) for w in self.module.gate_up_proj]
+            self.down = [pack_weight(w, self.kernel) for w in self.module.down_proj]
 
     def release(self) -> int:
         if not self.pack or self.gate_up is None:
@@ -144,13 +152,21 @@ class ExpertTable:
 def packed_gemm(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int
 ) -> torch.Tensor:
-    if weight.dim() == 4:  # NOTE: native panels (PackedLinears.pack)
+    if weight.dim() == 4:  # NOTE: native panels (pack_weight)
         return torch.ops.warmboot_cpu.linear(x, weight, bias, n)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
+def pack_weight(weight: torch.Tensor, kernel: str = "native") -> torch.Tensor:
+    """Native panels (4-D) where ``kernel`` is native and it takes ``weight``, else oneDNN's
+    blocked layout (``packed_gemm`` tells them apart)."""
+    if kernel == "native" and native_gemm(weight):
+        return torch.ops.warmboot_cpu.pack_linear(weight.detach())
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
 def native_gemm(weight: torch.Tensor) -> bool:
-    """Whether ``PackedLinears.pack`` gives ``weight`` to the native bf16 GEMM."""
+    """Whether ``pack_weight`` gives ``weight`` to the native bf16 GEMM."""
     return (
         weight.dtype == torch.bfloat16
         and weight.shape[-1] % 2 == 0

@@ -1,0 +1,79 @@
+"""The step that serves is chosen by measurement (``device.step_choice``): compiled with the
+native or oneDNN GEMM, or eager, and whatever is chosen serves the right tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import random_prompts
+from tests.tiny_models import VOCAB_SIZE
+from warmboot import LLM, SamplingParams
+from warmboot.device import step_choice
+from warmboot.device.step_choice import StepChoice
+from warmboot.kernels import native
+
+
+def _engine(path, dtype: str, eager: bool | None) -> LLM:
+    return LLM(str(path), dtype=dtype, enforce_eager=eager, max_model_len=64, block_size=4,
+               num_kv_blocks=64)  # fmt: skip
+
+
+def _greedy(llm: LLM, prompts) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def _fake_times(ms: dict[str, float]):
+    """``_time_steps`` stand-in: the candidate now set up (compiled kernel or eager) takes
+    ``ms`` per step at either row count."""
+
+    def fake(runner, compiled: bool) -> dict[str, float]:
+        name = f"compiled/{runner.compiled.linears.kernel}" if compiled else "eager"
+        return {"1": ms[name], "16": ms[name]}
+
+    return fake
+
+
+@pytest.mark.skipif(native.library() is None, reason=f"{native.unavailable_reason()}")
+def test_the_fastest_candidate_serves(tiny_model_dir, monkeypatch):
+    path = tiny_model_dir("llama")
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 9], VOCAB_SIZE, seed=4)]
+    llm = _engine(path, "bfloat16", eager=False)
+    runner = llm.engine.runner
+    times = {"compiled/native": 3.0, "compiled/onednn": 2.0, "eager": 5.0}
+    monkeypatch.setattr(step_choice, "_time_steps", _fake_times(times))
+    choice = step_choice.choose(runner)
+    assert (choice.mode, choice.kernel) == ("compiled", "onednn")
+    assert all(w.dim() == 2 for w, _ in runner.compiled.linears.layers[0])
+    onednn = _greedy(llm, prompts)
+    assert len(onednn) == 2 and all(len(t) == 6 for t in onednn)
+    times |= {"compiled/native": 1.0}
+    assert step_choice.choose(runner).kernel == "native"
+    assert all(w.dim() == 4 for w, _ in runner.compiled.linears.layers[0])
+    assert step_choice.choose(runner, allow_eager=False).ms_per_step.keys() == {
+        "compiled/native",
+        "compiled/onednn",
+    }
+    times |= {"eager": 0.5}
+    assert step_choice.choose(runner).mode == "eager" and runner.compiled is None
+    llm.engine.block_manager.reset_prefix_cache()  # NOTE: K/V the compiled steps wrote
+    assert _greedy(llm, prompts) == _greedy(_engine(path, "bfloat16", eager=True), prompts)
+
+
+def test_an_unsaid_mode_is_measured_at_start(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv("WARMBOOT_ENFORCE_EAGER", "0")
+    llm = _engine(tiny_model_dir("qwen2"), "float32", eager=None)
+    info = llm.engine.stats()["compile"]
+    choice = info["step_choice"]
+    assert choice["source"] == "measured"
+    # NOTE: fp32 has no native GEMM: oneDNN's compiled step against eager
+    assert choice["ms_per_step"].keys() == {"compiled/onednn", "eager"}
+    assert all(ms > 0 for c in choice["ms_per_step"].values() for ms in c.values())
+    serving_compiled = llm.engine.runner.compiled is not None
+    assert serving_compiled == (choice["mode"] == "compiled") == info["compiled"]
+
+
+def test_a_recorded_choice_is_data_checked():
+    assert StepChoice.from_fact({"mode": "eager", "kernel": "native"}).source == "recorded"
+    for bad in (None, "eager", {"mode": "fast", "kernel": "native"}, {"mode": "compiled"}):
+        assert StepChoice.from_fact(bad) is None

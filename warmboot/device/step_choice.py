@@ -1,0 +1,133 @@
+"""Which CPU step serves, chosen by measurement: compiled with the native bf16 GEMM, compiled
+with oneDNN's, or eager.
+
+What is fastest depends on the machine and the model: the native GEMM streams weights at
+memory speed on AVX-512 BF16 (``kernels.native``), oneDNN has AMX kernels on the Xeons that
+have them, and a small model on a slow host may not gain from the compiled step at all. So a
+cold start, once the steps are compiled, times each candidate on scratch decode steps (they
+read and write only the scratch block) at one row and at ``BATCH`` rows, and keeps the one
+with the lowest geometric mean; eager wins only by being faster, so the choice is never
+slower than eager where it was measured. About a second on the demo model.
+
+The choice is a fact of the tier-A snapshot (``step_choice``): a restore applies it without
+measuring, and one that chose eager skips the compile.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from warmboot.device.compiled import scratch_decode
+from warmboot.kernels.step_ops import StepContext, native_gemm
+
+log = logging.getLogger(__name__)
+
+BATCH = 16
+REPEATS = 3
+MODES = ("compiled", "eager")
+KERNELS = ("native", "onednn")
+
+
+@dataclass
+class StepChoice:
+    mode: str = "compiled"
+    """``compiled`` or ``eager``."""
+    kernel: str = "native"
+    """The compiled step's bf16 GEMM: ``native`` or ``onednn``."""
+    ms_per_step: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Per candidate (``compiled/native``, ``compiled/onednn``, ``eager``): ms per scratch
+    decode step by row count."""
+    source: str = "measured"
+    """``measured`` here, or ``recorded`` (a snapshot's)."""
+
+    def as_fact(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_fact(cls, fact: object) -> StepChoice | None:
+        """A snapshot's fact, or None where it is malformed (data, never trusted)."""
+        if not isinstance(fact, dict):
+            return None
+        mode, kernel = fact.get("mode"), fact.get("kernel")
+        if mode not in MODES or kernel not in KERNELS:
+            return None
+        return cls(mode, kernel, {}, "recorded")
+
+
+def choose(runner, allow_eager: bool = True) -> StepChoice:
+    """Time the candidates on ``runner`` (compiled, idle) and apply the fastest; eager is
+    one where ``allow_eager`` (not where compiled steps were asked for)."""
+    table = runner.compiled.linears
+    kernels = KERNELS
+    if not _has_native_gemm(runner):  # NOTE: then every weight is in oneDNN's layout already
+        table.kernel, kernels = "onednn", ("onednn",)
+    times = {}
+    for kernel in kernels:
+        table.use(kernel)
+        times[f"compiled/{kernel}"] = _time_steps(runner, compiled=True)
+    if allow_eager:
+        times["eager"] = _time_steps(runner, compiled=False)
+    best = min(times, key=lambda name: _geomean(times[name].values()))
+    mode, _, kernel = best.partition("/")
+    choice = StepChoice(mode, kernel or kernels[0], times)
+    apply(runner, choice)
+    log.info("step choice: %s (ms per step: %s)", best, times)
+    return choice
+
+
+def apply(runner, choice: StepChoice) -> None:
+    """Serve with ``choice``: the kernel packed, or the compiled steps dropped for eager."""
+    if runner.compiled is None:
+        return
+    if choice.mode == "eager":
+        runner.compiled = None
+        return
+    runner.compiled.linears.use(choice.kernel)
+
+
+def _has_native_gemm(runner) -> bool:
+    return any(native_gemm(p) for p in runner.model.parameters() if p.dim() == 2)
+
+
+def _time_steps(runner, compiled: bool) -> dict[str, float]:
+    """ms per decode step at 1 and ``BATCH`` scratch rows, on the device thread."""
+    out = {}
+    for rows in (1, BATCH):
+        meta = scratch_decode(
+            rows, runner.block_size, runner.scratch_block, runner.block_size, runner.device
+        )
+        ids = torch.zeros(rows, dtype=torch.int64, device=runner.device)
+        positions = torch.full_like(ids, runner.block_size - 1)
+        samples: list[float] = []
+        timed = functools.partial(_timed, _step_fn(runner, compiled, ids, positions, meta), samples)
+        for _ in range(REPEATS + 1):  # NOTE: the first is a warm-up, left out
+            runner.stream.submit(timed)
+        runner.stream.record().wait()
+        out[str(rows)] = 1e3 * min(samples[1:])
+    return out
+
+
+def _timed(step, samples: list[float]) -> None:
+    t0 = time.perf_counter()
+    step()
+    samples.append(time.perf_counter() - t0)
+
+
+def _step_fn(runner, compiled: bool, ids, positions, meta):
+    if compiled:
+        steps = runner.compiled
+        return lambda: steps.logits(steps.hidden(ids, positions, meta))
+    model = runner.model
+    ctx = StepContext(runner.attention, runner.kv_caches, meta, runner.specs)
+    return lambda: model.compute_logits(model(ids, positions, ctx))
+
+
+def _geomean(values) -> float:
+    values = list(values)
+    return math.exp(sum(math.log(v) for v in values) / len(values))
