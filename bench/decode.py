@@ -108,6 +108,7 @@ def start_engines(args, model_dir: str, dtype: str, top: int) -> dict:
     for name, eager in (("warmboot", None), ("warmboot_eager", True)):
         t0 = time.perf_counter()
         out[name] = LLM(model_dir, enforce_eager=eager, **kw)
+        out[name].engine.wait_compiled()  # NOTE: the default compiles in the background
         out[f"{name}_boot_s"] = time.perf_counter() - t0
     torch_dtype = getattr(torch, dtype)
     out["warmboot_step"] = out["warmboot"].engine.stats()["compile"].get("step_choice")

@@ -15,6 +15,8 @@ torch.set_num_threads(2)
 # minutes); the parity, loop and snapshot tests that cover the compiled steps ask for them
 # (``compiled_default``) or pass enforce_eager=False.
 os.environ.setdefault(EAGER_ENV, "1")
+# Restores are restores here: no start path chosen by what earlier tests' starts cost.
+os.environ.setdefault("WARMBOOT_START_BY_COST", "0")
 
 
 @pytest.fixture(params=["compiled", "eager"])

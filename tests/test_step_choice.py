@@ -8,6 +8,7 @@ import pytest
 from tests.helpers import random_prompts
 from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM, SamplingParams
+from warmboot.config import EAGER_ENV
 from warmboot.device import step_choice
 from warmboot.device.step_choice import StepChoice
 from warmboot.kernels import native
@@ -27,8 +28,8 @@ def _fake_times(ms: dict[str, float]):
     """``_time_steps`` stand-in: the candidate now set up (compiled kernel or eager) takes
     ``ms`` per step at either row count."""
 
-    def fake(runner, compiled: bool) -> dict[str, float]:
-        name = f"compiled/{runner.compiled.linears.kernel}" if compiled else "eager"
+    def fake(runner, steps) -> dict[str, float]:
+        name = f"compiled/{steps.linears.kernel}" if steps is not None else "eager"
         return {"1": ms[name], "16": ms[name]}
 
     return fake
@@ -40,30 +41,32 @@ def test_the_fastest_candidate_serves(tiny_model_dir, monkeypatch):
     prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 9], VOCAB_SIZE, seed=4)]
     llm = _engine(path, "bfloat16", eager=False)
     runner = llm.engine.runner
+    steps = runner.compiled
     times = {"compiled/native": 3.0, "compiled/onednn": 2.0, "eager": 5.0}
     monkeypatch.setattr(step_choice, "_time_steps", _fake_times(times))
-    choice = step_choice.choose(runner)
+    choice = step_choice.choose(runner, steps)
     assert (choice.mode, choice.kernel) == ("compiled", "onednn")
-    assert all(w.dim() == 2 for w, _ in runner.compiled.linears.layers[0])
+    assert all(w.dim() == 2 for w, _ in steps.linears.layers[0])
     onednn = _greedy(llm, prompts)
     assert len(onednn) == 2 and all(len(t) == 6 for t in onednn)
     times |= {"compiled/native": 1.0}
-    assert step_choice.choose(runner).kernel == "native"
-    assert all(w.dim() == 4 for w, _ in runner.compiled.linears.layers[0])
-    assert step_choice.choose(runner, allow_eager=False).ms_per_step.keys() == {
-        "compiled/native",
-        "compiled/onednn",
-    }
+    assert step_choice.choose(runner, steps).kernel == "native"
+    assert all(w.dim() == 4 for w, _ in steps.linears.layers[0])
+    measured = step_choice.choose(runner, steps, allow_eager=False).ms_per_step
+    assert measured.keys() == {"compiled/native", "compiled/onednn"}
     times |= {"eager": 0.5}
-    assert step_choice.choose(runner).mode == "eager" and runner.compiled is None
+    assert step_choice.choose(runner, steps).mode == "eager"
+    runner.install_compiled(None)
     llm.engine.block_manager.reset_prefix_cache()  # NOTE: K/V the compiled steps wrote
     assert _greedy(llm, prompts) == _greedy(_engine(path, "bfloat16", eager=True), prompts)
 
 
 def test_an_unsaid_mode_is_measured_at_start(tiny_model_dir, monkeypatch):
-    monkeypatch.setenv("WARMBOOT_ENFORCE_EAGER", "0")
+    monkeypatch.delenv(EAGER_ENV)  # NOTE: the suite's default says eager
     llm = _engine(tiny_model_dir("qwen2"), "float32", eager=None)
+    assert llm.engine.wait_compiled(300)
     info = llm.engine.stats()["compile"]
+    assert info["background"], "a cold start of unsaid mode serves eagerly at once"
     choice = info["step_choice"]
     assert choice["source"] == "measured"
     # NOTE: fp32 has no native GEMM: oneDNN's compiled step against eager

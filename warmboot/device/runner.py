@@ -164,13 +164,23 @@ class ModelRunner:
         """Compile the model steps (after the weights and the KV pool; again after either
         changes): every later forward runs the compiled graphs. ``kernel``: the bf16 GEMM."""
         self.compiled = None
-        compiled = CompiledSteps(
+        steps = self.build_compiled(kernel)
+        self.install_compiled(steps)
+        return steps.stats
+
+    def build_compiled(self, kernel: str = "native") -> CompiledSteps:
+        """Compiled and warmed steps, not yet the ones that serve (``install_compiled``)."""
+        steps = CompiledSteps(
             self.model, self.kv_caches, self.attention, self.dtype, self.cpu_threads, kernel
         )
-        stats = compiled.warm_up(self.scratch_block, self.block_size)
-        compiled.kv_caches = self.kv_caches  # NOTE: the pool may have been reallocated meanwhile
-        self.compiled = compiled
-        return stats
+        steps.warm_up(self.scratch_block, self.block_size)
+        return steps
+
+    def install_compiled(self, steps: CompiledSteps | None) -> None:
+        """Serve with ``steps`` from the next step on (None: eager)."""
+        if steps is not None:
+            steps.kv_caches = self.kv_caches  # NOTE: the pool may have been reallocated
+        self.compiled = steps
 
     def _forward_fns(self):
         """(hidden, logits) functions of a step: the compiled graphs when set up."""

@@ -10,7 +10,9 @@ with the lowest geometric mean; eager wins only by being faster, so the choice i
 slower than eager where it was measured. About a second on the demo model.
 
 The choice is a fact of the tier-A snapshot (``step_choice``): a restore applies it without
-measuring, and one that chose eager skips the compile.
+measuring, and one that chose eager skips the compile. Where the mode is unsaid, a cold start
+on the CPU serves eager steps at once and compiles and measures in the background (as a
+restore does), so it is as quick to its first token as an eager one.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from warmboot.device.compiled import scratch_decode
+from warmboot.device.compiled import CompiledSteps, scratch_decode
 from warmboot.kernels.step_ops import StepContext, native_gemm
 
 log = logging.getLogger(__name__)
@@ -60,42 +62,34 @@ class StepChoice:
         return cls(mode, kernel, {}, "recorded")
 
 
-def choose(runner, allow_eager: bool = True) -> StepChoice:
-    """Time the candidates on ``runner`` (compiled, idle) and apply the fastest; eager is
-    one where ``allow_eager`` (not where compiled steps were asked for)."""
-    table = runner.compiled.linears
+def choose(runner, steps: CompiledSteps, allow_eager: bool = True) -> StepChoice:
+    """Time the candidates with ``steps`` (compiled and warmed, not serving yet) and eager
+    where ``allow_eager`` (not where compiled steps were asked for); ``steps`` keeps the
+    fastest kernel, and the caller serves with them or eagerly as the choice says. The timed
+    steps run on the device thread, between serving ones."""
+    table = steps.linears
     kernels = KERNELS
     if not _has_native_gemm(runner):  # NOTE: then every weight is in oneDNN's layout already
         table.kernel, kernels = "onednn", ("onednn",)
     times = {}
     for kernel in kernels:
         table.use(kernel)
-        times[f"compiled/{kernel}"] = _time_steps(runner, compiled=True)
+        times[f"compiled/{kernel}"] = _time_steps(runner, steps)
     if allow_eager:
-        times["eager"] = _time_steps(runner, compiled=False)
+        times["eager"] = _time_steps(runner, None)
     best = min(times, key=lambda name: _geomean(times[name].values()))
     mode, _, kernel = best.partition("/")
-    choice = StepChoice(mode, kernel or kernels[0], times)
-    apply(runner, choice)
+    choice = StepChoice(mode, kernel or table.kernel, times)
+    table.use(choice.kernel)
     log.info("step choice: %s (ms per step: %s)", best, times)
     return choice
-
-
-def apply(runner, choice: StepChoice) -> None:
-    """Serve with ``choice``: the kernel packed, or the compiled steps dropped for eager."""
-    if runner.compiled is None:
-        return
-    if choice.mode == "eager":
-        runner.compiled = None
-        return
-    runner.compiled.linears.use(choice.kernel)
 
 
 def _has_native_gemm(runner) -> bool:
     return any(native_gemm(p) for p in runner.model.parameters() if p.dim() == 2)
 
 
-def _time_steps(runner, compiled: bool) -> dict[str, float]:
+def _time_steps(runner, steps: CompiledSteps | None) -> dict[str, float]:
     """ms per decode step at 1 and ``BATCH`` scratch rows, on the device thread."""
     out = {}
     for rows in (1, BATCH):
@@ -105,7 +99,7 @@ def _time_steps(runner, compiled: bool) -> dict[str, float]:
         ids = torch.zeros(rows, dtype=torch.int64, device=runner.device)
         positions = torch.full_like(ids, runner.block_size - 1)
         samples: list[float] = []
-        timed = functools.partial(_timed, _step_fn(runner, compiled, ids, positions, meta), samples)
+        timed = functools.partial(_timed, _step_fn(runner, steps, ids, positions, meta), samples)
         for _ in range(REPEATS + 1):  # NOTE: the first is a warm-up, left out
             runner.stream.submit(timed)
         runner.stream.record().wait()
@@ -119,9 +113,9 @@ def _timed(step, samples: list[float]) -> None:
     samples.append(time.perf_counter() - t0)
 
 
-def _step_fn(runner, compiled: bool, ids, positions, meta):
-    if compiled:
-        steps = runner.compiled
+def _step_fn(runner, steps: CompiledSteps | None, ids, positions, meta):
+    """One scratch step: ``steps``' graphs, or eager (None)."""
+    if steps is not None:
         return lambda: steps.logits(steps.hidden(ids, positions, meta))
     model = runner.model
     ctx = StepContext(runner.attention, runner.kv_caches, meta, runner.specs)

@@ -84,11 +84,13 @@ class ModelCompile:
                 with self.phase("compile_artifacts", detail=detail):
                     note = artifacts()
             with self.phase("compile", detail=detail):
-                stats = runner.setup_compiled(recorded.kernel if recorded else "native")
-            choice = recorded or StepChoice(source="default: measured on a cold start only")
-            if recorded is None and self.thread is None:
-                with self.phase("step_choice"):
-                    choice = step_choice.choose(runner, allow_eager)
+                steps = runner.build_compiled(recorded.kernel if recorded else "native")
+            choice = recorded
+            if choice is None:
+                with self.phase("step_choice", detail=detail):
+                    choice = step_choice.choose(runner, steps, allow_eager)
+            runner.install_compiled(steps if choice.mode == "compiled" else None)
+            stats = steps.stats
         except Exception as e:  # noqa: BLE001 - eager steps go on serving
             if self.thread is None:
                 raise
@@ -99,7 +101,7 @@ class ModelCompile:
             log.error("compiling the model steps failed, serving eagerly: %s", _describe(e))
             return
         ready = time.perf_counter() - self.t0
-        self.info = {"compiled": runner.compiled is not None, **asdict(stats), "artifacts": note}
+        self.info = {"compiled": choice.mode == "compiled", **asdict(stats), "artifacts": note}
         self.info["step_choice"] = choice.as_fact()
         self.info |= {"background": self.thread is not None, "ready_s": ready}
         log.info(

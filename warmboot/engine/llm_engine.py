@@ -14,10 +14,11 @@ from warmboot.core.request import FinishReason, Request
 from warmboot.core.scheduler import Scheduler
 from warmboot.device.grammar_requests import GrammarRequests
 from warmboot.engine.loop import StepParts, make_loop
-from warmboot.engine.startup import Startup, run_canary
+from warmboot.engine.startup import Startup
 from warmboot.engine.validation import Prompt, RequestValidator, ValidatedRequest
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
+from warmboot.snapshot.canary import run_canary
 
 __all__ = ["InvalidRequestError", "LLMEngine", "Prompt", "ValidatedRequest"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from warmboot.config import EngineConfig, ModelConfig, SchedulerConfig, resolve_eager
+from warmboot.config import EAGER_ENV, EngineConfig, ModelConfig, SchedulerConfig, resolve_eager
 from warmboot.device.threads import default_threads, usable_cpus
 from warmboot.kernels.backend import AttentionBackend, KVLayout
 from warmboot.kernels.torch_attention import TorchAttentionBackend
@@ -96,6 +96,12 @@ def resolve_pipelined(pipelined: bool | None, device: torch.device) -> bool:
     if pipelined is not None:
         return pipelined
     return device.type == "cuda" or (os.cpu_count() or 1) >= 4
+
+
+def mode_unsaid(enforce_eager: bool | None) -> bool:
+    """Neither ``enforce_eager`` nor ``$WARMBOOT_ENFORCE_EAGER`` says eager or compiled: the
+    serving step is then chosen by measurement (``device.step_choice``)."""
+    return enforce_eager is None and os.environ.get(EAGER_ENV, "") == ""
 
 
 def resolve_cuda_graphs(cuda_graphs: bool | None, device: torch.device) -> bool:

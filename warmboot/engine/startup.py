@@ -4,8 +4,9 @@
     -> allocate_kv -> [compile] -> warmup (the canary; a restored image whose canary differs
     boots cold) -> [autotune] -> [cuda_graphs] -> [snapshot_publish] -> ready
 
-``compile`` traces and compiles the model steps (``device.compiled``); after a restore it
-runs in the background while eager steps serve (``engine.background_compile``).
+``compile`` traces and compiles the model steps (``device.compiled``), in the background
+while eager steps serve after a restore, or a cold start whose mode is unsaid and that has
+nothing to publish; then ``device.step_choice`` measures which step serves.
 
 Every phase is logged as it begins and ends (``engine.progress``; a bar while weights load
 or restore) and timed into ``Startup.times`` (``stats()["startup_times"]``); the engine's
@@ -39,8 +40,8 @@ from warmboot.engine.settings import RuntimeFacts, Settings
 from warmboot.kernels.backend import KVLayout
 from warmboot.models.checkpoint import check_servable, checkpoint_files
 from warmboot.models.registry import ARCHITECTURES
-from warmboot.sampling_params import SamplingParams
-from warmboot.snapshot.canary import CANARY_PROMPT, CANARY_TOKENS
+from warmboot.snapshot import start_costs
+from warmboot.snapshot.canary import run_canary
 from warmboot.snapshot.compile_artifacts import saved_artifacts
 from warmboot.tokenizer import Tokenizer
 
@@ -123,8 +124,7 @@ class Startup:
         self.times[name] = time.perf_counter() - t0
 
     def close(self) -> None:
-        """Free what the start-up made: wait for a background compile, then stop the device
-        thread and drop the weights and the KV pool (``ModelRunner.close``). Idempotent."""
+        """Wait for a background compile, then free the runner (``ModelRunner.close``)."""
         if self.closed:
             return
         self.closed = True
@@ -152,7 +152,7 @@ class Startup:
         )
         runner = self.runner = self._runner(model_config, settings, attention)
         self.snapshot = self._open_snapshot(settings, attention.name)
-        self.restored = self.restore_weights(runner)
+        self.restored = self._restore_pays() and self.restore_weights(runner)
         if not self.restored:
             self.load_weights(runner)
         with self.phase("allocate_kv"):
@@ -212,6 +212,13 @@ class Startup:
             timeout = self.config.snapshot_timeout
             return SnapshotBoot(store, self.model_dir, key_settings, device, timeout)
 
+    def _restore_pays(self) -> bool:
+        """False where a cold start measured quicker for this key (``start_costs``)."""
+        why = self.snapshot and start_costs.cold_is_quicker(self.snapshot.key)
+        if why:
+            self.snapshot.reason, self.snapshot.publish_skipped = why, True
+        return not why
+
     def restore_weights(self, runner: ModelRunner, mapped: bool = False) -> bool:
         """Restore the runner's weights from a matching snapshot; False (reason logged) if none.
         ``mapped``: map the chunk files rather than copy them (see ``SnapshotBoot.restore``)."""
@@ -261,7 +268,9 @@ class Startup:
     def finish(self, engine: BootingEngine) -> StartInfo:
         """Compile, warm up (checking a restored image's canary), tune, capture, publish."""
         on_cpu = engine.runner.device.type == "cpu"  # NOTE: CUDA graphs capture compiled steps
-        self.compile(engine, background=self.restored and on_cpu)
+        publishing = self._publishing()
+        quick = resolve.mode_unsaid(self.config.enforce_eager) and not publishing
+        self.compile(engine, background=on_cpu and (self.restored or quick))
         with self.phase("warmup"):
             canary = run_canary(engine)
             engine.block_manager.check_invariants()
@@ -273,7 +282,7 @@ class Startup:
             self.compile(engine)
             with self.phase("warmup"):
                 canary = run_canary(engine)
-        publishing = bool(self.snapshot and not self.restored and self.config.snapshot_publish)
+        publishing = self._publishing()
         self._pretune(engine, publishing)
         if engine.settings.cuda_graphs:
             with self.phase("cuda_graphs"):
@@ -289,17 +298,16 @@ class Startup:
 
     def compile(self, engine: BootingEngine, background: bool = False) -> None:
         """Trace and compile the model steps (again after the weights change); a restored
-        image's compile artifacts are loaded first, so inductor's caches hit. ``background``
-        (a restore): the engine serves eager steps at once and switches to the compiled ones
-        when they are ready, so no request waits for the trace. The step that serves is the
-        one a restored image recorded, or is measured (``device.step_choice``)."""
+        image's compile artifacts are loaded first, so inductor's caches hit. ``background``:
+        eager steps serve until the compiled ones are ready. The step that serves is the one
+        a restored image recorded, or is measured (``device.step_choice``)."""
         if not engine.settings.compiled:
             return
         artifacts = self.snapshot.compile_artifacts if self.restored else None
         manifest = self.snapshot.manifest if self.restored else None
         recorded = StepChoice.from_fact(manifest.facts.get("step_choice")) if manifest else None
         # NOTE: enforce_eager=False asks for compiled steps: then only the kernel is chosen
-        allow_eager = self.config.enforce_eager is None
+        allow_eager = resolve.mode_unsaid(self.config.enforce_eager)
         if recorded is not None and recorded.mode == "eager" and allow_eager:
             self.compiling.info = {"compiled": False, "step_choice": recorded.as_fact()}
             return
@@ -318,6 +326,12 @@ class Startup:
                 shapes = runner.pretune_attention(sched.max_num_batched_tokens, sched.max_model_len)
             log.info("attention tuned for %d prefill shapes", shapes)
 
+    def _publishing(self) -> bool:
+        snap = self.snapshot
+        return bool(snap and not self.restored and self.config.snapshot_publish) and not (
+            snap.publish_skipped
+        )
+
     def _ready(self) -> StartInfo:
         reason = self.snapshot.reason if self.snapshot else "no snapshot store configured"
         if self.snapshot and self.snapshot.publish_note:
@@ -328,6 +342,8 @@ class Startup:
             ready_s=time.perf_counter() - self.t0,
             phase_times=dict(self.times),
         )
+        if self.snapshot:
+            start_costs.record(self.snapshot.key, info.path, self.times)
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.times.items())
         log.info("engine ready in %.2fs via %s (%s): %s", info.ready_s, info.path, reason, phases)
         return info
@@ -371,25 +387,6 @@ class Startup:
 
 def _describe(e: Exception) -> str:
     return f"{type(e).__name__}: {e}"
-
-
-def run_canary(engine: BootingEngine) -> list[tuple[int, float]]:
-    """Greedy tokens with logprobs of the canary prompt, run alone on an idle engine and then
-    forgotten. It is also the warm-up: one real request through every part."""
-    params = SamplingParams(
-        max_tokens=CANARY_TOKENS,
-        temperature=0.0,
-        ignore_eos=True,
-        logprobs=1,
-        output_kind="final",
-    )
-    engine.add_request("canary", {"prompt_token_ids": list(CANARY_PROMPT)}, params)
-    out = None
-    while engine.has_unfinished_requests():
-        out = next(iter(engine.step()), out)
-    engine.block_manager.reset_prefix_cache()
-    c = out.outputs[0]
-    return [(t, lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
 
 
 def _kv_layout(model_config: ModelConfig) -> tuple[KVLayout, int]:

@@ -45,6 +45,9 @@ class SnapshotBoot:
         self.manifest: Manifest | None = None
         self.reason = ""
         self.publish_note = ""
+        self.publish_skipped = False
+        """Not restored because a cold start is quicker here (``start_costs``): the image
+        stays as it is."""
         """How the publish went (published, not published and why, failed and why)."""
 
     # -- restore --------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from warmboot.sampling_params import SamplingParams
+
 CANARY_PROMPT = (1, 2, 3, 4, 5, 6, 7)
 """NOTE: not token 0, often a padding token whose zero embedding would make the canary blind."""
 CANARY_TOKENS = 2
@@ -29,3 +31,22 @@ def canary_mismatch(recorded: Sequence, fresh: Sequence) -> str | None:
         if abs(lp - wlp) > CANARY_RTOL * max(1.0, abs(wlp)):
             return f"canary logprob {i} is {lp:.6g}, {wlp:.6g} was recorded"
     return None
+
+
+def run_canary(engine) -> list[tuple[int, float]]:
+    """Greedy tokens with logprobs of the canary prompt, run alone on an idle engine and then
+    forgotten. It is also the warm-up: one real request through every part."""
+    params = SamplingParams(
+        max_tokens=CANARY_TOKENS,
+        temperature=0.0,
+        ignore_eos=True,
+        logprobs=1,
+        output_kind="final",
+    )
+    engine.add_request("canary", {"prompt_token_ids": list(CANARY_PROMPT)}, params)
+    out = None
+    while engine.has_unfinished_requests():
+        out = next(iter(engine.step()), out)
+    engine.block_manager.reset_prefix_cache()
+    c = out.outputs[0]
+    return [(t, lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs, strict=True)]

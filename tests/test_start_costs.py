@@ -1,0 +1,63 @@
+"""The start path chosen by what each path cost here (``snapshot.start_costs``): a restore
+that measured slower than a cold start is skipped, with the reason, and nothing republished."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.helpers import random_prompts
+from tests.tiny_models import VOCAB_SIZE
+from warmboot import LLM, SamplingParams
+from warmboot.snapshot import start_costs
+from warmboot.snapshot.store import LocalStore
+
+ARGS = dict(max_model_len=64, block_size=4, num_kv_blocks=64)
+PROMPTS = random_prompts([5, 11], VOCAB_SIZE, seed=2)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture
+def by_cost(monkeypatch, tmp_path):
+    monkeypatch.setenv(start_costs.ENV, "1")
+    monkeypatch.setenv("WARMBOOT_CACHE", str(tmp_path / "cache"))
+
+
+def _start(path, store) -> tuple[str, str, list]:
+    llm = LLM(str(path), snapshot_store=str(store), **ARGS)
+    info = llm.engine.start_info
+    return info.path, info.reason, [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS)]
+
+
+def test_costs_are_recorded_and_compared(by_cost):
+    start_costs.record("k", "cold", {"load_weights": 1.0, "compile": 30.0, "warmup": 0.5})
+    assert start_costs.cold_is_quicker("k") is None  # NOTE: no restore on record yet
+    start_costs.record("k", "restored_image", {"restore_weights": 2.0, "warmup": 0.5})
+    assert json.loads(start_costs.costs_path().read_text())["k"] == {
+        "cold": 1.5,
+        "restored_image": 2.5,
+    }
+    assert "1.50s to serve against 2.50s restored" in start_costs.cold_is_quicker("k")
+    start_costs.record("k", "restored_image", {"restore_weights": 0.5})
+    assert start_costs.cold_is_quicker("k") is None
+    start_costs.costs_path().write_text('{"k": "junk", "j": {"cold": "x"}}')
+    assert start_costs.cold_is_quicker("k") is None and start_costs.cold_is_quicker("j") is None
+
+
+def test_a_slower_restore_is_skipped_for_a_cold_start(by_cost, path, tmp_path):
+    store = tmp_path / "store"
+    first = _start(path, store)
+    assert first[0] == "cold"
+    (key,) = LocalStore(store).list_keys()
+    restored = _start(path, store)
+    assert restored[0] == "restored_image" and restored[2] == first[2]
+    costs = json.loads(start_costs.costs_path().read_text())[key]
+    assert costs.keys() == {"cold", "restored_image"}
+    costs["restored_image"] = costs["cold"] + 5.0  # NOTE: as a small model on a slow store
+    start_costs.costs_path().write_text(json.dumps({key: costs}))
+    manifests = sorted(p.stat().st_mtime_ns for p in (store / "manifests").iterdir())
+    cold = _start(path, store)
+    assert cold[0] == "cold" and "cold start measured quicker" in cold[1], cold[1]
+    assert cold[2] == first[2]
+    assert sorted(p.stat().st_mtime_ns for p in (store / "manifests").iterdir()) == manifests

@@ -1,0 +1,82 @@
+"""What each start path cost on this machine, per snapshot key, so a start takes the quicker.
+
+A tier-A restore skips loading and transforming the checkpoint but adds a lookup, hashing
+the chunks as they stream and the canary; on a small model a cold start can be quicker (the
+issue measured 5.7 s restored against 2.8 s cold, eager). So every start records its cost
+here, and a start whose key has both costs on record restores only if the restore was the
+quicker; otherwise it boots cold, says why (``start_info.reason``) and publishes nothing.
+
+The cost of a start is its phases up to the first step it can serve: what runs in the
+background or only for publishing (``compile``, ``step_choice``, ``snapshot_publish``,
+``autotune``, ``cuda_graphs``) is left out, so a publishing cold boot and a quick one count
+alike. Kept in ``$WARMBOOT_CACHE/start_costs.json`` (the latest figure per path and key).
+``$WARMBOOT_START_BY_COST=0`` restores whenever it can and records nothing (the test suite's
+default: its restore tests want the restore).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+from warmboot.config import cache_root
+
+log = logging.getLogger(__name__)
+ENV = "WARMBOOT_START_BY_COST"
+
+OFF_PATH = ("compile", "compile_artifacts", "step_choice", "snapshot_publish", "autotune",
+            "cuda_graphs")  # fmt: skip
+"""Phases that are not between a start and its first servable step."""
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") not in ("", "0")
+
+
+def costs_path() -> Path:
+    return cache_root() / "start_costs.json"
+
+
+def cost(times: dict[str, float]) -> float:
+    return sum(v for k, v in times.items() if k not in OFF_PATH)
+
+
+def record(key: str, path: str, times: dict[str, float]) -> None:
+    """Keep this start's cost (``path``: ``cold`` or ``restored_image``) under ``key``."""
+    if not enabled():
+        return
+    costs = _load()
+    costs.setdefault(key, {})[path] = round(cost(times), 4)
+    target = costs_path()
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(costs, indent=1))
+        os.replace(tmp, target)
+    except OSError as e:
+        log.warning("start costs not recorded: %s", e)
+
+
+def cold_is_quicker(key: str) -> str | None:
+    """Why a cold start beats restoring ``key`` here, or None (restore)."""
+    entry = _load().get(key, {}) if enabled() else {}
+    cold, restored = entry.get("cold"), entry.get("restored_image")
+    if cold is None or restored is None or restored <= cold:
+        return None
+    return f"a cold start measured quicker here ({cold:.2f}s to serve against {restored:.2f}s restored)"
+
+
+def _load() -> dict:
+    try:
+        data = json.loads(costs_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {
+        k: {p: v for p, v in e.items() if isinstance(v, (int, float))}
+        for k, e in data.items()
+        if isinstance(e, dict)
+    }
