@@ -107,12 +107,15 @@ def _check_backend(backend, dtype, window, seed):
     assert _err(dropped, ref) > 50 * BOUND[dtype]  # the sinks matter to the check
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "sdpa"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_torch_backend_with_sinks(window):
-    _check_backend(TorchAttentionBackend(), torch.float32, window, seed=window)
+def test_torch_backend_with_sinks(window, native):
+    backend = TorchAttentionBackend(native_kernels=None if native else False)
+    _check_backend(backend, torch.float32, window, seed=window)
 
 
-def test_torch_backend_sinks_with_softcap():
+@pytest.mark.parametrize("native", [True, False], ids=["native", "sdpa"])
+def test_torch_backend_sinks_with_softcap(native):
     """Soft-cap and sinks together (no family has both today): the explicit path applies
     the cap before the sink joins the softmax."""
     q, k, v, kc, vc, meta, full = _step(torch.float32, "cap")
@@ -124,7 +127,8 @@ def test_torch_backend_sinks_with_softcap():
         o, _ = varlen_attention_ref(qs, keys, vals, cu_q, cu_k, scale, True, softcap=cap,
                                     sinks=sinks)  # fmt: skip
         outs.append(o)
-    out = TorchAttentionBackend().forward(q, k, v, kc, vc, meta, scale, None, cap, sinks)
+    backend = TorchAttentionBackend(native_kernels=None if native else False)
+    out = backend.forward(q, k, v, kc, vc, meta, scale, None, cap, sinks)
     assert _err(out, torch.cat(outs)) <= 2e-3
 
 

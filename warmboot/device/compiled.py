@@ -27,6 +27,7 @@ import itertools
 import logging
 import threading
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -79,15 +80,15 @@ class CompiledSteps:
         self.packed = can_pack(dtype, kv_caches[0][0].device)
         self.model = packed_view(model, self.linears, self.packed)
         self.specs = model.attention_specs()
-        self._first_layer = self.model.layers[0]
         self.stats = CompileStats()
         self.cpu_threads = cpu_threads
         """OpenMP threads of the generated C++ kernels (baked in at compile time): the
         device thread's count, whichever thread compiles."""
-        self.warm = False
-        """Both graphs traced (``warm_up``): steps may skip the guards."""
-        self._layer = self._compile(_layer_step)
-        self._head = self._compile(_head_step)
+        self.guard_free = False
+        """Warmed, with one layer graph for every layer and none specialised on the row
+        count: steps skip dynamo's guards (``guard_gate``)."""
+        self._layer = self._compile(_own_code(_layer_step))
+        self._head = self._compile(_own_code(_head_step))
 
     def _compile(self, fn: Callable) -> Callable:
         # NOTE: the backend holds the stats, never self: dynamo keeps backends alive with its
@@ -110,8 +111,9 @@ class CompiledSteps:
             return self._unguarded(lambda: self.model(ids, positions, ctx, self._run_layer))
 
     def _run_layer(self, layer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        if layer is self._first_layer:  # NOTE: later layers take the graph's own output
-            _symbolic_rows(x)
+        # NOTE: every layer's input: a layer whose graph differs from the one before it (a
+        # global-attention layer among sliding ones) would else specialise on its row count
+        _symbolic_rows(x)
         return self._layer(layer, x, positions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -122,42 +124,55 @@ class CompiledSteps:
             return self._unguarded(lambda: self._head(self.model, hidden))
 
     def _unguarded(self, call: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """``call`` without guards once warmed (``guard_gate``). Should it still need a
+        """``call`` without guards where ``guard_free``, else guarded (``guard_gate``: no
+        step of another engine skips them meanwhile). Should a guard-free call still need a
         trace (torch raises then, before running anything), it runs again guarded: the
         layers it ran already wrote the same K/V as the rerun writes."""
-        if not self.warm:
-            return call()
-        try:
-            with guard_gate.unguarded():
-                return call()
-        except RuntimeError as e:
-            if not guard_gate.needed_a_trace(e):
-                raise
-        log.warning("a warmed compiled step needed a new trace; compiling it now")
-        with guard_gate.compiling():
+        if self.guard_free:
+            try:
+                with guard_gate.unguarded():
+                    return call()
+            except RuntimeError as e:
+                if not guard_gate.needed_a_trace(e):
+                    raise
+            log.warning("a warmed compiled step needed a new trace; compiling it now")
+        with guard_gate.guarded():
             return call()
 
     def warm_up(self, scratch_block: int, block_size: int) -> CompileStats:
         """Compile both graphs on two scratch decode rows (they write only the scratch block,
-        which no request owns): every later step, of any token count, reuses them."""
-        meta = scratch_decode(2, 1, scratch_block, block_size, self.kv_caches[0][0].device)
-        # NOTE: inputs made outside inference mode, as the runner's are (else every step
-        # fails a dispatch-key guard and recompiles)
-        i64 = dict(dtype=torch.int64, device=meta.slot_mapping.device)
-        ids, positions = torch.zeros(2, **i64), torch.zeros(2, **i64)
+        which no request owns): every later step, of any token count, reuses them. Then one
+        and three rows: if either traced again, a graph depends on the row count and the
+        steps keep their guards (logged)."""
         import torch._inductor.config as inductor_config
 
         threads = {"cpp.threads": self.cpu_threads} if self.cpu_threads else {}
         # NOTE: traced with the device thread's torch thread count, or its first step recompiles
         with (
-            guard_gate.compiling(),
+            guard_gate.guarded(),
             torch.inference_mode(),
             inductor_config.patch(threads),
             torch_threads(self.cpu_threads),
         ):
-            self.logits(self.hidden(ids, positions, meta))
-        self.warm = True
+            traced = [self._scratch_step(rows, scratch_block, block_size) for rows in (2, 1, 3)]
+        # NOTE: one layer graph and the head's, per engine (``_own_code``): the guards that
+        # tell a model's layer graphs apart are not all kept by the stance (exaone4's)
+        self.guard_free = traced[0] == traced[-1] == 2
+        if traced[0] != traced[-1]:
+            log.warning("a compiled graph depends on the row count: steps keep their guards")
         return self.stats
+
+    def _scratch_step(self, rows: int, scratch_block: int, block_size: int) -> int:
+        """One scratch decode step of ``rows`` rows; the graphs traced so far."""
+        device = self.kv_caches[0][0].device
+        # NOTE: inputs made outside inference mode, as the runner's are (else every step
+        # fails a dispatch-key guard and recompiles)
+        with torch.inference_mode(False):
+            meta = scratch_decode(rows, 1, scratch_block, block_size, device)
+            ids = torch.zeros(rows, dtype=torch.int64, device=device)
+            positions = torch.zeros_like(ids)
+        self.logits(self.hidden(ids, positions, meta))
+        return self.stats.graphs
 
 
 def scratch_decode(
@@ -189,6 +204,13 @@ def _inductor(stats: CompileStats, gm: torch.fx.GraphModule, example_inputs: lis
     stats.cache_hits += inductor["fxgraph_cache_hit"] - hits
     stats.cache_misses += inductor["fxgraph_cache_miss"] - misses
     return compiled
+
+
+def _own_code(fn: Callable) -> Callable:
+    """``fn`` with a code object of its own: dynamo keeps its graphs per code object, so
+    each engine's are apart from every other engine's in the process."""
+    code = fn.__code__.replace()
+    return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
 def _layer_step(layer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,16 +1,18 @@
-"""Compiled steps without dynamo's guard checks, once every graph they need exists.
+"""Compiled steps without dynamo's guard checks, where that is safe.
 
 A compiled step calls the layer graph once per layer (``device.compiled``), and each call
 first runs dynamo's guards for that graph: about 0.15-0.2 ms a call on these CPUs, 5-6 ms of
-a 30-layer step, 15% of a batch-1 decode. After ``warm_up`` the graphs a model needs all
-exist (the token count is symbolic; every layer, decode and prefill alike, reuses them), so
-a warmed engine's steps run under torch's ``skip_guard_eval_unsafe`` stance, which checks only
-the guards that tell one cached graph from another (one model's from another's).
+a 30-layer step, 15% of a batch-1 decode. An engine whose every layer runs one graph, traced
+at ``warm_up`` for any row count, and whose graphs no other engine shares (each engine has
+code objects of its own), runs its steps under torch's ``skip_guard_eval_unsafe`` stance:
+with one cached graph per code object, nothing is left to check. Engines with several layer
+graphs (a model whose layers differ in structure) keep their guards: the stance keeps only
+the guards that tell cached graphs apart, and not every kind of them (measured: exaone4's
+layers with and without rope were confused).
 
-The stance is process-wide, and what is unsafe about it is a compile running under it (it
-would reuse a graph traced for another model instead of tracing its own). So the gate keeps
-the two apart: a compile (``compiling``) waits for unguarded steps in flight to finish, and
-while one runs, steps keep their guards (``unguarded`` then changes nothing).
+The stance is process-wide, so the gate keeps guarded calls (a compile, a step of an engine
+that keeps its guards) and unguarded steps apart: a guarded call waits for unguarded steps
+in flight, and while one runs, steps keep their guards (``unguarded`` changes nothing).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from contextlib import contextmanager
 import torch
 
 _COND = threading.Condition()
-_state = {"compiling": 0, "unguarded": 0}
+_state = {"guarded": 0, "unguarded": 0}
 
 
 def needed_a_trace(error: RuntimeError) -> bool:
@@ -37,24 +39,26 @@ def skipping() -> bool:
 
 
 @contextmanager
-def compiling() -> Iterator[None]:
-    """Around anything that may trace: no step runs unguarded meanwhile."""
+def guarded() -> Iterator[None]:
+    """Around anything that must keep its guards (a compile, a step of an engine whose
+    graphs are not guard-free): no step runs unguarded meanwhile."""
     with _COND:
-        _state["compiling"] += 1
+        _state["guarded"] += 1
         _COND.wait_for(lambda: _state["unguarded"] == 0)
     try:
         yield
     finally:
         with _COND:
-            _state["compiling"] -= 1
+            _state["guarded"] -= 1
             _COND.notify_all()
 
 
 @contextmanager
 def unguarded() -> Iterator[None]:
-    """Around a warmed engine's step: guards skipped unless a compile is in flight."""
+    """Around a guard-free engine's step: guards skipped unless a guarded call is in
+    flight."""
     with _COND:
-        skip = _state["compiling"] == 0
+        skip = _state["guarded"] == 0
         if skip:
             _state["unguarded"] += 1
             if _state["unguarded"] == 1:

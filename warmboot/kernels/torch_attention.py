@@ -1,4 +1,6 @@
-"""CPU (and fallback) attention backend: torch SDPA over K/V gathered block by block.
+"""CPU (and fallback) attention backend: the native paged kernels on the CPU
+(``kernels.native.attention``: the blocks read in place), else torch SDPA over K/V gathered
+block by block.
 
 GQA without copies of K/V: in decode the query heads of one KV head are folded into the
 query-length axis, ``(B, Hkv, group, D)`` against ``(B, Hkv, ctx, D)``; prefill uses SDPA's
@@ -12,10 +14,16 @@ import torch
 import torch.nn.functional as F
 
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, PrefillSeq, write_kv
+from warmboot.kernels.native import attention as native_attention
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+
+    def __init__(self, native_kernels: bool | None = None):
+        self.native = native_attention.available() if native_kernels is None else native_kernels
+        """CPU steps attend with the native kernels (``kernels.native``): the paged blocks
+        read in place; else (no library, or another device) SDPA over gathered copies."""
 
     def forward(
         self, q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap=None, sinks=None
@@ -39,6 +47,11 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, window, softcap, sinks):
         tables = meta.decode_block_tables  # (B, max_blocks)
+        if self.native and q.device.type == "cpu":
+            lens, flat = meta.decode_seq_lens, _flat(sinks)
+            return native_attention.paged_decode(
+                q, k_cache, v_cache, tables, lens, scale, window, softcap, flat
+            )
         batch, max_blocks = tables.shape
         _, bs, hkv, d = k_cache.shape
         keys = _gather(k_cache, tables, hkv, d).view(batch, -1, hkv, d).transpose(1, 2)
@@ -70,6 +83,11 @@ class TorchAttentionBackend(AttentionBackend):
     def _prefill(self, q, k, v, k_cache, v_cache, seq: PrefillSeq, scale, window, softcap, sinks):
         n, _, d = q.shape
         hkv, ctx = k.shape[1], seq.context_len
+        if self.native and q.device.type == "cpu":  # NOTE: the chunk's K/V is in the cache
+            table, flat = seq.block_table, _flat(sinks)
+            return native_attention.paged_extend(
+                q, k_cache, v_cache, table, ctx, scale, window, softcap, flat
+            )
         if ctx == n:  # nothing cached before this chunk: attend to the new k/v directly
             keys, values = k.transpose(0, 1), v.transpose(0, 1)
         else:
@@ -117,6 +135,11 @@ def _sdpa(q, k, v, mask, scale: float, softcap: float | None, sinks=None) -> tor
     column = sinks.float().expand(*scores.shape[:-1], 1)
     probs = torch.softmax(torch.cat([scores.float(), column], dim=-1), dim=-1)[..., :-1]
     return probs.to(q.dtype) @ v
+
+
+def _flat(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    """Sinks grouped as (Hkv, group, 1) back to (Hq,), query head order."""
+    return None if sinks is None else sinks.reshape(-1)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, hkv: int, d: int) -> torch.Tensor:

@@ -1,0 +1,210 @@
+"""The decode hot path's kernels against the machine's memory bandwidth: the native bf16
+GEMM and oneDNN's, the native paged decode attention and the torch path it replaces.
+
+- Bandwidth: ``torch.sum`` over 1 GiB (a pure read), one thread and every core.
+- GEMM: a whole decode step's weights at the demo model's shapes (30 layers of q/k/v, o,
+  gate/up and down, then the LM head: 269 MB, far beyond the caches), at 1 to 64 rows, one
+  thread, as the engine runs them; GB/s = weight bytes / time (the floor: one core's read
+  bandwidth).
+- Attention: one decode step's 30 layers (9 query heads, 3 KV heads, head dim 64, bf16) at
+  batch 1 / 8 / 32 and context 256 / 1024, one thread; GB/s = K/V bytes read / time.
+
+Writes ``docs/benchmarks/kernels.{json,md,png}``. ``python bench/kernels.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import pyplot, report_meta, save_report
+from warmboot.kernels import native
+from warmboot.kernels.step_ops import pack_weight, packed_gemm
+
+OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
+SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
+
+
+def best_of(fn, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return min(samples)
+
+
+def bandwidth(threads: int, repeats: int) -> float:
+    """GB/s of a 1 GiB read (``sum``) on ``threads`` torch threads."""
+    x = torch.ones(1 << 28, dtype=torch.float32)
+    torch.set_num_threads(threads)
+    try:
+        return x.numel() * 4 / best_of(lambda: x.sum(), repeats) / 1e9
+    finally:
+        torch.set_num_threads(1)
+
+
+def gemm_rows(rows: list[int], repeats: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    shapes = SHAPES * LAYERS + [(VOCAB, HIDDEN)]
+    weights = [(torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16) for n, k in shapes]
+    total = sum(w.numel() * 2 for w in weights) / 1e9
+    kernels = ["onednn"] + (["native"] if native.library() else [])
+    packed = {k: [pack_weight(w, k) for w in weights] for k in kernels}
+    out = []
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for k in (HIDDEN, INTER)}
+        for kernel in kernels:
+
+            def step(kernel=kernel, xs=xs) -> None:
+                for (n, k), w in zip(shapes, packed[kernel], strict=True):
+                    packed_gemm(xs[k], w, None, n)
+
+            s = best_of(step, repeats)
+            out.append({"kernel": kernel, "rows": m, "ms": s * 1e3, "gb_s": total / s})
+            print(out[-1], flush=True)
+    return out
+
+
+def attention_rows(batches: list[int], contexts: list[int], repeats: int) -> list[dict]:
+    from warmboot.kernels.backend import AttentionMetadata
+    from warmboot.kernels.native.attention import paged_decode
+    from warmboot.kernels.torch_attention import TorchAttentionBackend
+
+    out = []
+    torch_backend = TorchAttentionBackend(native_kernels=False)
+    for ctx in contexts:
+        for b in batches:
+            per_seq = -(-ctx // BLOCK)
+            blocks = b * per_seq + 1
+            shape = (blocks, BLOCK, KV_HEADS, HEAD_DIM)
+            caches = [
+                (torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape, dtype=torch.bfloat16))
+                for _ in range(LAYERS)
+            ]
+            tables = torch.randperm(blocks - 1)[: b * per_seq].view(b, per_seq) + 1
+            lens = torch.full((b,), ctx, dtype=torch.int64)
+            q = torch.randn(b, HEADS, HEAD_DIM, dtype=torch.bfloat16)
+            meta = AttentionMetadata(
+                slot_mapping=torch.zeros(b, dtype=torch.int64),
+                num_decode_tokens=b,
+                decode_block_tables=tables,
+                decode_seq_lens=lens,
+                prefills=[],
+                block_size=BLOCK,
+            )
+            read = LAYERS * b * ctx * KV_HEADS * HEAD_DIM * 2 * 2 / 1e9
+
+            def run_native(caches=caches, q=q, tables=tables, lens=lens) -> None:
+                for k, v in caches:
+                    paged_decode(q, k, v, tables, lens, HEAD_DIM**-0.5, None, None, None)
+
+            def run_torch(caches=caches, q=q, meta=meta) -> None:
+                for k, v in caches:
+                    meta.cache.clear()
+                    torch_backend._decode(q, k, v, meta, HEAD_DIM**-0.5, None, None, None)
+
+            for name, fn in (("native", run_native), ("torch", run_torch)):
+                s = best_of(fn, repeats)
+                row = {"kernel": name, "batch": b, "context": ctx, "ms": s * 1e3}
+                out.append(row | {"gb_s": read / s})
+                print(out[-1], flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (a smoke run)")
+    p.add_argument("--out", type=Path, default=OUT)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    repeats = 2 if args.quick else 5
+    rows = [1, 8] if args.quick else [1, 4, 8, 16, 32, 64]
+    bw = {"1": bandwidth(1, repeats), "all": bandwidth(os.cpu_count() or 1, repeats)}
+    gemm = gemm_rows(rows, repeats)
+    attn = []
+    if native.library():
+        batches, contexts = ([1, 8], [256]) if args.quick else ([1, 8, 32], [256, 1024])
+        attn = attention_rows(batches, contexts, repeats)
+    meta = report_meta(isa=native.isa(), bandwidth_gb_s=bw, torch=torch.__version__)
+    write(args.out, meta, gemm, attn)
+
+
+def write(out: Path, meta: dict, gemm: list[dict], attn: list[dict]) -> None:
+    bw1, bwn = meta["bandwidth_gb_s"]["1"], meta["bandwidth_gb_s"]["all"]
+    lines = [
+        "# Decode kernels against the machine's memory bandwidth",
+        "",
+        f"{meta['date']} · {meta['machine']} · torch {meta['torch']} · native kernels: "
+        f"{meta['isa']} · one compute thread · `python bench/kernels.py`",
+        "",
+        f"Read bandwidth (`sum` over 1 GiB): one core **{bw1:.1f} GB/s**, all cores "
+        f"**{bwn:.1f} GB/s**.",
+        "",
+        "## bf16 GEMM: a decode step's weights (demo model, 269 MB)",
+        "",
+        "| rows | native ms | native GB/s | oneDNN ms | oneDNN GB/s | native / oneDNN | "
+        "native / one core's bandwidth |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    by = {(r["kernel"], r["rows"]): r for r in gemm}
+    for m in sorted({r["rows"] for r in gemm}):
+        n, o = by.get(("native", m)), by[("onednn", m)]
+        lines.append(
+            f"| {m} | {_f(n, 'ms')} | {_f(n, 'gb_s')} | {o['ms']:.1f} | {o['gb_s']:.1f} | "
+            f"{(o['ms'] / n['ms']) if n else float('nan'):.2f}x | "
+            f"{(n['gb_s'] / bw1 * 100) if n else float('nan'):.0f}% |"
+        )
+    if attn:
+        lines += [
+            "",
+            "## Paged decode attention: a step's 30 layers (9 q / 3 KV heads, dim 64, bf16)",
+            "",
+            "| context | batch | native ms | native GB/s | torch (gather + SDPA) ms | "
+            "native / torch |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        ab = {(r["kernel"], r["batch"], r["context"]): r for r in attn}
+        for ctx, b in sorted({(r["context"], r["batch"]) for r in attn}):
+            n, t = ab[("native", b, ctx)], ab[("torch", b, ctx)]
+            lines.append(
+                f"| {ctx} | {b} | {n['ms']:.2f} | {n['gb_s']:.1f} | {t['ms']:.2f} | "
+                f"{t['ms'] / n['ms']:.2f}x |"
+            )
+    plt = pyplot()
+    fig, ax = plt.subplots(1, 2 if attn else 1, figsize=(11 if attn else 6, 4), squeeze=False)
+    for kernel in ("native", "onednn"):
+        pts = sorted((r["rows"], r["gb_s"]) for r in gemm if r["kernel"] == kernel)
+        if pts:
+            ax[0][0].plot(*zip(*pts, strict=True), marker="o", label=kernel)
+    ax[0][0].axhline(bw1, ls="--", c="gray", label="one core's read bandwidth")
+    ax[0][0].set(xscale="log", xlabel="rows", ylabel="GB/s (weights)", title="bf16 GEMM")
+    ax[0][0].legend()
+    if attn:
+        for kernel in ("native", "torch"):
+            for ctx in sorted({r["context"] for r in attn}):
+                pts = sorted(
+                    (r["batch"], r["ms"])
+                    for r in attn
+                    if r["kernel"] == kernel and r["context"] == ctx
+                )
+                ax[0][1].plot(*zip(*pts, strict=True), marker="o", label=f"{kernel}, ctx {ctx}")
+        ax[0][1].set(xscale="log", yscale="log", xlabel="batch", ylabel="ms per step (30 layers)",
+                     title="paged decode attention")  # fmt: skip
+        ax[0][1].legend(fontsize=8)
+    save_report(out, "kernels", meta, {"gemm": gemm, "attention": attn}, lines, fig)
+
+
+def _f(row: dict | None, key: str) -> str:
+    return "n/a" if row is None else f"{row[key]:.1f}"
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""Native paged attention (``kernels/native/csrc/paged_attention.cpp``) against a float64
+reference that gathers each sequence's blocks in Python.
+
+The caches are poisoned: every slot no sequence owns (the unused blocks, block 0 that pads the
+block tables, the tail of each sequence's last block) holds NaN, so any read outside a
+sequence shows in the output.
+
+Error bounds (inputs of unit scale): float32 1e-5 + 1e-5 * |ref| (worst measured 7e-7
+absolute); bfloat16 1e-4 + 2^-8 * |ref| and float16 1e-4 + 2^-10 * |ref|: the one rounding of
+the output to its dtype (at most half an ulp, 2^-8 resp. 2^-11 relative) plus the float32
+arithmetic (~1e-6). Worst measured: bfloat16 7.7e-3 absolute, 0.95 of its bound (a rounding
+just under half an ulp); float16 9e-4, 0.43 of its bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from warmboot.kernels import native
+from warmboot.kernels.native import attention
+
+pytestmark = pytest.mark.skipif(
+    native.library() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"
+)
+
+ISAS = ["portable", "avx2", "avx512", "avx512_bf16"]
+TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-4, 2**-8), torch.float16: (1e-4, 2**-10)}
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    best = native.isa()
+    if best is None or ISAS.index(request.param) > ISAS.index(best):
+        pytest.skip(f"this CPU cannot run {request.param}")
+    torch.ops.warmboot_cpu.use_isa(request.param)
+    yield request.param
+    torch.ops.warmboot_cpu.use_isa(best)
+
+
+def _paged(lens, hkv, d, bs, dtype, seed, shared=False, spare=3):
+    """Caches holding the sequences' blocks in a random order plus spare blocks, the tables
+    padded with block 0; every slot no sequence owns is NaN."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-n // bs) for n in lens]
+    num_blocks = 1 + sum(need) + spare
+    k = torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    v = k if shared else torch.randn(num_blocks, bs, hkv, d, generator=g).to(dtype)
+    tables = torch.zeros(len(lens), max(need, default=0) + 2, dtype=torch.long)
+    ids = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    owned = torch.zeros(num_blocks, bs, dtype=torch.bool)
+    for b, (n, nb) in enumerate(zip(lens, need, strict=True)):
+        tables[b, :nb] = torch.tensor(ids[:nb], dtype=torch.long)
+        ids = ids[nb:]
+        owned[tables[b, :nb]] = True
+        if n % bs:
+            owned[tables[b, nb - 1], n % bs :] = False
+    for cache in {id(k): k, id(v): v}.values():
+        cache[~owned] = float("nan")
+    return k, v, tables
+
+
+def _attend(q, k, v, scale, softcap, sinks):
+    """float64 attention of q (Hq, D) over k, v (n, Hq, D)."""
+    s = torch.einsum("hd,nhd->hn", q.double(), k) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    n = s.shape[1]
+    if sinks is not None:
+        s = torch.cat([s, sinks.double()[:, None]], dim=1)
+    return torch.einsum("hn,nhd->hd", torch.softmax(s, dim=1)[:, :n], v)
+
+
+def _rows(cache, table, hq):
+    """The sequence's positions (ctx, Hq, D) in float64, KV heads repeated per query group."""
+    bs, hkv, d = cache.shape[1:]
+    return cache[table].reshape(-1, hkv, d).double().repeat_interleave(hq // hkv, dim=1)
+
+
+def _ref_decode(q, k, v, tables, lens, scale, window=None, softcap=None, sinks=None):
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for b, n in enumerate(lens):
+        lo = max(0, n - window) if window else 0
+        if n > lo:
+            ks, vs = _rows(k, tables[b], q.shape[1]), _rows(v, tables[b], q.shape[1])
+            out[b] = _attend(q[b], ks[lo:n], vs[lo:n], scale, softcap, sinks)
+    return out
+
+
+def _ref_extend(q, k, v, table, ctx, scale, window=None, softcap=None, sinks=None):
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    ks, vs = _rows(k, table, q.shape[1]), _rows(v, table, q.shape[1])
+    for i in range(q.shape[0]):
+        end = ctx - q.shape[0] + i + 1
+        lo = max(0, end - window) if window else 0
+        out[i] = _attend(q[i], ks[lo:end], vs[lo:end], scale, softcap, sinks)
+    return out
+
+
+def _check(out, ref, dtype):
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert not out.isnan().any(), "NaN in the output: a poisoned slot was read"
+    atol, rtol = TOL[dtype]
+    err = (out.double() - ref).abs()
+    assert (err <= atol + rtol * ref.abs()).all(), f"max error {err.max().item():.3g}"
+
+
+def _decode_case(
+    lens, hq, hkv, d, bs, dtype, window=None, softcap=None, sinks=False, shared=False, seed=0
+):
+    k, v, tables = _paged(lens, hkv, d, bs, dtype, seed, shared)
+    g = torch.Generator().manual_seed(seed + 1)
+    q = torch.randn(len(lens), hq, d, generator=g).to(dtype)
+    sink = torch.randn(hq, generator=g) if sinks else None
+    scale = d**-0.5
+    out = attention.paged_decode(q, k, v, tables, torch.tensor(lens), scale, window, softcap, sink)
+    ref = _ref_decode(q, k, v, tables, lens, scale, window, softcap, sink)
+    _check(out, ref, dtype)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "hq,hkv,d,bs",
+    [(4, 4, 64, 16), (9, 3, 80, 32), (16, 2, 128, 16), (6, 2, 72, 5), (3, 1, 64, 1)],
+)
+def test_decode(hq, hkv, d, bs, dtype):
+    """GQA groups 1/3/8, odd head dims, block sizes 16/32/5/1, ragged lengths: one token,
+    a block boundary either side, a long context."""
+    _decode_case([1, bs, bs + 1, 700, 37], hq, hkv, d, bs, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "window,softcap,sinks",
+    [
+        (50, None, False),
+        (1, None, False),
+        (None, 30.0, False),
+        (None, None, True),
+        (64, 20.0, True),
+    ],
+)
+def test_decode_window_softcap_sinks(window, softcap, sinks, dtype):
+    _decode_case([1, 16, 49, 50, 51, 300], 9, 3, 64, 16, dtype, window, softcap, sinks)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_one_cache_as_k_and_v(dtype):
+    """MLA's latent cache: v_cache is k_cache (576 = 512 + 64 dims, one KV head)."""
+    _decode_case([5, 100, 33], 8, 1, 576, 16, dtype, shared=True)
+
+
+@pytest.mark.parametrize("batch", [1, 32])
+def test_decode_batch(batch):
+    lens = torch.randint(1, 300, (batch,), generator=torch.Generator().manual_seed(batch))
+    _decode_case(lens.tolist(), 9, 3, 64, 16, torch.bfloat16, window=200, sinks=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("options", [{}, {"window": 40, "softcap": 25.0, "sinks": True}])
+def test_every_instruction_set(isa, dtype, options):
+    _decode_case([1, 17, 130], 9, 3, 72, 16, dtype, **options)
+
+
+@pytest.mark.parametrize("options", [{}, {"window": 1100, "sinks": True}])
+def test_decode_splits_long_context(options):
+    """Fewer (sequence, KV head) pairs than threads: the context is split and the partial
+    softmaxes merged; the same numbers as one thread."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out2 = _decode_case([1500], 4, 1, 64, 16, torch.float32, **options)
+        torch.set_num_threads(1)
+        out1 = _decode_case([1500], 4, 1, 64, 16, torch.float32, **options)
+    finally:
+        torch.set_num_threads(threads)
+    torch.testing.assert_close(out1, out2, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+def test_decode_empty_sequence_gives_zeros(sinks):
+    out = _decode_case([0, 5], 4, 2, 64, 16, torch.float32, sinks=sinks)
+    assert (out[0] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "n,ctx,bs,d,window,softcap,sinks",
+    [
+        (1, 1, 16, 64, None, None, False),
+        (5, 5, 16, 64, None, None, False),  # no cached context
+        (37, 100, 16, 64, None, None, False),  # more tokens than one work item's 16
+        (16, 300, 5, 80, 64, None, False),
+        (20, 70, 16, 64, 30, 25.0, True),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend(n, ctx, bs, d, window, softcap, sinks, dtype):
+    hq, hkv = 9, 3
+    k, v, tables = _paged([ctx], hkv, d, bs, dtype, seed=n)
+    table = tables[0, : -(-ctx // bs)]
+    g = torch.Generator().manual_seed(ctx)
+    q = torch.randn(n, hq, d, generator=g).to(dtype)
+    sink = torch.randn(hq, generator=g) if sinks else None
+    out = attention.paged_extend(q, k, v, table, ctx, d**-0.5, window, softcap, sink)
+    _check(out, _ref_extend(q, k, v, table, ctx, d**-0.5, window, softcap, sink), dtype)
+
+
+def test_extend_splits_long_context():
+    """A chunk of one sequence with one KV head on two threads: the context is split too."""
+    k, v, tables = _paged([1500], 1, 64, 16, torch.float32, seed=7)
+    table = tables[0, :94]
+    q = torch.randn(5, 4, 64, generator=torch.Generator().manual_seed(8))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        out = attention.paged_extend(q, k, v, table, 1500, 0.125, 1200, None, torch.ones(4))
+    finally:
+        torch.set_num_threads(threads)
+    ref = _ref_extend(q, k, v, table, 1500, 0.125, 1200, None, torch.ones(4))
+    _check(out, ref, torch.float32)
+
+
+def test_matches_torch_backend_decode():
+    """The backend's own decode path (gather + SDPA) and the native op agree."""
+    from warmboot.kernels.backend import AttentionMetadata
+    from warmboot.kernels.torch_attention import TorchAttentionBackend
+
+    lens = [3, 16, 90]
+    k, v, tables = _paged(lens, 2, 64, 16, torch.float32, seed=3)
+    k, v = k.nan_to_num(), v.nan_to_num()  # NOTE: SDPA multiplies masked slots by 0
+    q = torch.randn(3, 6, 64, generator=torch.Generator().manual_seed(4))
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(5))
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(3, dtype=torch.long),
+        num_decode_tokens=3,
+        decode_block_tables=tables,
+        decode_seq_lens=torch.tensor(lens),
+        prefills=[],
+        block_size=16,
+    )
+    for window, softcap, s in [(None, None, None), (20, 30.0, sinks)]:
+        grouped = None if s is None else s.view(2, -1, 1)
+        ref = TorchAttentionBackend(native_kernels=False)._decode(
+            q, k, v, meta, 0.125, window, softcap, grouped
+        )
+        out = attention.paged_decode(
+            q, k, v, tables, meta.decode_seq_lens, 0.125, window, softcap, s
+        )
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_rejects_bad_inputs():
+    k, v, tables = _paged([20], 2, 64, 16, torch.float32, seed=0)
+    q, lens = torch.randn(1, 4, 64), torch.tensor([20])
+    bad = [
+        ((q.bfloat16(), k, v, tables, lens), "q is"),
+        ((q, k, v.double(), tables, lens), "q is"),
+        ((torch.randn(1, 3, 64), k, v, tables, lens), "not a multiple"),
+        ((torch.randn(1, 4, 32), k, v, tables, lens), "head_dim"),
+        ((q, k, v, tables.int(), lens), "block_tables"),
+        ((q, k, v, tables, torch.tensor([10**4])), "seq_lens"),
+        ((q, k, v, torch.full_like(tables, 10**6), lens), "out of range"),
+        ((q, k.transpose(2, 3).contiguous().transpose(2, 3), v, tables, lens), "contiguous"),
+    ]
+    for args, message in bad:
+        with pytest.raises(RuntimeError, match=message):
+            attention.paged_decode(*args, scale=0.125)
+    with pytest.raises(RuntimeError, match="context_len"):
+        attention.paged_extend(q, k, v, tables[0], 10**4, 0.125)
+
+
+def test_fake_tensors_have_the_output_shape():
+    """Meta kernels: torch.compile traces the ops without running them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = torch.empty(3, 8, 64, dtype=torch.bfloat16), torch.empty(9, 16, 2, 64).bfloat16()
+        out = attention.paged_decode(
+            q, k, k, torch.zeros(3, 4, dtype=torch.long), torch.ones(3, dtype=torch.long), 0.1
+        )
+        ext = attention.paged_extend(q, k, k, torch.zeros(4, dtype=torch.long), 10, 0.1)
+    assert out.shape == ext.shape == (3, 8, 64) and out.dtype == torch.bfloat16

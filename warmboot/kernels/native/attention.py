@@ -1,0 +1,58 @@
+"""Paged attention over the KV cache in place (``csrc/paged_attention.cpp``): no gather, no copy.
+
+``paged_decode``: one query token per sequence against its blocks; ``paged_extend``: a prefill
+chunk of one sequence (causal, bottom-right aligned) against its blocks, the chunk's own K/V
+already written. Both take q and the caches in one dtype (float32, bfloat16 or float16),
+accumulate in float32 with a streaming softmax, and return a fresh (tokens, Hq, D) tensor in
+q's dtype. GQA: query head ``h`` reads KV head ``h // (Hq // Hkv)``; ``v_cache`` may be
+``k_cache`` itself (MLA's latent cache). The ops have Meta kernels, so ``torch.compile`` can
+trace them.
+
+Call ``available()`` before the first use: it builds or loads the library that registers
+the ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from warmboot.kernels import native
+
+
+def available() -> bool:
+    """Whether the ops are registered (the native library built and loaded)."""
+    return native.library() is not None
+
+
+def paged_decode(
+    q: torch.Tensor,  # (B, Hq, D)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor,  # same shape, or k_cache itself
+    block_tables: torch.Tensor,  # (B, max_blocks) int64, padded with any valid block id
+    seq_lens: torch.Tensor,  # (B,) int64, context length including the new token
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # (Hq,) logits
+) -> torch.Tensor:  # (B, Hq, D)
+    """One decode token per sequence; a sequence of length 0 gets zeros."""
+    return torch.ops.warmboot_cpu.paged_decode(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0, softcap or 0.0, sinks
+    )
+
+
+def paged_extend(
+    q: torch.Tensor,  # (N, Hq, D): the chunk's tokens, positions context_len - N ..
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # (num_blocks,) int64 covering context_len
+    context_len: int,
+    scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:  # (N, Hq, D)
+    """A prefill chunk of one sequence against its cached context and itself (causal)."""
+    return torch.ops.warmboot_cpu.paged_extend(
+        q, k_cache, v_cache, block_table, context_len, scale, window or 0, softcap or 0.0, sinks
+    )
