@@ -11,7 +11,11 @@ Writes ``docs/benchmarks/serve.{json,md,png}``; the notes under the tables are w
 hand after a run.
 
     python -m bench.serve [--model DIR] [--concurrency 1 8 32] [--max-tokens 32]
-                          [--servers warmboot warmboot-sync transformers]
+                          [--servers warmboot warmboot-sync transformers] [--offline]
+
+``warmboot-inproc`` and ``warmboot-process`` pin where the engine runs (``--engine-process
+off`` / ``on``); ``--offline`` also times a decode step of ``LLM`` itself (batch 1), the
+floor a served stream's inter-token latency is compared with.
 """
 
 from __future__ import annotations
@@ -156,7 +160,8 @@ def pct(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
-SERVERS = ("warmboot", "warmboot-sync", "transformers")
+SERVERS = ("warmboot", "warmboot-sync", "warmboot-inproc", "warmboot-process", "transformers")
+DEFAULT_SERVERS = ["warmboot", "warmboot-sync", "transformers"]
 
 
 def servers(model: str, names: list[str]) -> list[Server]:
@@ -181,6 +186,8 @@ def servers(model: str, names: list[str]) -> list[Server]:
     made = {
         "warmboot": lambda: warmboot("warmboot", []),
         "warmboot-sync": lambda: warmboot("warmboot-sync", ["--sync"]),
+        "warmboot-inproc": lambda: warmboot("warmboot-inproc", ["--engine-process", "off"]),
+        "warmboot-process": lambda: warmboot("warmboot-process", ["--engine-process", "on"]),
         "transformers": lambda: hf,
     }
     return [made[n]() for n in names]
@@ -191,13 +198,17 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model directory (default: built-in)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    parser.add_argument("--servers", nargs="+", choices=SERVERS, default=DEFAULT_SERVERS)
+    parser.add_argument("--offline", action="store_true", help="time LLM's own decode step too")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     if args.model is None:
         from warmboot.models.demo import ensure_default_model
 
         args.model = str(ensure_default_model())
+    offline = offline_step_ms(args.model) if args.offline else None
+    if offline is not None:
+        print(json.dumps({"offline_step_ms": round(offline, 3)}))
     rows, ready = [], {}
     for server in servers(args.model, args.servers):
         with server:
@@ -211,10 +222,35 @@ def main() -> None:
                         {k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}
                     )
                 )
-    write_report(args, rows, ready)
+    if offline is not None:
+        for row in rows:
+            if row["concurrency"] == 1:
+                ratio = row["itl_p50_ms"] / offline
+                print(f"{row['server']}: ITL p50 at concurrency 1 / offline step = {ratio:.2f}")
+    write_report(args, rows, ready, offline)
 
 
-def write_report(args, rows: list[dict], ready: dict) -> None:
+def offline_step_ms(model: str, tokens: int = 64) -> float:
+    """``LLM.generate``'s decode step at batch 1, float32 (as the servers): the time of a
+    ``tokens + 1``-token generation less a 1-token one, per token; best of three."""
+    from warmboot import LLM, SamplingParams
+
+    llm = LLM(model, dtype="float32")
+    prompt = prompts(1)[0]
+
+    def run(n: int) -> float:
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate(prompt, params)
+        return time.perf_counter() - t0
+
+    run(tokens + 1)  # warm-up
+    best = min(run(tokens + 1) - run(1) for _ in range(3))
+    llm.close()
+    return 1e3 * best / tokens
+
+
+def write_report(args, rows: list[dict], ready: dict, offline: float | None = None) -> None:
     import transformers
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -225,6 +261,7 @@ def write_report(args, rows: list[dict], ready: dict) -> None:
         "max_tokens": args.max_tokens,
         "transformers": transformers.__version__,
         "time_to_healthy_s": ready,
+        "offline_step_ms": offline,
     }
     (args.out / "serve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     by = {(r["server"], r["concurrency"]): r for r in rows}
@@ -288,7 +325,8 @@ def plot(args, by: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    colors = {"warmboot": "tab:blue", "warmboot-sync": "tab:cyan", "transformers": "tab:gray"}
+    colors = {"warmboot": "tab:blue", "warmboot-sync": "tab:cyan", "warmboot-inproc": "tab:green",
+              "warmboot-process": "tab:red", "transformers": "tab:gray"}  # fmt: skip
     for name, color in colors.items():
         cs = [c for c in args.concurrency if (name, c) in by]
         axes[0].plot(cs, [by[(name, c)]["out_tok_per_s"] for c in cs], "o-", c=color, label=name)

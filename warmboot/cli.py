@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         help="render a request's own chat_template (refused with a 400 otherwise)",
     )
     _limit_args(srv)
-    _sandbox_arg(srv)
+    _sandbox_arg(srv, engine_process=True)
     _engine_args(srv)
     demo = sub.add_parser("demo", help="create the built-in model if needed and run it")
     demo.add_argument("--model", default=None, help="model directory (default: built-in)")
@@ -137,14 +138,23 @@ def _limits(args):
     return admission, http
 
 
-def _sandbox_arg(p: argparse.ArgumentParser) -> None:
+def _sandbox_arg(p: argparse.ArgumentParser, engine_process: bool = False) -> None:
     p.add_argument(
         "--sandbox",
         default="auto",
         choices=["auto", "none"],
         help="auto: with a snapshot store and runsc, run the engine in a gVisor worker and "
-        "restore it from a process snapshot; none: the engine runs in this process",
+        "restore it from a process snapshot; none: never gVisor",
     )
+    if engine_process:
+        p.add_argument(
+            "--engine-process",
+            default="auto",
+            choices=["auto", "on", "off"],
+            help="the engine out of gVisor: on: in a child process, so the HTTP front end "
+            "never slows its steps (and keeps off its cores); off: in this process; auto: "
+            "on when it runs on the CPU",
+        )
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -240,16 +250,10 @@ def _engine_kwargs(args, model: str) -> dict:
     return kwargs
 
 
-def _make_llm(args, model: str):
-    from warmboot import LLM
-
-    return LLM(**_engine_kwargs(args, model))
-
-
 def _generate(args) -> int:
-    from warmboot import SamplingParams
+    from warmboot import LLM, SamplingParams
 
-    llm = _make_llm(args, args.model)
+    llm = LLM(**_engine_kwargs(args, args.model))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
@@ -277,6 +281,7 @@ def _generate(args) -> int:
 
 
 def _serve(args) -> int:
+    from warmboot.device.threads import usable_cpus
     from warmboot.server.engine_holder import EngineHolder, process_age
 
     started_at = time.monotonic() - process_age()
@@ -289,15 +294,8 @@ def _serve(args) -> int:
         print(f"error: cannot serve {args.model}: {reason}", file=sys.stderr)
         return 2
     chat_template = _read_chat_template(args.chat_template)
-
-    def boot():
-        from warmboot.launcher.launch import LaunchConfig, launch
-
-        engine = _engine_kwargs(args, args.model)
-        store = args.snapshot_store
-        return launch(LaunchConfig(engine=engine, store=store, sandbox=args.sandbox))
-
     # NOTE: the engine starts (or a restore runs) while the HTTP stack below is imported.
+    boot = functools.partial(_boot, args, tuple(usable_cpus()))
     holder = EngineHolder(boot, started_at=started_at, freeze_gc=True)
     holder.start()
     from warmboot.server.app import ServerConfig
@@ -335,6 +333,17 @@ def _serve(args) -> int:
         print(f"error: cannot serve {args.model}: {holder.fatal}", file=sys.stderr)
         return 2
     return code
+
+
+def _boot(args, cpus: tuple[int, ...]):
+    """``serve``'s engine (again for a restart); ``cpus``: this process's at start, before
+    an engine process moved it off some."""
+    from warmboot.launcher.launch import LaunchConfig, launch
+
+    cfg = LaunchConfig(engine=_engine_kwargs(args, args.model), store=args.snapshot_store,
+                       sandbox=args.sandbox, engine_process=args.engine_process,
+                       engine_cpus=cpus, place_front=True)  # fmt: skip
+    return launch(cfg)
 
 
 def _abandon_boot(holder, code: int) -> None:

@@ -7,8 +7,9 @@
 3. Otherwise: ``runsc run`` a worker (which boots from tier A when it can), let it shrink its
    KV pool, checkpoint it, restore it from the fresh image (``--leave-running`` does not work
    with this runsc), check the canary, publish the image, serve.
-4. Anything failing on the way, or no runsc, or ``sandbox="none"``: the engine boots
-   in-process (tier A if it can). The reason is kept and shown in ``/health`` and ``/metrics``.
+4. Anything failing on the way, or no runsc, or ``sandbox="none"``: the engine boots outside
+   gVisor (tier A if it can), in a plain child process (``engine_process``: ``serve``'s default
+   on the CPU) or in this one. The reason is kept and shown in ``/health`` and ``/metrics``.
 
 Settings sent *after* a restore, never baked into the image: the sampling seed and the KV pool
 size (``start`` frame). Everything else (model, dtype, lengths) is part of the key.
@@ -55,28 +56,37 @@ class LaunchConfig:
     restore_timeout: float = 120.0
     """A restore (to a started, canary-checked worker) that takes longer falls back."""
     publish: bool = True
+    engine_process: str = "off"
+    """Where the engine runs when not in gVisor: ``on``: in a plain child process
+    (``engine_process``); ``auto``: so when it runs on the CPU; ``off``: in this process."""
+    engine_cpus: tuple[int, ...] | None = None
+    """The CPUs an engine process may use (None: the launching thread's)."""
+    place_front: bool = False
+    """With an engine process on the CPU, move this process's threads off the cores the
+    engine computes on (``serve``: this process is then only the HTTP front end)."""
 
 
 def launch(cfg: LaunchConfig):
-    """An ``EngineClient``: a restored or fresh sandboxed worker, or the in-process engine."""
+    """An ``EngineClient``: a restored or fresh sandboxed worker, or a local engine (in a
+    child process or in this one: ``_local``)."""
     t0 = time.monotonic()
     if swept := spec_mod.sweep_leftovers(cfg.work_dir):
         log.info("swept %d work dirs left by launchers that are gone", swept)
     if cfg.sandbox == "none":
-        return _in_process(cfg, "sandbox disabled (--sandbox none)", t0)
+        return _local(cfg, "sandbox disabled (--sandbox none)", t0)
     if cfg.store is None:
-        return _in_process(cfg, "no snapshot store: nothing to restore from", t0)
+        return _local(cfg, "no snapshot store: nothing to restore from", t0)
     if "://" in str(cfg.store) and not str(cfg.store).startswith("file://"):
         why = "process snapshots need a local store (the sandbox has no network)"
-        return _in_process(cfg, f"{why}; tier A from {cfg.store}", t0)
+        return _local(cfg, f"{why}; tier A from {cfg.store}", t0)
     if _wants_gpu(cfg):
         why = "this host's runsc cannot run GPU workloads"
-        return _in_process(cfg, f"{why}; tier A on the GPU", t0, ("gpu_host",))
+        return _local(cfg, f"{why}; tier A on the GPU", t0, ("gpu_host",))
     from warmboot.launcher.sandbox import runsc_status
 
     version, why = runsc_status()
     if version is None:
-        return _in_process(cfg, f"runsc unavailable: {why}", t0, ("runsc_unavailable",))
+        return _local(cfg, f"runsc unavailable: {why}", t0, ("runsc_unavailable",))
     from warmboot.snapshot.store import open_store
 
     store = open_store(cfg.store)
@@ -102,7 +112,7 @@ def launch(cfg: LaunchConfig):
     except Exception as e:  # noqa: BLE001 - the in-process boot is the last resort
         log.warning("sandboxed boot failed (%s); booting in-process", e)
         fallbacks += ("sandboxed_boot_failed",)
-        return _in_process(cfg, f"{reason}; sandboxed boot failed: {e}", t0, fallbacks)
+        return _local(cfg, f"{reason}; sandboxed boot failed: {e}", t0, fallbacks)
     client.start_info = replace(client.start_info, fallbacks=fallbacks)
     return client
 
@@ -299,6 +309,24 @@ def _finish(client: RemoteLLM, path: str, reason: str, phases: dict, t0: float):
     client.start_info = LaunchInfo(path, reason, time.monotonic() - t0, dict(phases))
     log.info("worker ready via %s (%s): %s", path, reason, _fmt(phases))
     return client
+
+
+def _local(cfg: LaunchConfig, reason: str, t0: float, fallbacks: tuple[str, ...] = ()):
+    """The engine outside gVisor: in a plain child process when ``cfg.engine_process`` says
+    so, else (or when that process fails to start) in this one."""
+    on_gpu = _wants_gpu(cfg)
+    if cfg.engine_process == "off" or (cfg.engine_process == "auto" and on_gpu):
+        return _in_process(cfg, reason, t0, fallbacks)
+    from warmboot.launcher import engine_process
+
+    try:
+        return engine_process.start(cfg, reason, t0, fallbacks, cfg.place_front and not on_gpu)
+    except ValueError:  # NOTE: the settings or model are wrong: in-process would fail alike
+        raise
+    except Exception as e:  # noqa: BLE001 - the in-process boot is the last resort
+        log.warning("the engine process failed to start (%s); booting in-process", e)
+        why = f"{reason}; engine process failed: {e}"
+        return _in_process(cfg, why, t0, (*fallbacks, "engine_process_failed"))
 
 
 def _in_process(cfg: LaunchConfig, reason: str, t0: float, fallbacks: tuple[str, ...] = ()):

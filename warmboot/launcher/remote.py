@@ -8,6 +8,7 @@ import logging
 import queue
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -23,6 +24,10 @@ log = logging.getLogger("warmboot")
 
 class WorkerError(RuntimeError):
     """The worker died, said ``fatal``, or did not answer in time."""
+
+
+class WorkerSettingsError(WorkerError, ValueError):
+    """The worker's engine refused its settings or model (a user error, not a crash)."""
 
 
 class Channel:
@@ -60,6 +65,8 @@ class Channel:
                 raise WorkerError(f"{self.name} sent no {kind!r} within {timeout:.0f}s") from None
             if frame is None:
                 raise WorkerError(f"{self.name} exited before sending {kind!r}")
+            if frame["t"] == "fatal" and frame.get("user_error"):
+                raise WorkerSettingsError(frame.get("error") or frame["message"])
             if frame["t"] == "fatal":
                 raise WorkerError(f"{self.name} failed: {frame['message']}")
             if frame["t"] == "stats":
@@ -94,8 +101,12 @@ class LaunchInfo:
 class RemoteLLM:
     """``EngineClient`` over a started worker's channel (after its ``started`` frame)."""
 
-    def __init__(self, channel: Channel, tokenizer: Tokenizer, started: dict, info: LaunchInfo):
+    def __init__(self, channel: Channel, tokenizer: Tokenizer, started: dict, info: LaunchInfo,
+                 gone: Callable[[], str] | None = None):  # fmt: skip
+        """``gone()``: why the worker's output ended (its exit status), when it ends without
+        a ``fatal`` frame."""
         self.channel = channel
+        self._gone = gone
         self.tokenizer = tokenizer
         self.max_model_len = int(started["max_model_len"])
         self.start_info = info
@@ -204,7 +215,15 @@ class RemoteLLM:
                 self._dead = frame["message"]
             else:
                 log.warning("worker said %s", frame)
-        self._fail_all(self._dead or "the worker exited")
+        self._fail_all(self._dead or self._why_gone())
+
+    def _why_gone(self) -> str:
+        if self._gone is None:
+            return "the worker exited"
+        try:
+            return self._gone()
+        except Exception as e:  # noqa: BLE001 - the plain reason will do
+            return f"the worker exited ({e})"
 
     def _deliver_outputs(self, items: list[dict]) -> None:
         """One step's outputs: one wake-up per event loop, not one per output."""

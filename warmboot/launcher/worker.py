@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import os
 import sys
 import threading
 import time
@@ -24,6 +25,7 @@ from dataclasses import replace
 from warmboot.core.errors import InvalidRequestError
 from warmboot.engine import progress
 from warmboot.engine.inbox import Inbox
+from warmboot.launcher.engine_process import LOG_LEVEL_ENV, follow_parent
 from warmboot.launcher.frames import (
     FrameWriter,
     output_to_wire,
@@ -147,7 +149,8 @@ class Worker:
         self.writer.send({"t": "quiescent", "canary": canary, "mapped_chunks": mapped})
 
     def _on_start(self, f: dict) -> None:
-        """Settings that must be fresh (after a restore too), then the canary."""
+        """Settings that must be fresh (after a restore too), then the canary (unless the
+        launcher has nothing to check it against: ``"canary": False``)."""
         import torch
 
         if self.engine.facts.num_kv_blocks != self.full_kv_blocks:
@@ -157,9 +160,10 @@ class Worker:
             with progress.phase("repack_weights"):
                 self.engine.runner.compiled.linears.repack()
         torch.manual_seed(int(f.get("seed", 0)))
-        t0 = time.perf_counter()
-        with progress.phase("canary"):
-            canary = self._canary()
+        t0, canary = time.perf_counter(), []
+        if f.get("canary", True):
+            with progress.phase("canary"):
+                canary = self._canary()
         self.writer.send(
             {
                 "t": "started",
@@ -195,6 +199,14 @@ def _wired(params):
     return replace(params, output_kind="delta")
 
 
+def _user_error(e: Exception) -> bool:
+    """Bad settings or model files (what ``EngineHolder`` reports without a traceback)."""
+    from warmboot.config import ModelFilesError
+    from warmboot.models.registry import UnsupportedModelError
+
+    return isinstance(e, (UnsupportedModelError, ModelFilesError, ValueError))
+
+
 def _trim_heap() -> None:
     """Give freed heap pages back to the OS so they are not in the process image."""
     try:
@@ -206,13 +218,15 @@ def _trim_heap() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    follow_parent()
     argv = sys.argv[1:] if argv is None else argv
     frames_out = sys.stdout.buffer
     # NOTE: unbuffered: a daemon thread blocked inside sys.stdin's buffered reader holds its
     # lock, and the interpreter's teardown, which flushes sys.stdin, aborts on it
     stdin = open(sys.stdin.fileno(), "rb", buffering=0, closefd=False)  # noqa: SIM115
     sys.stdout = sys.stderr  # NOTE: fd 1 carries frames only
-    logging.basicConfig(level=logging.INFO, format="worker: %(message)s", stream=sys.stderr)
+    level = os.environ.pop(LOG_LEVEL_ENV, "INFO")  # NOTE: an engine process logs less
+    logging.basicConfig(level=level, format="worker: %(message)s", stream=sys.stderr)
     writer = FrameWriter(frames_out)
     with progress.listen(lambda event: writer.send(progress.as_frame(event))):
         return _serve(argv, writer, stdin)
@@ -225,7 +239,8 @@ def _serve(argv: list[str], writer: FrameWriter, stdin) -> int:
 
         engine = LLM(**json.loads(argv[0])).engine
     except Exception as e:  # noqa: BLE001 - reported to the launcher, which falls back
-        writer.send({"t": "fatal", "message": f"{type(e).__name__}: {e}"})
+        writer.send({"t": "fatal", "message": f"{type(e).__name__}: {e}", "error": str(e),
+                     "user_error": _user_error(e)})  # fmt: skip
         return 1
     gc.collect()
     gc.freeze()  # NOTE: no full-collection stalls over the booted engine (see EngineHolder)

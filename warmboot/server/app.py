@@ -176,12 +176,14 @@ class _Api:
         return {"prompt": llm.tokenizer.decode(body.tokens, False)}
 
     async def health(self) -> JSONResponse:
+        self.holder.check_alive()  # NOTE: a dead engine's replacement starts booting now
         if self.holder.llm is not None:
             path, reason = self.holder.start_path()
             return JSONResponse({"status": "ok", "start_path": path, "start_reason": reason})
-        status = "failed" if self.holder.error else "starting"
+        died = self.holder.died
+        status = "failed" if self.holder.error else "restarting" if died else "starting"
         body = {"status": status, "error": self.holder.error, "phase": self.holder.phase}
-        return JSONResponse(body, status_code=503)
+        return JSONResponse(body | ({"engine_died": died} if died else {}), status_code=503)
 
     async def prometheus(self) -> Response:
         return Response(self.metrics.render(), media_type="text/plain; version=0.0.4")

@@ -54,6 +54,8 @@ class EngineHolder:
         """The start-up phase under way (``/health`` names it while starting); None when
         ready. An engine in a worker reports its phases too (``worker load_weights``)."""
         self.restarts = 0
+        self.died: str | None = None
+        """Why the latest engine died (the holder then booted a new one), or None."""
         self.fatal: str | None = None
         """Why the boot failed (a bad path, an unsupported checkpoint, bad settings, a crash):
         nothing retries it, so the model cannot be served here."""
@@ -136,14 +138,23 @@ class EngineHolder:
     def require(self) -> EngineClient:
         llm = self.llm
         if llm is not None:
-            why = getattr(llm, "dead", None)
+            why = self.check_alive(llm)
             if not why:
                 return llm
-            self._restart(llm, why)
             raise EngineNotReady(f"the engine stopped ({why}); it is restarting, retry shortly")
         if self.error is not None:
             raise EngineNotReady(f"the engine failed to start: {self.error}")
         raise EngineNotReady("the engine is still starting; retry shortly")
+
+    def check_alive(self, llm: EngineClient | None = None) -> str | None:
+        """Why ``llm`` (default: the engine served now) died, after starting its
+        replacement; None while it serves. ``/health`` asks too, so an idle replica reports
+        a dead engine (and heals) without waiting for a request."""
+        llm = self.llm if llm is None else llm
+        why = getattr(llm, "dead", None) if llm is not None else None
+        if why:
+            self._restart(llm, why)
+        return why
 
     def _restart(self, dead: EngineClient, why: str) -> None:
         """Boot a new engine in the background (once per dead one): the replica heals itself
@@ -152,7 +163,7 @@ class EngineHolder:
             if self.llm is not dead:
                 return
             log.error("engine died (%s); restarting", why)
-            self.llm, self.error = None, None
+            self.llm, self.error, self.died = None, None, why
             self.restarts += 1
         threading.Thread(target=_quietly_shut, args=(dead,), daemon=True).start()
         self.start()

@@ -1,0 +1,243 @@
+"""``warmboot serve --engine-process on``: the engine in a plain child process (the worker
+without gVisor) behind the HTTP front end. It answers as the in-process engine does, streams
+and aborts, keeps the front end off its compute cores, reports a killed child (and replaces
+it), drains on SIGTERM, and never outlives the server."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server_harness import MODEL_NAME
+from warmboot import LLM, SamplingParams
+from warmboot.launcher import engine_process
+from warmboot.launcher.launch import LaunchConfig, _wants_gpu, launch
+
+MAX_LEN = 512
+USAGE = {"stream_options": {"include_usage": True}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """``warmboot serve`` in a session of its own (so a group signal reaches its child too)."""
+
+    def __init__(self, model: Path, log: Path, *extra: str):
+        port = _free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        cmd = [sys.executable, "-m", "warmboot.cli", "serve", "--model", str(model)]
+        cmd += ["--port", str(port), "--served-model-name", MODEL_NAME, "--debug-endpoints"]
+        cmd += ["--max-model-len", str(MAX_LEN), *extra]
+        self.log = log
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)  # fmt: skip
+
+    def healthy(self, timeout: float = 90) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()
+            try:
+                resp = httpx.get(self.url + "/health", timeout=2)
+                if resp.status_code == 200:
+                    return resp.json()
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"never healthy: {self.log.read_text()}")
+
+    def child(self) -> int:
+        """The engine process's pid (named in /health), checked to be this server's child."""
+        reason = self.healthy()["start_reason"]
+        pid = int(re.search(r"engine process \(pid (\d+)\)", reason).group(1))
+        assert _ppid(pid) == self.proc.pid
+        return pid
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+
+def _stat(pid: int) -> list[str] | None:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def _ppid(pid: int) -> int:
+    return int(_stat(pid)[1])
+
+
+def _alive(pid: int) -> bool:
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not _alive(pid)
+
+
+def _body(prompt: str, max_tokens: int, stream: bool = False) -> dict:
+    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": stream}  # fmt: skip
+
+
+def _events(resp: httpx.Response):
+    for line in resp.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
+@pytest.fixture(scope="module")
+def server(path, tmp_path_factory):
+    srv = Server(
+        path, tmp_path_factory.mktemp("engine-process") / "serve.log", "--engine-process", "on"
+    )
+    srv.healthy()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(path) -> str:
+    """What the in-process engine answers (greedy)."""
+    llm = LLM(str(path), max_model_len=MAX_LEN)
+    try:
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        return llm.generate("hello there", params)[0].outputs[0].text
+    finally:
+        llm.close()
+
+
+def test_completions_and_streams_match_the_in_process_engine(server, reference):
+    whole = httpx.post(server.url + "/v1/completions", json=_body("hello there", 12), timeout=30)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["choices"][0]["text"] == reference
+    with httpx.stream("POST", server.url + "/v1/completions", json=_body("hello there", 12, True),
+                      timeout=30) as resp:  # fmt: skip
+        chunks = [e["choices"][0]["text"] for e in _events(resp) if e.get("choices")]
+    assert "".join(chunks) == reference and len(chunks) > 1
+    metrics = httpx.get(server.url + "/metrics").text
+    assert "warmboot_kv_blocks_capacity" in metrics and 'warmboot_start_info{path="cold"' in metrics
+
+
+def test_a_dropped_stream_is_aborted_in_the_engine_process(server):
+    with httpx.stream("POST", server.url + "/v1/completions",
+                      json=_body("abort me", MAX_LEN - 32, True), timeout=30) as resp:  # fmt: skip
+        events = _events(resp)
+        next(events), next(events)  # NOTE: leaving the block drops the connection
+    for _ in range(200):
+        state = httpx.get(server.url + "/debug/engine").json()
+        if not state["unfinished"]:
+            break
+        time.sleep(0.02)
+    assert state["invariants_ok"] and not state["unfinished"] and state["kv_blocks_used"] == 0
+    assert "warmboot_requests_aborted_total 1.0" in httpx.get(server.url + "/metrics").text
+
+
+def test_the_front_end_keeps_off_the_engine_compute_cores(server):
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: nothing to split")
+    child = server.child()
+    front = _allowed(server.proc.pid)
+    engine = _allowed(child)
+    pinned = [cpus for cpus in engine if cpus < max(engine, key=len)]
+    assert pinned, f"no compute thread pinned in the engine process: {engine}"
+    assert all(not (cpus & pinned[0]) for cpus in front), (front, pinned)
+
+
+def _allowed(pid: int) -> list[set[int]]:
+    """Each thread's CPUs."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out.append(os.sched_getaffinity(int(task.name)))
+        except OSError:
+            pass  # NOTE: a thread that just ended
+    return out
+
+
+def test_a_killed_engine_process_is_reported_and_replaced(server, reference):
+    old = server.child()
+    with httpx.stream("POST", server.url + "/v1/completions",
+                      json=_body("kill me", MAX_LEN - 32, True), timeout=30) as resp:  # fmt: skip
+        events = _events(resp)
+        next(events)
+        os.kill(old, signal.SIGKILL)
+        rest = list(events)
+    error = rest[-1]["error"]["message"]
+    assert "killed by SIGKILL" in error and str(old) in error, rest[-1]
+    health = httpx.get(server.url + "/health")
+    if health.status_code == 503:  # NOTE: unless the replacement booted already
+        assert health.json()["status"] == "restarting", health.text
+        assert "killed by SIGKILL" in health.json()["engine_died"]
+    assert server.healthy() and server.child() != old and not _alive(old)
+    again = httpx.post(server.url + "/v1/completions", json=_body("hello there", 12), timeout=30)
+    assert again.json()["choices"][0]["text"] == reference
+    assert "warmboot_engine_restarts_total 1.0" in httpx.get(server.url + "/metrics").text
+
+
+def test_a_killed_server_takes_its_engine_process_along(server):
+    child = server.child()  # NOTE: the replacement, started by another thread than the first
+    os.kill(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(timeout=10)
+    assert _gone_within(child, 10), "the engine process outlived its server"
+
+
+def test_sigterm_drains_the_streams_then_stops_the_engine_process(path, tmp_path):
+    """A group SIGTERM (a service manager's, a Ctrl-C's SIGINT alike) reaches the child too:
+    it keeps serving until the server has drained its streams, then stops."""
+    on_gpu = _wants_gpu(LaunchConfig(engine={}))
+    # NOTE: the default (auto) runs an engine process on the CPU
+    srv = Server(path, tmp_path / "serve.log", *(["--engine-process", "on"] if on_gpu else []))
+    try:
+        child = srv.child()
+        with httpx.stream("POST", srv.url + "/v1/completions", json=_body("drain", 64, True) | USAGE,
+                          timeout=30) as resp:  # fmt: skip
+            events = _events(resp)
+            first = next(events)
+            os.killpg(srv.proc.pid, signal.SIGTERM)
+            rest = [first, *events]
+        finish = [c["finish_reason"] for e in rest for c in e.get("choices", [])]
+        assert finish[-1] == "length" and rest[-1]["usage"]["completion_tokens"] == 64, rest[-1]
+        srv.proc.wait(timeout=30)
+        assert _gone_within(child, 10), "the engine process outlived its server"
+    finally:
+        srv.stop()
+
+
+def test_settings_the_engine_refuses_fail_without_an_in_process_retry(path):
+    engine = {"model": str(path), "max_model_len": 100_000}
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        launch(LaunchConfig(engine=engine, sandbox="none", engine_process="on"))
+
+
+def test_an_engine_process_that_cannot_start_falls_back_in_process(path, monkeypatch):
+    monkeypatch.setattr(engine_process, "_argv", lambda engine: [sys.executable, "-c", "pass"])
+    engine = {"model": str(path), "max_model_len": 64, "num_kv_blocks": 32}
+    client = launch(LaunchConfig(engine=engine, sandbox="none", engine_process="on"))
+    try:
+        assert client.start_info.fallbacks == ("engine_process_failed",)
+        assert "exited before sending 'booted'" in client.start_info.reason
+        assert type(client).__name__ == "AsyncLLM"
+    finally:
+        client.shutdown()
