@@ -1,6 +1,7 @@
 """The start-up's ``compile`` phase: trace and compile the model steps (``device.compiled``),
-in the foreground on a cold boot, or on a background thread after a restore, while the
-engine serves eager steps and switches to the compiled ones when they are ready.
+in the foreground, or on a background thread (a restore; a cold start of unsaid mode) while
+the engine serves eager steps; then the ``step_choice`` phase picks the step that serves
+(compiled with one GEMM or another, or eager) and the engine switches to it.
 
 A restored snapshot that carries inductor's artifacts loads them first (the
 ``compile_artifacts`` phase), so the compile only re-traces.
@@ -54,8 +55,8 @@ class ModelCompile:
         """Compile ``runner``'s steps, first loading a restored image's compile ``artifacts``
         (which returns a note on them) so inductor's caches hit. ``background``: on a thread,
         so no request waits for the trace. ``recorded``: a snapshot's step choice, applied
-        as it is; otherwise a foreground compile measures one (``device.step_choice``),
-        eager among the candidates where ``allow_eager``."""
+        as it is; otherwise one is measured (``device.step_choice``, between serving steps
+        in the background), eager among the candidates where ``allow_eager``."""
         self.wait()
         self.info = {"compiled": False, "state": "compiling"}
         self.thread = None
