@@ -13,10 +13,12 @@ import struct
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from warmboot.config import cache_root, pid_alive
+
+if TYPE_CHECKING:  # NOTE: torch is imported where weights are written: `serve` finds the
+    import torch  # model's path without it, before its engine process imports torch
 
 DEFAULT_MODEL_NAME = "warmboot-demo-135m"
 DEFAULT_SHAPE = dict(
@@ -41,7 +43,7 @@ REQUIRED_FILES = (
     "tokenizer_config.json",
 )
 
-_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
+_SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 _TMP_PREFIX = ".tmp-"
 _ROWS_PER_CHUNK = 4096
 
@@ -97,6 +99,8 @@ def write_random_llama(
     Linear and embedding weights are normal with std ``INITIALIZER_RANGE``, norms are ones;
     tensors are generated one by one from ``seed`` and streamed to disk in ``dtype``.
     """
+    import torch
+
     torch_dtype = _as_dtype(dtype)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -180,12 +184,14 @@ def _write_safetensors(
     path: Path, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, gen: torch.Generator
 ) -> None:
     """Stream tensors to a safetensors file chunk by chunk, so memory stays small."""
+    import torch
+
     itemsize = torch.empty((), dtype=dtype).element_size()
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in shapes.items():
         nbytes = itemsize * _numel(shape)
-        entry = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape)}
+        entry = {"dtype": _SAFETENSORS_DTYPES[_name(dtype)], "shape": list(shape)}
         header[name] = entry | {"data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -200,6 +206,8 @@ def _write_safetensors(
 def _random_chunks(
     name: str, shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator
 ) -> Iterator[torch.Tensor]:
+    import torch
+
     if name.endswith("norm.weight"):
         yield torch.ones(shape, dtype=dtype)
         return
@@ -217,11 +225,17 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    import torch
+
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."), None)
-    if dtype not in _SAFETENSORS_DTYPES:
+    if not isinstance(dtype, torch.dtype) or _name(dtype) not in _SAFETENSORS_DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; use bfloat16, float16 or float32")
     return dtype
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _write_json(path: Path, obj: dict) -> None:
