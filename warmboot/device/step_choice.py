@@ -7,7 +7,7 @@ have them, and a small model on a slow host may not gain from the compiled step 
 cold start, once the steps are compiled, times each candidate on scratch decode steps (they
 read and write only the scratch block) at one row and at ``BATCH`` rows, and keeps the one
 with the lowest geometric mean; eager wins only by being faster, so the choice is never
-slower than eager where it was measured. About a second on the demo model.
+slower than eager where it was measured. About two seconds on the demo model.
 
 The choice is a fact of the tier-A snapshot (``step_choice``): a restore applies it without
 measuring, and one that chose eager skips the compile. Where the mode is unsaid, a cold start
