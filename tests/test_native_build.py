@@ -33,3 +33,22 @@ def test_no_compiler_means_no_library_and_a_reason(tmp_path):
 def test_switched_off_by_the_environment(monkeypatch):
     monkeypatch.setenv(native.ENV, "0")
     assert native.library() is None and native.unavailable_reason() == "$WARMBOOT_NATIVE=0"
+
+
+def test_a_start_without_the_library_does_not_wait_for_its_build(tmp_path):
+    """An empty cache: the attention backend serves at once (SDPA) while the library builds
+    on its own thread, and takes the native kernels once it is there."""
+    env = {**os.environ, "WARMBOOT_CACHE": str(tmp_path)}
+    code = (
+        "import time\n"
+        "from warmboot.kernels import native\n"
+        "from warmboot.kernels.torch_attention import TorchAttentionBackend\n"
+        "t0 = time.perf_counter(); b = TorchAttentionBackend(); first = b.native\n"
+        "waited = time.perf_counter() - t0\n"
+        "while not native.ready() and time.perf_counter() - t0 < 300: time.sleep(0.2)\n"
+        "print(first, round(waited, 2), b.native)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    first, waited, later = out.stdout.split()
+    assert first == "False" and float(waited) < 2.0 and later == "True", out.stdout

@@ -18,6 +18,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from warmboot.kernels.backend import AttentionMetadata, PrefillSeq  # noqa: E402
+from warmboot.kernels.native import attention as native_attention  # noqa: E402
 from warmboot.kernels.reference import paged_decode_ref, varlen_attention_ref  # noqa: E402
 from warmboot.kernels.torch_attention import TorchAttentionBackend  # noqa: E402
 
@@ -107,10 +108,16 @@ def _check_backend(backend, dtype, window, seed):
     assert _err(dropped, ref) > 50 * BOUND[dtype]  # the sinks matter to the check
 
 
+def _backend(native: bool) -> TorchAttentionBackend:
+    if native and not native_attention.available():
+        pytest.skip("the native kernels are not built here")
+    return TorchAttentionBackend(native_kernels=native)
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native", "sdpa"])
 @pytest.mark.parametrize("window", [None, 5])
 def test_torch_backend_with_sinks(window, native):
-    backend = TorchAttentionBackend(native_kernels=None if native else False)
+    backend = _backend(native)
     _check_backend(backend, torch.float32, window, seed=window)
 
 
@@ -127,7 +134,7 @@ def test_torch_backend_sinks_with_softcap(native):
         o, _ = varlen_attention_ref(qs, keys, vals, cu_q, cu_k, scale, True, softcap=cap,
                                     sinks=sinks)  # fmt: skip
         outs.append(o)
-    backend = TorchAttentionBackend(native_kernels=None if native else False)
+    backend = _backend(native)
     out = backend.forward(q, k, v, kc, vc, meta, scale, None, cap, sinks)
     assert _err(out, torch.cat(outs)) <= 2e-3
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from warmboot.kernels import native
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, PrefillSeq, write_kv
 from warmboot.kernels.native import attention as native_attention
 
@@ -21,9 +22,19 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
     def __init__(self, native_kernels: bool | None = None):
-        self.native = native_attention.available() if native_kernels is None else native_kernels
+        self._native = native_kernels
         """CPU steps attend with the native kernels (``kernels.native``): the paged blocks
-        read in place; else (no library, or another device) SDPA over gathered copies."""
+        read in place; else (no library, or another device) SDPA over gathered copies.
+        None: once the library is loaded (``native.ready``: its first build does not hold
+        up a start), True: always (it loads now)."""
+        if native_kernels:
+            native_attention.available()
+        elif native_kernels is None:
+            native.ready()
+
+    @property
+    def native(self) -> bool:
+        return native.ready() if self._native is None else self._native
 
     def forward(
         self, q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap=None, sinks=None

@@ -58,6 +58,25 @@ def library() -> Path | None:
         return _state["path"]
 
 
+def ready() -> bool:
+    """Whether the library is loaded, without waiting for a build: a library already in the
+    cache is loaded now; one that must be built first is built on a thread of its own, so a
+    start on a machine that never built it serves with torch's kernels meanwhile."""
+    if "path" in _state or not enabled():
+        return _state.get("path") is not None
+    if _built():
+        return library() is not None
+    if not _state.get("building"):
+        _state["building"] = True
+        threading.Thread(target=library, name="warmboot-native-build", daemon=True).start()
+    return False
+
+
+def _built() -> bool:
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    return compiler is not None and _target(compiler).exists()
+
+
 def unavailable_reason() -> str | None:
     if not enabled():
         return f"${ENV}=0"
@@ -90,8 +109,8 @@ def _build_and_load() -> tuple[Path | None, str | None]:
 def build(compiler: str) -> Path:
     """Build the library unless the cache holds it for this key; returns its path."""
     sources = sorted(CSRC.glob("*.cpp"))
-    out_dir = cache_root() / "native" / key(compiler, sorted(CSRC.glob("*.[ch]*")))
-    target = out_dir / LIBRARY_NAME
+    target = _target(compiler)
+    out_dir = target.parent
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -100,6 +119,10 @@ def build(compiler: str) -> Path:
         if not target.exists():
             _compile(compiler, sources, target)
     return target
+
+
+def _target(compiler: str) -> Path:
+    return cache_root() / "native" / key(compiler, sorted(CSRC.glob("*.[ch]*"))) / LIBRARY_NAME
 
 
 def key(compiler: str, sources: list[Path]) -> str:
