@@ -10,12 +10,13 @@ and two engines of one model trace the same graph (inductor's caches hit).
 - ``warmboot::paged_attention(q, k, v)``: write the running layer's new K/V and attend.
 - ``warmboot::fused_experts(x, weights, ids, slot)``: the running layer's experts number
   ``slot`` (``ExpertTable``) over the routed tokens: one GEMM pair per active expert, on
-  oneDNN-packed weights where the CPU packs them (a ``FusedExperts`` reaches it through its
+  packed weights where the CPU packs them (a ``FusedExperts`` reaches it through its
   ``OpExperts`` method).
 - ``warmboot::packed_linear(x, slot, out_features)``: ``x @ W.T + b`` with W the running
-  layer's linear number ``slot`` prepacked for oneDNN (``PackedLinears``), the CPU's fast
-  GEMM path: 1.2-2x ``F.linear`` at decode sizes (fp32 and bf16). A ``Linear`` reaches it
-  through its ``PackedMethod`` (``models.layers.linear``).
+  layer's linear number ``slot`` prepacked (``PackedLinears``): bf16 in the native GEMM's
+  panels (``kernels.native``: 1.75-1.8x oneDNN at 1-8 rows), else in oneDNN's blocked layout
+  (1.2-2x ``F.linear`` at decode sizes). A ``Linear`` reaches it through its
+  ``PackedMethod`` (``models.layers.linear``).
 
 The model sets ``StepContext.layer`` before each layer, so one traced layer serves them all.
 An eager step calls the same ``StepContext`` directly as its attention.
@@ -37,7 +38,7 @@ from warmboot.models.layers.moe import DENSE_EXPERTS, FusedExperts, grouped_expe
 
 
 class PackedLinears:
-    """Weights reordered once into oneDNN's blocked layout (copies; the model keeps its own):
+    """Weights packed once for the GEMM (``pack_weight``; copies, the model keeps its own):
     per layer one row per projection slot, and the LM head."""
 
     def __init__(self) -> None:
@@ -108,7 +109,7 @@ HEAD_SLOT = -1
 
 class ExpertTable:
     """One ``FusedExperts``' weights for the compiled step: each expert's two matrices packed
-    for oneDNN (copies, when ``pack``), or the module's own dense weights."""
+    (``pack_weight``: copies, when ``pack``), or the module's own dense weights."""
 
     def __init__(self, module: FusedExperts, pack: bool, kernel: str = "native"):
         self.module, self.pack, self.kernel = module, pack, kernel
