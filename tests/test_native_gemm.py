@@ -118,3 +118,27 @@ def test_packed_linears_take_native_panels_for_bf16_only():
     assert pack_weight(w.float()).dim() == 2  # fp32 stays on oneDNN
     assert pack_weight(w, "onednn").dim() == 2
     assert not native_gemm(torch.zeros(4, 7, dtype=torch.bfloat16))  # odd in_features
+
+
+def _tasks() -> int:
+    import os
+
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_helper_threads_change_no_bit_and_stop():
+    """``csrc/pool.cpp``: chunks taken by a helper thread give the same bits as the caller
+    alone, at every chunking; stopping the helpers ends their threads."""
+    cases = [_case(m, n, 576, bias=m % 2 == 1, seed=m) for m, n in [(1, 960), (5, 49), (33, 3072)]]
+    packed = [(x, pack_weight(w, "native"), b, w.shape[0]) for x, w, b in cases]
+    alone = [packed_gemm(x, p, b, n) for x, p, b, n in packed]
+    before = _tasks()
+    assert native.use_helpers(1, []) == 1
+    try:
+        assert _tasks() == before + 1
+        for _ in range(50):  # NOTE: races show up as wrong bits in some rounds
+            lent = [packed_gemm(x, p, b, n) for x, p, b, n in packed]
+            assert all(torch.equal(a, h) for a, h in zip(alone, lent, strict=True))
+    finally:
+        assert native.use_helpers(0, []) == 0
+    assert _tasks() == before

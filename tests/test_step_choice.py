@@ -30,6 +30,7 @@ def _fake_times(ms: dict[str, float]):
 
     def fake(runner, steps) -> dict[str, float]:
         name = f"compiled/{steps.linears.kernel}" if steps is not None else "eager"
+        name += "+helper" if runner.stream.helpers else ""
         return {"1": ms[name], "16": ms[name]}
 
     return fake
@@ -42,7 +43,8 @@ def test_the_fastest_candidate_serves(tiny_model_dir, monkeypatch):
     llm = _engine(path, "bfloat16", eager=False)
     runner = llm.engine.runner
     steps = runner.compiled
-    times = {"compiled/native": 3.0, "compiled/onednn": 2.0, "eager": 5.0}
+    times = {"compiled/native": 3.0, "compiled/native+helper": 4.0, "compiled/onednn": 2.0}
+    times |= {"eager": 5.0}
     monkeypatch.setattr(step_choice, "_time_steps", _fake_times(times))
     choice = step_choice.choose(runner, steps)
     assert (choice.mode, choice.kernel) == ("compiled", "onednn")
@@ -53,7 +55,17 @@ def test_the_fastest_candidate_serves(tiny_model_dir, monkeypatch):
     assert step_choice.choose(runner, steps).kernel == "native"
     assert all(w.dim() == 4 for w, _ in steps.linears.layers[0])
     measured = step_choice.choose(runner, steps, allow_eager=False).ms_per_step
-    assert measured.keys() == {"compiled/native", "compiled/onednn"}
+    helper = {"compiled/native+helper"} if runner.stream.lend_helpers(1) else set()
+    runner.stream.lend_helpers(0)
+    assert measured.keys() == {"compiled/native", "compiled/onednn"} | helper
+    if helper:  # NOTE: a machine with a host core to spare (2+ usable cores)
+        times |= {"compiled/native+helper": 0.9}
+        choice = step_choice.choose(runner, steps)
+        assert (choice.kernel, choice.helpers, runner.stream.helpers) == ("native", 1, 0)
+        alone = _greedy(llm, prompts)
+        assert runner.stream.lend_helpers(1) == 1
+        assert _greedy(llm, prompts) == alone, "helpers change no bit of a GEMM"
+        runner.stream.lend_helpers(0)
     times |= {"eager": 0.5}
     assert step_choice.choose(runner, steps).mode == "eager"
     runner.install_compiled(None)
@@ -78,5 +90,11 @@ def test_an_unsaid_mode_is_measured_at_start(tiny_model_dir, monkeypatch):
 
 def test_a_recorded_choice_is_data_checked():
     assert StepChoice.from_fact({"mode": "eager", "kernel": "native"}).source == "recorded"
+    assert StepChoice.from_fact({"mode": "compiled", "kernel": "native", "helpers": 1}).helpers == 1
     for bad in (None, "eager", {"mode": "fast", "kernel": "native"}, {"mode": "compiled"}):
         assert StepChoice.from_fact(bad) is None
+    for helpers in (2, -1, "1", None):
+        assert (
+            StepChoice.from_fact({"mode": "compiled", "kernel": "native", "helpers": helpers})
+            is None
+        )

@@ -1,9 +1,11 @@
-"""Which CPU step serves, chosen by measurement: compiled with the native bf16 GEMM, compiled
-with oneDNN's, or eager.
+"""Which CPU step serves, chosen by measurement: compiled with the native bf16 GEMM (with or
+without a helper thread on the host's core), compiled with oneDNN's, or eager.
 
 What is fastest depends on the machine and the model: the native GEMM streams weights at
 memory speed on AVX-512 BF16 (``kernels.native``), oneDNN has AMX kernels on the Xeons that
-have them, and a small model on a slow host may not gain from the compiled step at all. So a
+have them, a helper thread gains what the host's core leaves idle (a core's read bandwidth
+where memory has more to give, nothing where the core is busy or memory saturated), and a
+small model on a slow host may not gain from the compiled step at all. So a
 cold start, once the steps are compiled, times each candidate on scratch decode steps (they
 read and write only the scratch block) at one row and at ``BATCH`` rows, and keeps the one
 with the lowest geometric mean; eager wins only by being faster, so the choice is never
@@ -42,9 +44,11 @@ class StepChoice:
     """``compiled`` or ``eager``."""
     kernel: str = "native"
     """The compiled step's bf16 GEMM: ``native`` or ``onednn``."""
+    helpers: int = 0
+    """Helper threads lent to the native kernels (``CpuStream.lend_helpers``)."""
     ms_per_step: dict[str, dict[str, float]] = field(default_factory=dict)
-    """Per candidate (``compiled/native``, ``compiled/onednn``, ``eager``): ms per scratch
-    decode step by row count."""
+    """Per candidate (``compiled/native``, ``compiled/native+helper``, ``compiled/onednn``,
+    ``eager``): ms per scratch decode step by row count."""
     source: str = "measured"
     """``measured`` here, or ``recorded`` (a snapshot's)."""
 
@@ -56,10 +60,10 @@ class StepChoice:
         """A snapshot's fact, or None where it is malformed (data, never trusted)."""
         if not isinstance(fact, dict):
             return None
-        mode, kernel = fact.get("mode"), fact.get("kernel")
-        if mode not in MODES or kernel not in KERNELS:
+        mode, kernel, helpers = fact.get("mode"), fact.get("kernel"), fact.get("helpers", 0)
+        if mode not in MODES or kernel not in KERNELS or helpers not in (0, 1):
             return None
-        return cls(mode, kernel, {}, "recorded")
+        return cls(mode, kernel, helpers, {}, "recorded")
 
 
 def choose(runner, steps: CompiledSteps, allow_eager: bool = True) -> StepChoice:
@@ -75,11 +79,15 @@ def choose(runner, steps: CompiledSteps, allow_eager: bool = True) -> StepChoice
     for kernel in kernels:
         table.use(kernel)
         times[f"compiled/{kernel}"] = _time_steps(runner, steps)
+        if kernel == "native" and runner.stream.lend_helpers(1):
+            times["compiled/native+helper"] = _time_steps(runner, steps)
+            runner.stream.lend_helpers(0)
     if allow_eager:
         times["eager"] = _time_steps(runner, None)
     best = min(times, key=lambda name: _geomean(times[name].values()))
     mode, _, kernel = best.partition("/")
-    choice = StepChoice(mode, kernel or table.kernel, times)
+    kernel, helper, _ = kernel.partition("+")
+    choice = StepChoice(mode, kernel or table.kernel, int(bool(helper)), times)
     table.use(choice.kernel)
     log.info("step choice: %s (ms per step: %s)", best, times)
     return choice

@@ -19,7 +19,8 @@ from typing import Protocol
 
 import torch
 
-from warmboot.device.threads import compute_cpus, pin_this_thread
+from warmboot.device.threads import compute_cpus, host_cpus, pin_this_thread
+from warmboot.kernels import native
 
 
 class Event(Protocol):
@@ -36,6 +37,9 @@ class Stream(Protocol):
 
     def busy_seconds(self) -> float:
         """Total time the stream spent running submitted work so far."""
+
+    def lend_helpers(self, count: int) -> int:
+        """Helper threads for the native CPU kernels (CPU only); how many serve."""
 
 
 class _CpuEvent:
@@ -57,6 +61,8 @@ class CpuStream:
 
     def __init__(self, threads: int | None = None, name: str = "warmboot-device"):
         self._threads = threads
+        self.helpers = 0
+        """Helper threads lent to the native kernels (``lend_helpers``)."""
         self.pinned = False
         """Whether the compute threads are pinned to their cores (``device.threads``)."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -75,6 +81,19 @@ class CpuStream:
 
     def busy_seconds(self) -> float:
         return self._busy
+
+    def lend_helpers(self, count: int) -> int:
+        """Give the device thread's native kernels ``count`` helper threads on the host's
+        cores (``kernels.native.use_helpers``), or none (0); returns how many serve. Only a
+        one-thread device thread with a host core to spare takes them."""
+        cpus = host_cpus(self._threads or 1)
+        if count and (self._threads != 1 or not cpus):
+            count = 0
+        lent: list[int] = []
+        self.submit(lambda: lent.append(native.use_helpers(count, cpus)))
+        self.record().wait()
+        self.helpers = lent[0]
+        return self.helpers
 
     def close(self, wait: bool = False) -> None:
         """Let the thread exit after the work already submitted; ``wait``: until it has."""
@@ -149,6 +168,10 @@ class CudaStream:
         self._intervals = [(s, e) for s, e in self._intervals if not e.query()]
         self._busy += sum(s.elapsed_time(e) for s, e in done) / 1e3
         return self._busy
+
+    def lend_helpers(self, count: int) -> int:
+        """CPU helper threads: none on a CUDA stream."""
+        return 0
 
     def close(self, wait: bool = False) -> None:
         self.stream.synchronize()

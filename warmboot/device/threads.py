@@ -6,6 +6,12 @@ than two at every batch size, and holds up when another process loads the machin
 threads every op's OpenMP barrier waits for whichever core the other process holds (10x
 slower steps seen), with one the kernel scheduler shares the cores fairly. vLLM's CPU build
 makes the same choice (one bound OpenMP thread, one core reserved).
+
+The host's core is mostly idle between the host loop's bursts, though. The native kernels can
+borrow it without that barrier (``CpuStream.lend_helpers``, ``kernels/native/csrc/pool.cpp``):
+a helper thread on the host's core takes chunks of a kernel's work only while it runs, and
+the device thread never waits for a chunk the helper has not started. Whether it pays is
+measured at start (``device.step_choice``).
 """
 
 from __future__ import annotations
@@ -33,6 +39,12 @@ def compute_cpus(threads: int) -> list[int]:
     host loop keeps the first)."""
     cpus = usable_cpus()
     return cpus[-threads:] if threads < len(cpus) else cpus
+
+
+def host_cpus(threads: int) -> list[int]:
+    """The usable cores the compute threads leave to the host loop."""
+    compute = set(compute_cpus(threads))
+    return [c for c in usable_cpus() if c not in compute]
 
 
 def pin_this_thread(cpus: list[int]) -> bool:

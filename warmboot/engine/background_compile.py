@@ -91,6 +91,7 @@ class ModelCompile:
                 with self.phase("step_choice", detail=detail):
                     choice = step_choice.choose(runner, steps, allow_eager)
             runner.install_compiled(steps if choice.mode == "compiled" else None)
+            runner.stream.lend_helpers(choice.helpers)
             stats = steps.stats
         except Exception as e:  # noqa: BLE001 - eager steps go on serving
             if self.thread is None:

@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 ENV = "WARMBOOT_NATIVE"
-FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fno-math-errno", "-w"]
+# NOTE: -fopenmp: ``at::parallel_for`` is inline, so without it the kernels run on one thread
+# whatever torch's count; libgomp.so.1 resolves to the copy torch already loaded
+FLAGS = ["-O3", "-std=c++20", "-shared", "-fPIC", "-fno-math-errno", "-fopenmp", "-w"]
 LIBRARY_NAME = "warmboot_native.so"
 
 _LOCK = threading.Lock()
@@ -87,6 +89,15 @@ def unavailable_reason() -> str | None:
 def isa() -> str | None:
     """The instruction set the kernels run with on this CPU (None without the library)."""
     return torch.ops.warmboot_cpu.isa() if library() else None
+
+
+def use_helpers(count: int, cpus: list[int]) -> int:
+    """Lend the calling thread's native kernels ``count`` helper threads pinned to ``cpus``
+    (``csrc/pool.cpp``: they take work only while their cores are idle); 0 stops them.
+    Returns the count serving (0 without the library; stopping never builds it)."""
+    if not count and _state.get("path") is None:
+        return 0
+    return torch.ops.warmboot_cpu.use_helpers(count, cpus) if library() else 0
 
 
 def _build_and_load() -> tuple[Path | None, str | None]:
@@ -171,7 +182,7 @@ def _link_flags() -> list[str]:
     from torch.utils.cpp_extension import library_paths
 
     lib = library_paths()[0]
-    return [f"-L{lib}", f"-Wl,-rpath,{lib}", "-lc10", "-ltorch_cpu"]
+    return [f"-L{lib}", f"-Wl,-rpath,{lib}", "-fopenmp", "-lc10", "-ltorch_cpu"]
 
 
 @cache

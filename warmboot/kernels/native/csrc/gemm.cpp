@@ -2,10 +2,10 @@
 //
 // W (N, K) is packed once at load into panels of 32 output columns: (ceil(N/32), K/2, 32, 2)
 // bf16, the two values of a k pair side by side (the layout AVX-512 BF16's dot product
-// reads), zero-padded to whole panels. A call walks the panels in order (one thread per
-// range of panels); within a panel every row chunk reuses the panel from cache, so W leaves
-// memory once per call whatever the row count: the GEMM runs at memory speed until the
-// rows make it compute-bound.
+// reads), zero-padded to whole panels. A call walks the panels in chunks (parallel_chunks:
+// helper threads may take chunks beside the caller); within a panel every row chunk reuses
+// the panel from cache, so W leaves memory once per call whatever the row count: the GEMM
+// runs at memory speed until the rows make it compute-bound.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "isa.h"
+#include "pool.h"
 
 namespace warmboot {
 namespace {
@@ -154,8 +155,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   const at::Tensor xin = bf16 ? x2.to(at::kBFloat16) : x2.to(at::kFloat);
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const GenericPanels generic = generic_kernel();
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> acc(m * kCols);
+  // NOTE: about 64 KB of weights a chunk: a few microseconds, many claims' worth
+  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (k * 2 * kCols));
+  parallel_chunks(panels, grain, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<float> acc;
+    acc.resize(m * kCols);
     for (int64_t p = p0; p < p1; ++p) {
       const uint16_t* wp = w + p * k2 * 2 * kCols;
       if (bf16) {
