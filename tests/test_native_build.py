@@ -7,17 +7,49 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from warmboot.kernels import native
 
 
-def test_the_key_follows_sources_and_compiler(tmp_path):
+def test_the_keys_follow_sources_and_compiler(tmp_path):
     src = tmp_path / "a.cpp"
     src.write_text("int f() { return 1; }\n")
-    key = native.key("g++", [src])
-    assert native.key("g++", [src]) == key
+    key = native.load_key([src])
+    assert native.load_key([src]) == key
     src.write_text("int f() { return 2; }\n")
-    assert native.key("g++", [src]) != key
-    assert native.key("true", [src]) != native.key("g++", [src])  # NOTE: another compiler
+    assert native.load_key([src]) != key
+    assert native.build_key("true") != native.build_key("g++")  # NOTE: another compiler
+
+
+def _adopt_in(cache, blob: bytes, keys) -> str:
+    code = (
+        "import sys; from warmboot.kernels import native as n\n"
+        f"print(n.adopt(sys.stdin.buffer.read(), {keys!r})); print(n.library(), '|', n.isa())"
+    )
+    env = {**os.environ, "CXX": "/nonexistent/g++", "WARMBOOT_CACHE": str(cache)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, input=blob, capture_output=True)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    return out.stdout.decode()
+
+
+def test_a_carried_library_loads_without_a_compiler(tmp_path):
+    """What a snapshot carries (``carried``/``adopt``): placed under its keys in an empty
+    cache and loaded there with no compiler; refused when its keys are malformed or its load
+    key is not this host's."""
+    if native.library() is None:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    blob, keys = native.carried()
+    placed = _adopt_in(tmp_path / "a", blob, keys)
+    assert placed.startswith("native library placed from the snapshot"), placed
+    assert str(tmp_path / "a" / "native" / keys["load_key"]) in placed and native.isa() in placed
+    again = _adopt_in(tmp_path / "a", blob, keys)
+    assert again.startswith("the native library was in the cache already"), again
+    other = _adopt_in(tmp_path / "b", blob, keys | {"load_key": "0" * 24})
+    assert other.startswith("the snapshot's native library was built for other"), other
+    assert "None | None" in other, "nothing loaded, nothing built"
+    for bad in ({"load_key": "../" * 8, "build_key": keys["build_key"]}, None):
+        assert "malformed keys" in _adopt_in(tmp_path / "c", blob, bad)
 
 
 def test_no_compiler_means_no_library_and_a_reason(tmp_path):

@@ -155,6 +155,9 @@ class Startup:
         self.restored = self._restore_pays() and self.restore_weights(runner)
         if not self.restored:
             self.load_weights(runner)
+        elif settings.device.type == "cpu":
+            with self.phase("native_library"):
+                log.info("%s", self.snapshot.native_library())
         with self.phase("allocate_kv"):
             num_blocks = self._num_kv_blocks(runner, settings)
             runner.allocate_kv_cache(num_blocks)

@@ -25,12 +25,11 @@ class TorchAttentionBackend(AttentionBackend):
         self._native = native_kernels
         """CPU steps attend with the native kernels (``kernels.native``): the paged blocks
         read in place; else (no library, or another device) SDPA over gathered copies.
-        None: once the library is loaded (``native.ready``: its first build does not hold
-        up a start), True: always (it loads now)."""
+        None: once the library is loaded (``native.ready``, first asked at the first step, so a
+        restore places a snapshot's library before; a first build does not hold up a start),
+        True: always (it loads now)."""
         if native_kernels:
             native_attention.available()
-        elif native_kernels is None:
-            native.ready()
 
     @property
     def native(self) -> bool:

@@ -12,7 +12,13 @@ from typing import Any
 import torch
 
 from warmboot.snapshot.canary import canary_mismatch
-from warmboot.snapshot.compile_artifacts import ARTIFACT_FILE, load_artifacts
+from warmboot.snapshot.compile_artifacts import (
+    ARTIFACT_FILE,
+    NATIVE_FILE,
+    load_artifacts,
+    load_native,
+    saved_native,
+)
 from warmboot.snapshot.deadline import run_with_deadline
 from warmboot.snapshot.image import Manifest, SnapshotError, dtype_name, verify_chunk
 from warmboot.snapshot.key import diff_fields, key_digest, key_fields
@@ -136,22 +142,31 @@ class SnapshotBoot:
     def compile_artifacts(self) -> str:
         """Load the restored image's compile artifacts (verified chunk, then our MAC) into
         inductor's caches; returns what happened, in words. Never raises."""
+        return self._load_code(ARTIFACT_FILE, "compile_artifacts", load_artifacts)
+
+    def native_library(self) -> str:
+        """Place the restored image's native kernels library (verified chunk, then our MAC)
+        into the cache, so nothing is built; returns what happened, in words. Never raises."""
+        return self._load_code(NATIVE_FILE, "native_library", load_native)
+
+    def _load_code(self, path: str, fact: str, load) -> str:
         files = self.manifest.files if self.manifest else ()
-        facts = self.manifest.facts.get("compile_artifacts") if self.manifest else None
-        entry = next((f for f in files if f.path == ARTIFACT_FILE), None)
+        facts = self.manifest.facts.get(fact) if self.manifest else None
+        entry = next((f for f in files if f.path == path), None)
+        what = fact.replace("_", " ")
         if facts is None or entry is None:
-            return "the snapshot carries no compile artifacts"
+            return f"the snapshot carries no {what}"
 
         def step(progress) -> str:
             data = self.store.get_chunk(entry.chunk.hash, entry.chunk.size)
             progress(len(data))
             verify_chunk(data, entry.chunk.hash, f"file {entry.path}")
-            return load_artifacts(data, facts)
+            return load(data, facts)
 
         try:
-            return run_with_deadline("compile artifacts", step, self.timeout_s)
-        except Exception as e:  # noqa: BLE001 - then the engine compiles, and says why
-            return f"compile artifacts not loaded: {_describe(e)}"
+            return run_with_deadline(what, step, self.timeout_s)
+        except Exception as e:  # noqa: BLE001 - then the engine compiles or builds, and says why
+            return f"{what} not loaded: {_describe(e)}"
 
     def publish(
         self, model: torch.nn.Module, facts: dict[str, Any], artifacts=None
@@ -200,6 +215,9 @@ class SnapshotBoot:
             if artifacts is not None:
                 files[ARTIFACT_FILE] = artifacts[0]
                 facts = facts | {"compile_artifacts": artifacts[1]}
+            if (lib := saved_native()) is not None:
+                files[NATIVE_FILE] = lib[0]
+                facts = facts | {"native_library": lib[1]}
             return publish_image(
                 self.store, self.key, self.fields, tensors, files, facts, progress, extra=extra
             )

@@ -1,4 +1,5 @@
-"""Inductor's compile artifacts in a tier-A image, so a restored engine does not compile.
+"""Inductor's compile artifacts in a tier-A image, so a restored engine does not compile, and
+the native kernels' library (``kernels.native``), so it builds nothing either.
 
 The blob is inductor's cache directory (AOT-autograd and FX-graph entries, the generated
 code and the C++ kernels built from it) or, when that directory is large (a shared one on a
@@ -9,7 +10,8 @@ That blob is code, serialised with pickle inside torch, so the store's word is n
 besides the chunk hash every image entry has, the blob carries an HMAC under a key this
 host (or fleet) holds, ``$WARMBOOT_ARTIFACT_KEY`` or a 0600 key file made on first use
 (``artifact.key`` in the cache root). A blob whose MAC does not verify under our key is
-never loaded: the engine compiles instead and says why. Weights stay plain tensors, never
+never loaded: the engine compiles instead and says why. The native library is code too and
+carries a MAC the same way. Weights stay plain tensors, never
 unpickled, whatever the key. A sandboxed (tier-P) worker signs with the key of its own
 sandbox: the host's key is never handed into a process image.
 """
@@ -29,6 +31,7 @@ from warmboot.snapshot.restore import new_file_target, write_new_file
 
 log = logging.getLogger("warmboot")
 ARTIFACT_FILE = "compile/inductor.bin"
+NATIVE_FILE = "compile/warmboot_native.so"
 MAGIC = b"warmboot-inductor-cache-1\n"
 MAX_CACHE_DIR_BYTES = 64 << 20
 KEY_ENV = "WARMBOOT_ARTIFACT_KEY"
@@ -90,6 +93,32 @@ def load_artifacts(blob: bytes, facts: object) -> str:
     info = torch.compiler.load_cache_artifacts(blob)
     counts = {kind: len(keys) for kind, keys in info.artifacts.items()} if info else {}
     return f"compile artifacts loaded ({len(blob)} bytes, {counts})"
+
+
+def saved_native() -> tuple[bytes, dict] | None:
+    """(library, facts) of the native kernels this process loaded, or None."""
+    from warmboot.kernels import native
+
+    try:
+        carried = native.carried()
+        if carried is None:
+            return None
+        blob, keys = carried
+        return blob, keys | {"file": NATIVE_FILE, "hmac": mac(blob), "bytes": len(blob)}
+    except Exception as e:  # noqa: BLE001 - an image without it builds the library again
+        log.warning("native library left out of the snapshot: %s: %s", type(e).__name__, e)
+        return None
+
+
+def load_native(blob: bytes, facts: object) -> str:
+    """Place a verified native library into the cache; returns what happened, in words."""
+    from warmboot.kernels import native
+
+    if not isinstance(facts, dict) or not isinstance(facts.get("hmac"), str):
+        return "the snapshot's native library records no MAC: not used"
+    if not hmac.compare_digest(facts["hmac"], mac(blob)):
+        return f"native library not signed with this host's key ({KEY_ENV}): not used"
+    return native.adopt(blob, facts)
 
 
 def inductor_cache_dir() -> Path:

@@ -3,10 +3,13 @@
 Built from the repo's sources with the system's C++ compiler and torch's own headers and
 libraries (``torch.utils.cpp_extension``'s include and library paths; no download, no
 ninja): one shared library that registers its ops under ``torch.ops.warmboot_cpu``. The
-build is cached under ``$WARMBOOT_CACHE/native/<key>/``, the key hashing the sources, the
-compiler's version, the flags, torch's version and the CPU's flags, so a changed source,
-compiler or machine builds again and nothing stale is loaded. ``make native`` builds it
-ahead; otherwise the first engine that wants it does (about 10 s, once per key).
+build is cached under ``$WARMBOOT_CACHE/native/<load key>/<build key>/``: the load key hashes
+the sources, the flags, torch's version and the CPU's flags (what a library must match to be
+loaded here), the build key the compiler's version and torch's library paths. A changed
+source, compiler or machine builds again and nothing stale is loaded; a library built
+elsewhere for the same load key (a tier-A snapshot carries it: ``carried()``) loads on a
+machine without a compiler. ``make native`` builds it ahead; otherwise the first engine that
+wants it does (about 20-35 s, once per key).
 
 Each kernel picks its instruction set at run time from the CPU's flags (AVX-512 with BF16
 dot products, else AVX2/FMA, else portable C++): ``isa()`` names the one in use.
@@ -75,8 +78,16 @@ def ready() -> bool:
 
 
 def _built() -> bool:
+    return _loadable() is not None
+
+
+def _loadable() -> Path | None:
+    """A library for this load key: this compiler's build, else any other's."""
     compiler = shutil.which(os.environ.get("CXX", "g++"))
-    return compiler is not None and _target(compiler).exists()
+    if compiler is not None and _target(compiler).exists():
+        return _target(compiler)
+    built = sorted((cache_root() / "native" / _this_load_key()).glob(f"*/{LIBRARY_NAME}"))
+    return built[0] if built else None
 
 
 def unavailable_reason() -> str | None:
@@ -100,14 +111,49 @@ def use_helpers(count: int, cpus: list[int]) -> int:
     return torch.ops.warmboot_cpu.use_helpers(count, cpus) if library() else 0
 
 
+def carried() -> tuple[bytes, dict] | None:
+    """The loaded library and its keys, for a snapshot to carry (None when none is loaded)."""
+    path = _state.get("path")
+    if path is None:
+        return None
+    return path.read_bytes(), {"load_key": path.parent.parent.name, "build_key": path.parent.name}
+
+
+def adopt(blob: bytes, keys: object) -> str:
+    """Put a library a snapshot carried (its MAC already verified) into the cache, where its
+    load key is this host's and the cache has none; returns what happened, in words."""
+    lk, bk = (keys.get("load_key"), keys.get("build_key")) if isinstance(keys, dict) else (0, 0)
+    if not (_hex(lk, 24) and _hex(bk, 16)):
+        return "the snapshot's native library has malformed keys: not used"
+    if lk != _this_load_key():
+        return "the snapshot's native library was built for other sources, torch or CPU"
+    if _loadable() is not None:
+        return "the native library was in the cache already"
+    target = cache_root() / "native" / lk / bk / LIBRARY_NAME
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(blob)
+    os.replace(tmp, target)  # NOTE: atomic: a reader never loads half a file
+    return f"native library placed from the snapshot ({len(blob)} bytes)"
+
+
+def _hex(value: object, length: int) -> bool:
+    return (
+        isinstance(value, str)
+        and len(value) == length
+        and all(c in "0123456789abcdef" for c in value)
+    )
+
+
 def _build_and_load() -> tuple[Path | None, str | None]:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None, f"native kernels are built for x86-64 Linux, not {platform.machine()}"
     compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
+    path = _loadable()
+    if path is None and compiler is None:
         return None, "no C++ compiler (g++ or $CXX) on PATH"
     try:
-        path = build(compiler)
+        path = path or build(compiler)
         torch.ops.load_library(str(path))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = f"{e}\n{e.stderr}" if isinstance(e, subprocess.CalledProcessError) else str(e)
@@ -133,19 +179,30 @@ def build(compiler: str) -> Path:
 
 
 def _target(compiler: str) -> Path:
-    return cache_root() / "native" / key(compiler, sorted(CSRC.glob("*.[ch]*"))) / LIBRARY_NAME
+    return cache_root() / "native" / _this_load_key() / build_key(compiler) / LIBRARY_NAME
 
 
-def key(compiler: str, sources: list[Path]) -> str:
-    """Sources and headers, compiler, flags, torch and the CPU's flags."""
+@cache
+def _this_load_key() -> str:
+    return load_key()
+
+
+def load_key(sources: list[Path] | None = None) -> str:
+    """What a library must match to load here: sources and headers, flags, torch, CPU flags."""
     h = hashlib.sha256()
-    for src in sources:
+    for src in sources if sources is not None else sorted(CSRC.glob("*.[ch]*")):
         h.update(src.name.encode() + b"\0" + src.read_bytes())
-    h.update(_compiler_version(compiler).encode())
-    h.update(" ".join(FLAGS + _link_flags()).encode())
+    h.update(" ".join(FLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())
     return h.hexdigest()[:24]
+
+
+def build_key(compiler: str) -> str:
+    """What built it: the compiler's version and the link flags (torch's library paths)."""
+    h = hashlib.sha256(_compiler_version(compiler).encode())
+    h.update(" ".join(_link_flags()).encode())
+    return h.hexdigest()[:16]
 
 
 def _compile(compiler: str, sources: list[Path], target: Path) -> None:
