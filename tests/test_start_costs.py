@@ -61,3 +61,47 @@ def test_a_slower_restore_is_skipped_for_a_cold_start(by_cost, path, tmp_path):
     assert cold[0] == "cold" and "cold start measured quicker" in cold[1], cold[1]
     assert cold[2] == first[2]
     assert sorted(p.stat().st_mtime_ns for p in (store / "manifests").iterdir()) == manifests
+
+
+def test_launch_costs_are_compared(by_cost):
+    assert start_costs.local_is_quicker("p") is None  # NOTE: nothing on record
+    start_costs.record_launch("p", "restored_process", 4.5)
+    assert start_costs.local_is_quicker("p") is None  # NOTE: no local figure yet
+    start_costs.record_launch("p", "local_estimate", 3.0)
+    assert "estimated from the sandboxed boot quicker here (3.00s against 4.50s" in (
+        start_costs.local_is_quicker("p")
+    )
+    start_costs.record_launch("p", "local", 6.0)  # NOTE: a measured start outranks the estimate
+    assert start_costs.local_is_quicker("p") is None
+    start_costs.record_launch("p", "restored_process", 7.0)
+    assert "measured quicker here (6.00s against 7.00s" in start_costs.local_is_quicker("p")
+
+
+def test_the_launcher_skips_a_slower_process_image(by_cost, path, tmp_path, monkeypatch):
+    """With a process image on record as slower than a start outside gVisor, the launcher
+    starts locally without trying tier P, and records what that start cost."""
+    from warmboot.launcher import launch as launch_mod
+    from warmboot.launcher import sandbox
+    from warmboot.launcher import spec as spec_mod
+
+    monkeypatch.setattr(sandbox, "runsc_status", lambda: ("runsc-test", None))
+    engine = {"model": str(path), **ARGS}
+    cfg = launch_mod.LaunchConfig(engine, str(tmp_path / "store"), work_dir=tmp_path / "work")
+    fields = spec_mod.process_key_fields(engine, "runsc-test", launch_mod.worker_spec(cfg))
+    key = spec_mod.process_key(fields)
+    start_costs.record_launch(key, "restored_process", 50.0)
+    start_costs.record_launch(key, "local_estimate", 40.0)
+
+    def no_restore(*args):
+        raise AssertionError("tier P was tried")
+
+    monkeypatch.setattr(launch_mod, "_try_restore", no_restore)
+    client = launch_mod.launch(cfg)
+    try:
+        info = client.start_info
+        assert "start outside gVisor estimated from the sandboxed boot quicker" in info.reason
+        recorded = json.loads(start_costs.costs_path().read_text())[f"process:{key}"]
+        assert recorded["local"] == round(info.ready_s, 4) and 0 < info.ready_s < 40
+    finally:
+        client.shutdown()
+    assert start_costs.local_is_quicker(key), "the measured local start is quicker still"

@@ -35,6 +35,7 @@ from warmboot.engine import progress
 from warmboot.launcher import process_image
 from warmboot.launcher import spec as spec_mod
 from warmboot.launcher.remote import Channel, LaunchInfo, RemoteLLM, WorkerError
+from warmboot.snapshot import start_costs
 from warmboot.snapshot.canary import canary_mismatch
 from warmboot.snapshot.deadline import StoreTimeout, run_with_deadline
 from warmboot.snapshot.lease import holder, try_lease
@@ -93,9 +94,12 @@ def launch(cfg: LaunchConfig):
     spec = worker_spec(cfg)
     fields = spec_mod.process_key_fields(cfg.engine, version, spec)
     key = spec_mod.process_key(fields)
+    if why := start_costs.local_is_quicker(key):
+        return _timed_local(cfg, why, t0, key)
     try:
         client = _try_restore(cfg, store, key, spec, t0)
         if client is not None:
+            start_costs.record_launch(key, "restored_process", client.start_info.ready_s)
             return client
         reason = f"no process snapshot for key {key[:12]}"
         fallbacks: tuple[str, ...] = ()
@@ -109,6 +113,8 @@ def launch(cfg: LaunchConfig):
             _discard(cfg, store, key)
     try:
         client = _create(cfg, store, key, fields, spec, reason, t0)
+        if boot_s := client.start_info.phase_times.get("sandboxed_boot"):
+            start_costs.record_launch(key, "local_estimate", boot_s)
     except Exception as e:  # noqa: BLE001 - the in-process boot is the last resort
         log.warning("sandboxed boot failed (%s); booting in-process", e)
         fallbacks += ("sandboxed_boot_failed",)
@@ -327,6 +333,14 @@ def _local(cfg: LaunchConfig, reason: str, t0: float, fallbacks: tuple[str, ...]
         log.warning("the engine process failed to start (%s); booting in-process", e)
         why = f"{reason}; engine process failed: {e}"
         return _in_process(cfg, why, t0, (*fallbacks, "engine_process_failed"))
+
+
+def _timed_local(cfg: LaunchConfig, reason: str, t0: float, key: str):
+    """A local start chosen by recorded cost: its own time is recorded in turn, so a slower
+    one sends the next start back to the process image."""
+    client = _local(cfg, reason, t0)
+    start_costs.record_launch(key, "local", client.start_info.ready_s)
+    return client
 
 
 def _in_process(cfg: LaunchConfig, reason: str, t0: float, fallbacks: tuple[str, ...] = ()):

@@ -12,6 +12,13 @@ background or only for publishing (``compile``, ``step_choice``, ``snapshot_publ
 alike. Kept in ``$WARMBOOT_CACHE/start_costs.json`` (the latest figure per path and key).
 ``$WARMBOOT_START_BY_COST=0`` restores whenever it can and records nothing (the test suite's
 default: its restore tests want the restore).
+
+The launcher does the same one level up, per process key (``process:<key>``): its seconds
+from launch to a serving engine for a tier-P restore (``restored_process``) and for a start
+outside gVisor (``local``: an engine process or this one, itself cold or tier A). Until a
+local start has been measured, the sandboxed worker's boot that made the image stands in for
+it (``local_estimate``: a boot inside gVisor, so no quicker than one outside). Where the
+local figure is lower, the launcher skips tier P (``local_is_quicker``).
 """
 
 from __future__ import annotations
@@ -45,10 +52,14 @@ def cost(times: dict[str, float]) -> float:
 
 def record(key: str, path: str, times: dict[str, float]) -> None:
     """Keep this start's cost (``path``: ``cold`` or ``restored_image``) under ``key``."""
+    _save(key, path, cost(times))
+
+
+def _save(key: str, path: str, seconds: float) -> None:
     if not enabled():
         return
     costs = _load()
-    costs.setdefault(key, {})[path] = round(cost(times), 4)
+    costs.setdefault(key, {})[path] = round(seconds, 4)
     target = costs_path()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -66,6 +77,23 @@ def cold_is_quicker(key: str) -> str | None:
     if cold is None or restored is None or restored <= cold:
         return None
     return f"a cold start measured quicker here ({cold:.2f}s to serve against {restored:.2f}s restored)"
+
+
+def record_launch(key: str, path: str, seconds: float) -> None:
+    """Keep a launch's seconds to serving (``restored_process``, ``local``, ``local_estimate``)
+    under the process key."""
+    _save(f"process:{key}", path, seconds)
+
+
+def local_is_quicker(key: str) -> str | None:
+    """Why a start outside gVisor beats restoring the process image ``key`` here, or None."""
+    entry = _load().get(f"process:{key}", {}) if enabled() else {}
+    restored = entry.get("restored_process")
+    local = entry.get("local", entry.get("local_estimate"))
+    if restored is None or local is None or local >= restored:
+        return None
+    how = "measured" if "local" in entry else "estimated from the sandboxed boot"
+    return f"a start outside gVisor {how} quicker here ({local:.2f}s against {restored:.2f}s for the process image)"
 
 
 def _load() -> dict:
