@@ -67,6 +67,12 @@ def test_launch_costs_are_compared(by_cost):
     assert start_costs.local_is_quicker("p") is None  # NOTE: nothing on record
     start_costs.record_launch("p", "restored_process", 4.5)
     assert start_costs.local_is_quicker("p") is None  # NOTE: no local figure yet
+    start_costs.record_launch("p", "local_estimate", 9.5)
+    assert start_costs.local_is_quicker("p") is None  # NOTE: not close: no trial
+    start_costs.record_launch("p", "local_estimate", 8.5)
+    assert "tried once: its estimate is close (8.50s against 4.50s" in (
+        start_costs.local_is_quicker("p")
+    )
     start_costs.record_launch("p", "local_estimate", 3.0)
     assert "estimated from the sandboxed boot quicker here (3.00s against 4.50s" in (
         start_costs.local_is_quicker("p")
