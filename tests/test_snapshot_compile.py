@@ -115,3 +115,21 @@ def test_artifacts_under_another_key_are_not_loaded(published):
     assert "not signed with this host's key" in info["artifacts"], info
     assert info["cache_misses"] >= 1, "compiled from scratch instead"
     assert other["tokens"] == cold["tokens"]
+
+
+def test_a_bf16_image_restores_whatever_step_serves(tiny_model_dir, tmp_path, monkeypatch):
+    """bf16, mode unsaid: the publishing boot compiles in the foreground, a restore in the
+    background, and compiled and eager bf16 steps round differently. The canary is recorded
+    and checked on the same (eager) steps, so the restore is not refused for it."""
+    from warmboot import LLM
+    from warmboot.config import EAGER_ENV
+
+    monkeypatch.delenv(EAGER_ENV)
+    args = dict(snapshot_store=str(tmp_path / "store"), dtype="bfloat16", max_model_len=64,
+                block_size=4, num_kv_blocks=64)  # fmt: skip
+    cold = LLM(str(tiny_model_dir("llama")), **args)
+    assert cold.engine.start_info.path == "cold" and cold.engine.wait_compiled(300)
+    warm = LLM(str(tiny_model_dir("llama")), **args)
+    info = warm.engine.start_info
+    assert info.path == "restored_image", info.reason
+    assert warm.engine.wait_compiled(300)

@@ -1,8 +1,9 @@
 """Start-up as explicit, timed phases, and the idle-engine operations that redo some of them.
 
     config -> tokenizer -> [snapshot_key -> snapshot_lookup -> restore_weights] | load_weights
-    -> allocate_kv -> [compile] -> warmup (the canary; a restored image whose canary differs
-    boots cold) -> [autotune] -> [cuda_graphs] -> [snapshot_publish] -> ready
+    -> allocate_kv -> warmup (the canary; a restored image whose canary differs boots cold)
+    -> [compile] (on CUDA before the warm-up) -> [autotune] -> [cuda_graphs]
+    -> [snapshot_publish] -> ready
 
 ``compile`` traces and compiles the model steps (``device.compiled``), in the background
 while eager steps serve after a restore, or a cold start whose mode is unsaid and that has
@@ -30,13 +31,13 @@ import torch
 
 from warmboot.config import EngineConfig, ModelConfig, ModelFilesError, SchedulerConfig
 from warmboot.core.block_manager import BlockManager
-from warmboot.device.graphs import default_batch_sizes
 from warmboot.device.runner import ModelRunner
 from warmboot.device.step_choice import StepChoice
 from warmboot.engine import progress, shutdown
 from warmboot.engine import settings as resolve
 from warmboot.engine.background_compile import ModelCompile
 from warmboot.engine.settings import RuntimeFacts, Settings
+from warmboot.engine.startup_graphs import GraphPhases
 from warmboot.kernels.backend import KVLayout
 from warmboot.models.checkpoint import check_servable, checkpoint_files
 from warmboot.models.registry import ARCHITECTURES
@@ -92,7 +93,7 @@ class BootingEngine(Protocol):
     def has_unfinished_requests(self) -> bool: ...
 
 
-class Startup:
+class Startup(GraphPhases):
     """One engine's start-up: runs the phases, keeps their times and the snapshot decision."""
 
     def __init__(self, config: EngineConfig, max_model_len: int | None = None):
@@ -270,21 +271,24 @@ class Startup:
     # -- from a booted engine to ready ---------------------------------------------------------
     def finish(self, engine: BootingEngine) -> StartInfo:
         """Compile, warm up (checking a restored image's canary), tune, capture, publish."""
-        on_cpu = engine.runner.device.type == "cpu"  # NOTE: CUDA graphs capture compiled steps
-        publishing = self._publishing()
-        quick = resolve.mode_unsaid(self.config.enforce_eager) and not publishing
-        self.compile(engine, background=on_cpu and (self.restored or quick))
-        with self.phase("warmup"):
-            canary = run_canary(engine)
-            engine.block_manager.check_invariants()
+        # NOTE: on the CPU the canary runs before the compile, so a publishing cold boot and a
+        # restore (whose compile runs in the background) record and check the same eager steps;
+        # on CUDA after it (CUDA graphs capture compiled steps)
+        on_cpu = engine.runner.device.type == "cpu"
+        if not on_cpu:
+            self.compile(engine)
+        canary = self._warmup(engine)
         if self.restored and not self.snapshot.canary_matches(canary):
             self.restored = False
             log.warning("snapshot canary failed (%s); booting cold", self.snapshot.reason)
             self.wait_compiled()
             self.load_weights(engine.runner)
-            self.compile(engine)
-            with self.phase("warmup"):
-                canary = run_canary(engine)
+            if not on_cpu:
+                self.compile(engine)
+            canary = self._warmup(engine)
+        if on_cpu:
+            quick = resolve.mode_unsaid(self.config.enforce_eager) and not self._publishing()
+            self.compile(engine, background=self.restored or quick)
         publishing = self._publishing()
         self._pretune(engine, publishing)
         if engine.settings.cuda_graphs:
@@ -298,6 +302,12 @@ class Startup:
                 artifacts = saved_artifacts() if engine.settings.compiled else None
                 self.snapshot.publish(engine.runner.model, facts, artifacts)
         return self._ready()
+
+    def _warmup(self, engine: BootingEngine) -> list[tuple[int, float]]:
+        with self.phase("warmup"):
+            canary = run_canary(engine)
+            engine.block_manager.check_invariants()
+        return canary
 
     def compile(self, engine: BootingEngine, background: bool = False) -> None:
         """Trace and compile the model steps (again after the weights change); a restored
@@ -350,42 +360,6 @@ class Startup:
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.times.items())
         log.info("engine ready in %.2fs via %s (%s): %s", info.ready_s, info.path, reason, phases)
         return info
-
-    # -- CUDA graphs ----------------------------------------------------------------------------
-    def enable_graphs(
-        self, engine: BootingEngine, batch_sizes: tuple[int, ...] | None, emulate: bool
-    ) -> None:
-        if engine.has_unfinished_requests():
-            raise RuntimeError("enable_decode_graphs needs an idle engine")
-        sizes = batch_sizes or default_batch_sizes(engine.sched_config.max_num_seqs)
-        engine.runner.setup_decode_graphs(sizes, emulate)
-        self.graphs_note = "emulated" if emulate else "on"
-
-    def capture_graphs(self, engine: BootingEngine, required: bool) -> None:
-        """Capture at start-up. A capture that fails runs decode eagerly (with the reason in
-        the log and ``stats()``) unless graphs were asked for explicitly."""
-        if not engine.runner.model.graph_safe():
-            reason = "the expert step reads its per-expert token counts on the host (MoE)"
-            if required:
-                raise ValueError(f"CUDA graphs cannot capture this model: {reason}")
-            engine.runner.graphs = None
-            self.graphs_note = f"off: {reason}"
-            log.info("CUDA graphs off: %s", reason)
-            return
-        try:
-            self.enable_graphs(engine, None, emulate=False)
-        except Exception as e:
-            if required:
-                raise
-            engine.runner.graphs = None
-            self.graphs_note = f"off: capture failed: {type(e).__name__}: {e}"
-            log.warning("CUDA graph capture failed, decode runs eagerly: %s", e)
-
-    def recapture_graphs(self, engine: BootingEngine) -> None:
-        """Captured graphs hold the old weights' and KV pool's addresses: capture anew."""
-        graphs = engine.runner.graphs
-        if graphs is not None:
-            self.enable_graphs(engine, graphs.batch_sizes, graphs.emulate)
 
 
 def _describe(e: Exception) -> str:
