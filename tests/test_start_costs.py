@@ -70,11 +70,7 @@ def test_launch_costs_are_compared(by_cost):
     start_costs.record_launch("p", "local_estimate", 9.5)
     assert start_costs.local_is_quicker("p") is None  # NOTE: not close: no trial
     start_costs.record_launch("p", "local_estimate", 8.5)
-    assert "tried once: its estimate is close (8.50s against 4.50s" in (
-        start_costs.local_is_quicker("p")
-    )
-    start_costs.record_launch("p", "local_estimate", 3.0)
-    assert "estimated from the sandboxed boot quicker here (3.00s against 4.50s" in (
+    assert "tried once: the engine's own boot took 8.50s in the sandbox, the process " in (
         start_costs.local_is_quicker("p")
     )
     start_costs.record_launch("p", "local", 6.0)  # NOTE: a measured start outranks the estimate
@@ -96,7 +92,7 @@ def test_the_launcher_skips_a_slower_process_image(by_cost, path, tmp_path, monk
     fields = spec_mod.process_key_fields(engine, "runsc-test", launch_mod.worker_spec(cfg))
     key = spec_mod.process_key(fields)
     start_costs.record_launch(key, "restored_process", 50.0)
-    start_costs.record_launch(key, "local_estimate", 40.0)
+    start_costs.record_launch(key, "local_estimate", 40.0)  # NOTE: within 2x: tried once
 
     def no_restore(*args):
         raise AssertionError("tier P was tried")
@@ -105,9 +101,9 @@ def test_the_launcher_skips_a_slower_process_image(by_cost, path, tmp_path, monk
     client = launch_mod.launch(cfg)
     try:
         info = client.start_info
-        assert "start outside gVisor estimated from the sandboxed boot quicker" in info.reason
+        assert "a start outside gVisor tried once" in info.reason, info.reason
         recorded = json.loads(start_costs.costs_path().read_text())[f"process:{key}"]
-        assert recorded["local"] == round(info.ready_s, 4) and 0 < info.ready_s < 40
+        assert recorded["local"] == round(info.ready_s, 4) and 0 < info.ready_s < 50
     finally:
         client.shutdown()
-    assert start_costs.local_is_quicker(key), "the measured local start is quicker still"
+    assert "measured quicker" in start_costs.local_is_quicker(key), "from now on by measurement"

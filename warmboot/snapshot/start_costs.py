@@ -15,12 +15,12 @@ default: its restore tests want the restore).
 
 The launcher does the same one level up, per process key (``process:<key>``): its seconds
 from launch to a serving engine for a tier-P restore (``restored_process``) and for a start
-outside gVisor (``local``: an engine process or this one, itself cold or tier A). Until a
-local start has been measured, the sandboxed worker's boot that made the image stands in for
-it (``local_estimate``: a boot inside gVisor, so no quicker than one outside). Where the
-local figure is lower, the launcher skips tier P (``local_is_quicker``); where only the
-estimate is on record and it is within ``TRY_LOCAL`` times the restore, one local start is
-tried, so its measured figure decides from then on (a bounded loss, once per key and host).
+outside gVisor (``local``: an engine process or this one, itself cold or tier A). Where the
+local figure is lower, the launcher skips tier P (``local_is_quicker``). Until a local start
+has been measured, only an estimate is on record: the engine's own boot work inside the
+sandboxed worker that made the image (``local_estimate``; no process start or imports, so
+optimistic). Where it is within ``TRY_LOCAL`` times the restore, one local start is tried,
+and its measured figure decides from then on: a bounded loss, once per key and host.
 """
 
 from __future__ import annotations
@@ -92,15 +92,18 @@ def local_is_quicker(key: str) -> str | None:
     """Why a start outside gVisor beats restoring the process image ``key`` here, or None."""
     entry = _load().get(f"process:{key}", {}) if enabled() else {}
     restored = entry.get("restored_process")
-    local = entry.get("local", entry.get("local_estimate"))
-    if restored is None or local is None:
+    local, estimate = entry.get("local"), entry.get("local_estimate")
+    if restored is None:
         return None
-    versus = f"{local:.2f}s against {restored:.2f}s for the process image"
-    if local < restored:
-        how = "measured" if "local" in entry else "estimated from the sandboxed boot"
-        return f"a start outside gVisor {how} quicker here ({versus})"
-    if "local" not in entry and local < TRY_LOCAL * restored:
-        return f"a start outside gVisor tried once: its estimate is close ({versus})"
+    if local is not None:
+        if local >= restored:
+            return None
+        return f"a start outside gVisor measured quicker here ({local:.2f}s against {restored:.2f}s for the process image)"
+    if estimate is not None and estimate < TRY_LOCAL * restored:
+        return (
+            f"a start outside gVisor tried once: the engine's own boot took {estimate:.2f}s "
+            f"in the sandbox, the process image's restore {restored:.2f}s"
+        )
     return None
 
 
