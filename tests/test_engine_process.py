@@ -241,3 +241,25 @@ def test_an_engine_process_that_cannot_start_falls_back_in_process(path, monkeyp
         assert type(client).__name__ == "AsyncLLM"
     finally:
         client.shutdown()
+
+
+def test_an_idle_engine_process_reports_its_background_compile(path, monkeypatch):
+    """Mode unsaid: the engine serves eager steps and compiles in the background; with no
+    request in flight the worker still reports when that compile is done."""
+    import time
+
+    from warmboot.config import EAGER_ENV
+
+    monkeypatch.delenv(EAGER_ENV)
+    engine = {"model": str(path), "max_model_len": 64, "num_kv_blocks": 32}
+    client = launch(LaunchConfig(engine=engine, sandbox="none", engine_process="on"))
+    try:
+        assert client.stats()["compile"]["state"] == "compiling", client.stats()["compile"]
+        deadline = time.monotonic() + 300
+        while "step_choice" not in client.stats()["compile"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        info = client.stats()["compile"]  # NOTE: compiled, or eager where it measured faster
+        assert info["background"] and info["step_choice"]["source"] == "measured", info
+        assert info["compiled"] == (info["step_choice"]["mode"] == "compiled")
+    finally:
+        client.shutdown()

@@ -24,23 +24,33 @@ class Inbox:
         engine,
         apply: Callable[[Any], bool],
         deliver: Callable[[list[RequestOutput]], None],
+        idle_tick: float | None = None,
     ) -> None:
         """Run on the engine thread until ``apply`` returns False: apply every queued command,
-        then one engine step whose outputs go to ``deliver``."""
+        then one engine step whose outputs go to ``deliver``. ``idle_tick``: while idle,
+        ``deliver([])`` that often (the worker reports what changed meanwhile, e.g. a
+        background compile that finished)."""
         while True:
             idle = not engine.has_unfinished_requests()
-            if not self._drain(apply, block=idle):
+            drained = self._drain(apply, block=idle, timeout=idle_tick)
+            if drained is None:
+                deliver([])
+                continue
+            if not drained:
                 return
             if engine.has_unfinished_requests():
                 deliver(engine.step())
 
-    def _drain(self, apply: Callable[[Any], bool], block: bool) -> bool:
-        """Apply queued commands; wait for one when ``block``. False means stop."""
+    def _drain(
+        self, apply: Callable[[Any], bool], block: bool, timeout: float | None = None
+    ) -> bool | None:
+        """Apply queued commands; wait for one when ``block`` (None: ``timeout`` passed with
+        none). False means stop."""
         while True:
             try:
-                command = self._queue.get(block=block)
+                command = self._queue.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
-                return True
+                return None if block else True
             block = False
             if not apply(command):
                 return False

@@ -47,6 +47,7 @@ class Worker:
         """Requests whose grammar is compiling: id -> (frame, params, checked, ticket)."""
         self.full_kv_blocks = engine.facts.num_kv_blocks
         self._last_stats = 0.0
+        self._sent_stats: dict | None = None
 
     def reader(self, stdin) -> None:
         """Thread: frames from stdin into the inbox; end of stdin means stop."""
@@ -58,7 +59,7 @@ class Worker:
         self.inbox.put({"t": "stop"})
 
     def run(self) -> None:
-        self.inbox.serve(self.engine, self._apply, self._deliver)
+        self.inbox.serve(self.engine, self._apply, self._deliver, idle_tick=STATS_INTERVAL_S)
 
     def _apply(self, frame: dict) -> bool:
         if frame["t"] == "stop":
@@ -185,10 +186,15 @@ class Worker:
         self.writer.send({"t": "error", "message": f"unknown frame type {f['t']!r}"})
 
     def _send_stats(self, force: bool) -> None:
+        """Every ``STATS_INTERVAL_S`` while busy; when idle (``force``), when they changed."""
         now = time.monotonic()
         if force or now - self._last_stats >= STATS_INTERVAL_S:
             self._last_stats = now
-            self.writer.send({"t": "stats", "stats": self.engine.stats()})
+            stats = self.engine.stats()
+            if force and stats == self._sent_stats:
+                return
+            self._sent_stats = stats
+            self.writer.send({"t": "stats", "stats": stats})
 
 
 def _wired(params):
