@@ -178,6 +178,23 @@ def test_decode_splits_long_context(options):
     torch.testing.assert_close(out1, out2, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("lens", [[1500], [3, 700, 40, 1, 260, 90, 17, 300, 5]])
+def test_a_helper_thread_takes_attention_work(lens):
+    """``csrc/pool.cpp``: one torch thread and a helper split the items (and a lone long
+    sequence's context) as two torch threads do; same numbers as one thread alone."""
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = _decode_case(lens, 8, 2, 64, 16, torch.float32, window=1200, sinks=True)
+        assert native.use_helpers(1, []) == 1
+        for _ in range(20):  # NOTE: races show up as wrong numbers in some rounds
+            lent = _decode_case(lens, 8, 2, 64, 16, torch.float32, window=1200, sinks=True)
+            torch.testing.assert_close(lent, alone, atol=1e-6, rtol=1e-6)
+    finally:
+        native.use_helpers(0, [])
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("sinks", [False, True])
 def test_decode_empty_sequence_gives_zeros(sinks):
     out = _decode_case([0, 5], 4, 2, 64, 16, torch.float32, sinks=sinks)

@@ -127,13 +127,24 @@ int64_t helpers() { return static_cast<int64_t>(pool().threads.size()); }
 
 }  // namespace
 
+namespace {
+bool helpers_idle(const Pool& p) {
+  return !p.busy && !p.threads.empty() && at::get_num_threads() == 1 &&
+         !at::in_parallel_region();
+}
+}  // namespace
+
+int64_t parallel_width() {
+  const Pool& p = pool();
+  return helpers_idle(p) ? 1 + static_cast<int64_t>(p.threads.size()) : at::get_num_threads();
+}
+
 void parallel_chunks(int64_t n, int64_t grain, const Fn& fn) {
   if (n <= 0) return;
   grain = std::max<int64_t>(grain, 1);
   Pool& p = pool();
   const int64_t chunks = (n + grain - 1) / grain;
-  if (p.busy || p.threads.empty() || chunks < 2 || at::get_num_threads() > 1 ||
-      at::in_parallel_region()) {
+  if (chunks < 2 || !helpers_idle(p)) {
     at::parallel_for(0, n, grain, fn);
     return;
   }

@@ -13,4 +13,8 @@ namespace warmboot {
 // helpers, more torch threads, another call in flight): at::parallel_for.
 void parallel_chunks(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 
+// How many threads a parallel_chunks call from here would work on: the caller and its helpers,
+// or torch's threads where parallel_chunks falls back to at::parallel_for.
+int64_t parallel_width();
+
 }  // namespace warmboot
