@@ -39,6 +39,19 @@ BIG_SHAPE = dict(
     vocab_size=32000,
 )
 BIG_NAME = "bench-llama-0.49b"
+QWEN_1_5B_SHAPE = dict(  # Qwen2.5-1.5B's shape (1.54B parameters), random weights
+    hidden_size=1536,
+    intermediate_size=8960,
+    num_hidden_layers=28,
+    num_attention_heads=12,
+    num_key_value_heads=2,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    rope_theta=1e6,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+QWEN_1_5B_NAME = "bench-qwen2-1.5b"
 ONLY = {"demo": "demo-135m", "big": "llama-0.49b"}
 ENGINES = {
     "bf16": dict(dtype="bfloat16", max_model_len=256, max_num_seqs=8),
@@ -60,10 +73,19 @@ print(json.dumps({"first_token": first, "path": info.path, "ready_s": info.ready
 # -- models -------------------------------------------------------------------------------------
 def big_model() -> Path:
     """The design page's 0.49B Llama (random, bf16, one model.safetensors), built once."""
+    return _built_model(BIG_NAME, "LlamaConfig", "LlamaForCausalLM", BIG_SHAPE)
+
+
+def qwen_1_5b() -> Path:
+    """A model of Qwen2.5-1.5B's shape (random, bf16), built once."""
+    return _built_model(QWEN_1_5B_NAME, "Qwen2Config", "Qwen2ForCausalLM", QWEN_1_5B_SHAPE)
+
+
+def _built_model(name: str, config_cls: str, model_cls: str, shape: dict) -> Path:
     from warmboot.models.demo import cache_root
 
-    path = cache_root() / "models" / BIG_NAME
-    if (path / "model.safetensors").is_file() and (path / "tokenizer.json").is_file():
+    path = cache_root() / "models" / name
+    if any(path.glob("*.safetensors")) and (path / "tokenizer.json").is_file():
         return path
     import torch
     import transformers
@@ -72,11 +94,11 @@ def big_model() -> Path:
 
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    config = transformers.LlamaConfig(**BIG_SHAPE)
+    config = getattr(transformers, config_cls)(**shape, torch_dtype="bfloat16")
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model = getattr(transformers, model_cls)(config).to(torch.bfloat16)
     model.save_pretrained(tmp)
-    train_tokenizer(tmp, BIG_SHAPE["vocab_size"])
+    train_tokenizer(tmp, min(shape["vocab_size"], 32000))
     os.replace(tmp, path)
     return path
 
