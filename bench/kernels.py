@@ -4,10 +4,11 @@ GEMM and oneDNN's, the native paged decode attention and the torch path it repla
 - Bandwidth: ``torch.sum`` over 1 GiB (a pure read), one thread and every core.
 - GEMM: a whole decode step's weights at the demo model's shapes (30 layers of q/k/v, o,
   gate/up and down, then the LM head: 269 MB, far beyond the caches), at 1 to 64 rows, one
-  thread, as the engine runs them; GB/s = weight bytes / time (the floor: one core's read
-  bandwidth).
+  thread, and one thread with a helper thread on the other core (``native+helper``, as the
+  engine runs them on 2 cores); GB/s = weight bytes / time (the floor: the read bandwidth).
 - Attention: one decode step's 30 layers (9 query heads, 3 KV heads, head dim 64, bf16) at
-  batch 1 / 8 / 32 and context 256 / 1024, one thread; GB/s = K/V bytes read / time.
+  batch 1 / 8 / 32 and context 256 / 1024, one thread and with the helper; GB/s = K/V
+  bytes read / time.
 
 Writes ``docs/benchmarks/kernels.{json,md,png}``. ``python bench/kernels.py [--quick]``.
 """
@@ -15,6 +16,7 @@ Writes ``docs/benchmarks/kernels.{json,md,png}``. ``python bench/kernels.py [--q
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -51,13 +53,25 @@ def bandwidth(threads: int, repeats: int) -> float:
         torch.set_num_threads(1)
 
 
+@contextlib.contextmanager
+def lent(kernel: str):
+    """``native+helper``: the native kernel with one helper thread beside the caller."""
+    if kernel.endswith("+helper"):
+        native.use_helpers(1, [])
+    try:
+        yield
+    finally:
+        if kernel.endswith("+helper"):
+            native.use_helpers(0, [])
+
+
 def gemm_rows(rows: list[int], repeats: int) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     shapes = SHAPES * LAYERS + [(VOCAB, HIDDEN)]
     weights = [(torch.randn(n, k, generator=g) * 0.05).to(torch.bfloat16) for n, k in shapes]
     total = sum(w.numel() * 2 for w in weights) / 1e9
-    kernels = ["onednn"] + (["native"] if native.library() else [])
-    packed = {k: [pack_weight(w, k) for w in weights] for k in kernels}
+    kernels = ["onednn"] + (["native", "native+helper"] if native.library() else [])
+    packed = {k: [pack_weight(w, k.split("+")[0]) for w in weights] for k in kernels}
     out = []
     for m in rows:
         xs = {k: torch.randn(m, k, generator=g).to(torch.bfloat16) for k in (HIDDEN, INTER)}
@@ -67,7 +81,8 @@ def gemm_rows(rows: list[int], repeats: int) -> list[dict]:
                 for (n, k), w in zip(shapes, packed[kernel], strict=True):
                     packed_gemm(xs[k], w, None, n)
 
-            s = best_of(step, repeats)
+            with lent(kernel):
+                s = best_of(step, repeats)
             out.append({"kernel": kernel, "rows": m, "ms": s * 1e3, "gb_s": total / s})
             print(out[-1], flush=True)
     return out
@@ -111,8 +126,13 @@ def attention_rows(batches: list[int], contexts: list[int], repeats: int) -> lis
                     meta.cache.clear()
                     torch_backend._decode(q, k, v, meta, HEAD_DIM**-0.5, None, None, None)
 
-            for name, fn in (("native", run_native), ("torch", run_torch)):
-                s = best_of(fn, repeats)
+            for name, fn in (
+                ("native", run_native),
+                ("native+helper", run_native),
+                ("torch", run_torch),
+            ):
+                with lent(name):
+                    s = best_of(fn, repeats)
                 row = {"kernel": name, "batch": b, "context": ctx, "ms": s * 1e3}
                 out.append(row | {"gb_s": read / s})
                 print(out[-1], flush=True)
@@ -143,7 +163,8 @@ def write(out: Path, meta: dict, gemm: list[dict], attn: list[dict]) -> None:
         "# Decode kernels against the machine's memory bandwidth",
         "",
         f"{meta['date']} · {meta['machine']} · torch {meta['torch']} · native kernels: "
-        f"{meta['isa']} · one compute thread · `python bench/kernels.py`",
+        f"{meta['isa']} · one compute thread (+ one helper thread where named) · "
+        "`python bench/kernels.py`",
         "",
         f"Read bandwidth (`sum` over 1 GiB): one core **{bw1:.1f} GB/s**, all cores "
         f"**{bwn:.1f} GB/s**.",
@@ -151,44 +172,47 @@ def write(out: Path, meta: dict, gemm: list[dict], attn: list[dict]) -> None:
         "## bf16 GEMM: a decode step's weights (demo model, 269 MB)",
         "",
         "| rows | native ms | native GB/s | oneDNN ms | oneDNN GB/s | native / oneDNN | "
-        "native / one core's bandwidth |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "native / one core's bandwidth | native+helper ms | GB/s | / all cores' bandwidth |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     by = {(r["kernel"], r["rows"]): r for r in gemm}
     for m in sorted({r["rows"] for r in gemm}):
-        n, o = by.get(("native", m)), by[("onednn", m)]
+        n, o, h = by.get(("native", m)), by[("onednn", m)], by.get(("native+helper", m))
         lines.append(
             f"| {m} | {_f(n, 'ms')} | {_f(n, 'gb_s')} | {o['ms']:.1f} | {o['gb_s']:.1f} | "
             f"{(o['ms'] / n['ms']) if n else float('nan'):.2f}x | "
-            f"{(n['gb_s'] / bw1 * 100) if n else float('nan'):.0f}% |"
+            f"{(n['gb_s'] / bw1 * 100) if n else float('nan'):.0f}% | {_f(h, 'ms')} | "
+            f"{_f(h, 'gb_s')} | {(h['gb_s'] / bwn * 100) if h else float('nan'):.0f}% |"
         )
     if attn:
         lines += [
             "",
             "## Paged decode attention: a step's 30 layers (9 q / 3 KV heads, dim 64, bf16)",
             "",
-            "| context | batch | native ms | native GB/s | torch (gather + SDPA) ms | "
-            "native / torch |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| context | batch | native ms | native GB/s | native+helper ms | GB/s | "
+            "torch (gather + SDPA) ms | native / torch |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         ab = {(r["kernel"], r["batch"], r["context"]): r for r in attn}
         for ctx, b in sorted({(r["context"], r["batch"]) for r in attn}):
             n, t = ab[("native", b, ctx)], ab[("torch", b, ctx)]
+            h = ab[("native+helper", b, ctx)]
             lines.append(
-                f"| {ctx} | {b} | {n['ms']:.2f} | {n['gb_s']:.1f} | {t['ms']:.2f} | "
-                f"{t['ms'] / n['ms']:.2f}x |"
+                f"| {ctx} | {b} | {n['ms']:.2f} | {n['gb_s']:.1f} | {h['ms']:.2f} | "
+                f"{h['gb_s']:.1f} | {t['ms']:.2f} | {t['ms'] / n['ms']:.2f}x |"
             )
     plt = pyplot()
     fig, ax = plt.subplots(1, 2 if attn else 1, figsize=(11 if attn else 6, 4), squeeze=False)
-    for kernel in ("native", "onednn"):
+    for kernel in ("native", "native+helper", "onednn"):
         pts = sorted((r["rows"], r["gb_s"]) for r in gemm if r["kernel"] == kernel)
         if pts:
             ax[0][0].plot(*zip(*pts, strict=True), marker="o", label=kernel)
     ax[0][0].axhline(bw1, ls="--", c="gray", label="one core's read bandwidth")
+    ax[0][0].axhline(bwn, ls=":", c="gray", label="all cores' read bandwidth")
     ax[0][0].set(xscale="log", xlabel="rows", ylabel="GB/s (weights)", title="bf16 GEMM")
     ax[0][0].legend()
     if attn:
-        for kernel in ("native", "torch"):
+        for kernel in ("native", "native+helper", "torch"):
             for ctx in sorted({r["context"] for r in attn}):
                 pts = sorted(
                     (r["batch"], r["ms"])

@@ -11,6 +11,7 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -27,13 +28,24 @@ constexpr int64_t kCols = 32;
 // MR rows x 32 columns in 2 * MR registers; x as bf16 pairs broadcast per k pair.
 // NOTE: named accumulators, not an array: GCC keeps an array of vectors in memory too and
 // stores it back every iteration (2.5x slower)
+#ifndef WB_PF_HINT
+#define WB_PF_HINT _MM_HINT_T0
+#endif
 #define WB_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7)
+// pf: the next panel, whose k pairs [pf_lo, pf_hi) this call fetches into cache while it
+// computes (rows past the first 8 reread the panel from cache: compute-bound, so the memory
+// stream would stall if nothing were in flight).
 template <int MR>
-void panel_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k2, float* acc) {
+void panel_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k2, float* acc,
+                const uint16_t* pf, int64_t pf_lo, int64_t pf_hi) {
 #define WB_DECL(r) __m512 a##r##0 = _mm512_setzero_ps(), a##r##1 = a##r##0;
   WB_ROWS(WB_DECL)
   for (int64_t kp = 0; kp < k2; ++kp) {
     const uint16_t* wp = w + kp * 64;
+    if (kp >= pf_lo && kp < pf_hi) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf + kp * 64), WB_PF_HINT);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + kp * 64 + 32), WB_PF_HINT);
+    }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
 #define WB_STEP(r)                                                                   \
@@ -57,19 +69,49 @@ void panel_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k2, f
 #undef WB_STORE
 }
 
+// Every 8-row chunk of x against one panel; where there is more than one chunk, the chunks
+// share out fetching the next panel (pf, or none).
 void panels_bf16(const uint16_t* x, int64_t m, int64_t ldx, const uint16_t* w, int64_t k2,
-                 float* acc) {
-  int64_t r = 0;
-  for (; r + 8 <= m; r += 8) panel_bf16<8>(x + r * ldx, ldx, w, k2, acc + r * 32);
-  switch (m - r) {
-    case 7: return panel_bf16<7>(x + r * ldx, ldx, w, k2, acc + r * 32);
-    case 6: return panel_bf16<6>(x + r * ldx, ldx, w, k2, acc + r * 32);
-    case 5: return panel_bf16<5>(x + r * ldx, ldx, w, k2, acc + r * 32);
-    case 4: return panel_bf16<4>(x + r * ldx, ldx, w, k2, acc + r * 32);
-    case 3: return panel_bf16<3>(x + r * ldx, ldx, w, k2, acc + r * 32);
-    case 2: return panel_bf16<2>(x + r * ldx, ldx, w, k2, acc + r * 32);
-    case 1: return panel_bf16<1>(x + r * ldx, ldx, w, k2, acc + r * 32);
-    default: return;
+                 float* acc, const uint16_t* pf) {
+  const int64_t chunks = (m + 7) / 8;
+  if (chunks < 2) pf = nullptr;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t r = 8 * c, lo = pf ? k2 * c / chunks : 0, hi = pf ? k2 * (c + 1) / chunks : 0;
+    const uint16_t* xr = x + r * ldx;
+    float* ar = acc + r * 32;
+    switch (std::min<int64_t>(8, m - r)) {
+      case 8: panel_bf16<8>(xr, ldx, w, k2, ar, pf, lo, hi); break;
+      case 7: panel_bf16<7>(xr, ldx, w, k2, ar, pf, lo, hi); break;
+      case 6: panel_bf16<6>(xr, ldx, w, k2, ar, pf, lo, hi); break;
+      case 5: panel_bf16<5>(xr, ldx, w, k2, ar, pf, lo, hi); break;
+      case 4: panel_bf16<4>(xr, ldx, w, k2, ar, pf, lo, hi); break;
+      case 3: panel_bf16<3>(xr, ldx, w, k2, ar, pf, lo, hi); break;
+      case 2: panel_bf16<2>(xr, ldx, w, k2, ar, pf, lo, hi); break;
+      default: panel_bf16<1>(xr, ldx, w, k2, ar, pf, lo, hi); break;
+    }
+  }
+}
+
+// One panel's (m, 32) fp32 sums plus bias into rows of y (bf16 or fp32), 16 columns a
+// vector; the bits of store_panel's scalar loop (round to nearest even), NaN payloads aside.
+void store_panel_bf16(const float* acc, int64_t m, void* y, bool y_bf16, int64_t ldy,
+                      const float* bias, int64_t width) {
+  const __mmask16 m0 = width >= 16 ? 0xFFFF : (1u << width) - 1;
+  const __mmask16 m1 = width >= 32 ? 0xFFFF : width <= 16 ? 0 : (1u << (width - 16)) - 1;
+  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < m; ++r) {
+    const __m512 v0 = _mm512_add_ps(_mm512_loadu_ps(acc + r * kCols), b0);
+    const __m512 v1 = _mm512_add_ps(_mm512_loadu_ps(acc + r * kCols + 16), b1);
+    if (y_bf16) {
+      uint16_t* dst = static_cast<uint16_t*>(y) + r * ldy;
+      _mm256_mask_storeu_epi16(dst, m0, (__m256i)_mm512_cvtneps_pbh(v0));
+      _mm256_mask_storeu_epi16(dst + 16, m1, (__m256i)_mm512_cvtneps_pbh(v1));
+    } else {
+      float* dst = static_cast<float*>(y) + r * ldy;
+      _mm512_mask_storeu_ps(dst, m0, v0);
+      _mm512_mask_storeu_ps(dst + 16, m1, v1);
+    }
   }
 }
 #pragma GCC pop_options
@@ -163,13 +205,21 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
     for (int64_t p = p0; p < p1; ++p) {
       const uint16_t* wp = w + p * k2 * 2 * kCols;
       if (bf16) {
+        const uint16_t* next = p + 1 < p1 ? wp + k2 * 2 * kCols : nullptr;
         panels_bf16(reinterpret_cast<const uint16_t*>(xin.data_ptr<at::BFloat16>()), m, k, wp,
-                    k2, acc.data());
+                    k2, acc.data(), next);
       } else {
         generic(xin.data_ptr<float>(), m, k, reinterpret_cast<const uint32_t*>(wp), k2,
                 acc.data());
       }
-      store_panel(acc.data(), m, y, bp, p * kCols, std::min(kCols, n - p * kCols));
+      const int64_t n0 = p * kCols, width = std::min(kCols, n - n0);
+      if (bf16) {
+        const bool y_bf16 = y.scalar_type() == at::kBFloat16;
+        char* y0 = static_cast<char*>(y.data_ptr()) + n0 * y.element_size();
+        store_panel_bf16(acc.data(), m, y0, y_bf16, n, bp ? bp + n0 : nullptr, width);
+      } else {
+        store_panel(acc.data(), m, y, bp, n0, width);
+      }
     }
   });
   return y.view(out_shape);
