@@ -126,6 +126,46 @@ def _tasks() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
+STRESS = """
+import torch
+from warmboot.kernels import native
+from warmboot.kernels.step_ops import pack_weight, packed_gemm
+g = torch.Generator().manual_seed(0)
+calls = []
+for n in (1024, 4096, 1536):  # 2, 8 and 3 chunks of 16 panels at k=64
+    w = torch.randn(n, 64, generator=g).to(torch.bfloat16)
+    calls.append((torch.randn(1, 64, generator=g).to(torch.bfloat16), pack_weight(w, "native"), n))
+alone = [packed_gemm(x, p, None, n) for x, p, n in calls]
+native.use_helpers(1, [])
+for i in range(20000):
+    x, p, n = calls[i % 3]
+    assert torch.equal(packed_gemm(x, p, None, n), alone[i % 3]), i
+native.use_helpers(0, [])
+print("ok")
+"""
+
+
+def test_helper_threads_survive_back_to_back_calls_of_changing_size():
+    """Tiny calls back to back, their chunk counts alternating, in two processes at once (four
+    threads on the cores, so threads are preempted mid-protocol): the claim protocol's
+    stress test. A decode benchmark once hung in the caller's wait (a stale claim could count
+    into the next call); the ticket is now closed while a call is set up. Child processes, so
+    a hang fails the test instead of hanging the suite."""
+    import subprocess
+    import sys
+
+    children = [
+        subprocess.Popen([sys.executable, "-c", STRESS], stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    try:
+        outs = [c.communicate(timeout=120)[0] for c in children]
+    finally:
+        for c in children:
+            c.kill()
+    assert [c.returncode for c in children] == [0, 0] and all(o.strip() == "ok" for o in outs)
+
+
 def test_helper_threads_change_no_bit_and_stop():
     """``csrc/pool.cpp``: chunks taken by a helper thread give the same bits as the caller
     alone, at every chunking; stopping the helpers ends their threads."""

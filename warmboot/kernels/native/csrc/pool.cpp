@@ -4,10 +4,11 @@
 // so engines in one process never share them, and the thread's exit stops them. A call's
 // chunks are handed out by one 64-bit ticket: the call's generation in the high half, the
 // next chunk in the low half. A claim is a CAS that fails once the chunks run out or a newer
-// call began, so a late helper never touches a call that has returned. The caller counts the
-// chunks it ran itself and waits only until the helpers have finished the rest. Idle helpers
-// spin (yielding the core to any other runnable thread) for kSpinUs, about the gaps between
-// a step's kernels, then sleep on a futex.
+// call began, so a late helper never touches a call that has returned; a new call closes the
+// ticket (its generation, no chunk left) before it sets itself up, then opens it. The caller
+// counts the chunks it ran itself and waits only until the helpers have finished the rest.
+// Idle helpers spin (yielding the core to any other runnable thread) for kSpinUs, about the
+// gaps between a step's kernels, then sleep on a futex.
 #include "pool.h"
 
 #include <ATen/Parallel.h>
@@ -150,6 +151,9 @@ void parallel_chunks(int64_t n, int64_t grain, const Fn& fn) {
   }
   p.busy = true;
   const uint64_t gen = (p.ticket.load() >> 32) + 1;
+  // NOTE: closed first: a helper still in the last call's claim loop that read the new chunk
+  // count would otherwise win a CAS on the old ticket and count a chunk into this call
+  p.ticket.store(gen << 32 | kLow);
   p.fn = &fn;
   p.n = n;
   p.grain = grain;
@@ -168,7 +172,7 @@ void parallel_chunks(int64_t n, int64_t grain, const Fn& fn) {
     ++mine;
     while (claim(p, gen) >= 0) ++mine;
   }
-  while (p.done.load(std::memory_order_acquire) != chunks - mine) _mm_pause();
+  while (p.done.load(std::memory_order_acquire) < chunks - mine) _mm_pause();
   p.busy = false;
   if (!error) error = p.error;
   if (error) std::rethrow_exception(error);
