@@ -28,9 +28,6 @@ constexpr int64_t kCols = 32;
 // MR rows x 32 columns in 2 * MR registers; x as bf16 pairs broadcast per k pair.
 // NOTE: named accumulators, not an array: GCC keeps an array of vectors in memory too and
 // stores it back every iteration (2.5x slower)
-#ifndef WB_PF_HINT
-#define WB_PF_HINT _MM_HINT_T0
-#endif
 #define WB_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7)
 // pf: the next panel, whose k pairs [pf_lo, pf_hi) this call fetches into cache while it
 // computes (rows past the first 8 reread the panel from cache: compute-bound, so the memory
@@ -43,8 +40,8 @@ void panel_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t k2, f
   for (int64_t kp = 0; kp < k2; ++kp) {
     const uint16_t* wp = w + kp * 64;
     if (kp >= pf_lo && kp < pf_hi) {
-      _mm_prefetch(reinterpret_cast<const char*>(pf + kp * 64), WB_PF_HINT);
-      _mm_prefetch(reinterpret_cast<const char*>(pf + kp * 64 + 32), WB_PF_HINT);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + kp * 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(pf + kp * 64 + 32), _MM_HINT_T0);
     }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 32);
