@@ -113,11 +113,6 @@ def launch(cfg: LaunchConfig):
             _discard(cfg, store, key)
     try:
         client = _create(cfg, store, key, fields, spec, reason, t0)
-        # NOTE: the engine's own boot work (the worker's stats), its process start and imports
-        # left out; the launcher's start_info holds only its own phases
-        if worker := client.stats().get("startup_times", {}):
-            estimate = start_costs.cost({k: v for k, v in worker.items() if k[:7] == "worker."})
-            start_costs.record_launch(key, "local_estimate", estimate)
     except Exception as e:  # noqa: BLE001 - the in-process boot is the last resort
         log.warning("sandboxed boot failed (%s); booting in-process", e)
         fallbacks += ("sandboxed_boot_failed",)
