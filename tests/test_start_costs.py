@@ -98,7 +98,9 @@ def test_the_launcher_skips_a_slower_process_image(by_cost, path, tmp_path, monk
         info = client.start_info
         assert "a start outside gVisor tried once" in info.reason, info.reason
         recorded = json.loads(start_costs.costs_path().read_text())[f"process:{key}"]
-        assert recorded["local"] == round(info.ready_s, 4) and 0 < info.ready_s < 50
+        done = client.stats()["startup_times"]  # NOTE: one-time phases (a publish) left out
+        once = sum(v for k, v in done.items() if k.rsplit(".", 1)[-1] in start_costs.OFF_PATH)
+        assert recorded["local"] == round(info.ready_s - once, 4) and 0 < info.ready_s < 50
     finally:
         client.shutdown()
     assert "measured quicker" in start_costs.local_is_quicker(key), "from now on by measurement"
