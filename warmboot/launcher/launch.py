@@ -339,8 +339,7 @@ def _timed_local(cfg: LaunchConfig, reason: str, t0: float, key: str):
     client = _local(cfg, reason, t0)
     # NOTE: less what ran before serving only once (a publishing boot's compile, step choice
     # and publish): the next local start restores the image it made
-    done = client.stats().get("startup_times", {})
-    once = sum(v for k, v in done.items() if k.rsplit(".", 1)[-1] in start_costs.OFF_PATH)
+    once = start_costs.one_time(client.stats().get("startup_times", {}))
     start_costs.record_launch(key, "local", max(client.start_info.ready_s - once, 0.0))
     return client
 

@@ -52,6 +52,11 @@ def cost(times: dict[str, float]) -> float:
     return sum(v for k, v in times.items() if k not in OFF_PATH)
 
 
+def one_time(times: dict[str, float]) -> float:
+    """Seconds of the off-path phases in ``times`` (names bare or ``worker.``-prefixed)."""
+    return sum(v for k, v in times.items() if k.rsplit(".", 1)[-1] in OFF_PATH)
+
+
 def record(key: str, path: str, times: dict[str, float]) -> None:
     """Keep this start's cost (``path``: ``cold`` or ``restored_image``) under ``key``."""
     _save(key, path, cost(times))
