@@ -81,6 +81,29 @@ def test_the_node_cache_evicts_the_least_recently_used_but_never_what_this_start
     assert cache.local.list_keys() == [new]
 
 
+def test_a_failed_push_is_tried_again_and_never_fails_the_booted_replica(path, remote, tmp_path):
+    from warmboot import LLM
+    from warmboot.fleet import replica
+    from warmboot.fleet.node_cache import NodeCache
+
+    cache = NodeCache(remote, tmp_path / "cache", max_bytes=1 << 30)
+    LLM(str(path), max_model_len=128, snapshot_store=cache.url)
+    real, calls = cache.push, []
+
+    def flaky(model_dir):
+        calls.append(model_dir)
+        if len(calls) == 1:
+            raise ConnectionError("store went away")
+        return real(model_dir)
+
+    cache.push = flaky
+    note = replica._push(cache, path)
+    assert len(calls) == 2 and note.startswith("pushed [") and remote.list_keys(), note
+    cache.push = lambda model_dir: (_ for _ in ()).throw(ConnectionError("still away"))
+    note = replica._push(cache, path)
+    assert note == f"push to {remote.url} failed: still away", note
+
+
 def test_one_replica_of_many_publishes_a_new_model(path, remote, tmp_path):
     """Replicas starting together on a store without this model: one holds the fleet's
     publish lease and publishes; the others boot without publishing."""

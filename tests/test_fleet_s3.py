@@ -75,7 +75,7 @@ def test_a_new_node_pulls_from_s3_and_restores(s3_fleet, path):
 
     cfg, client, cache, tier_p = s3_fleet
     first = _ask(client)
-    assert _starts(client) == {"cold": 1}
+    assert _starts(client) == {"cold": 1}, client.get("/health").json()["starts"]
     keys = open_store(cfg.snapshot_store).list_keys()
     assert any(k.startswith("process-") for k in keys) == tier_p, keys
     _wait_idle(client)

@@ -110,13 +110,27 @@ def boot_engine(cfg: FleetConfig):
     try:
         client = launch(LaunchConfig(engine=engine, store=store, sandbox=cfg.sandbox,
                                      publish=publish))  # fmt: skip
-        pushed = cache.push(Path(cfg.model_source)) if cache is not None and publish else []
+        pushed = _push(cache, Path(cfg.model_source)) if cache is not None and publish else ""
     finally:
         if lease is not None:
             _quietly(lease.release)
     info = client.start_info
-    reason = "; ".join(p for p in (info.reason, why, f"pushed {pushed}" if pushed else "") if p)
+    reason = "; ".join(p for p in (info.reason, why, pushed) if p)
     return client, {"path": info.path, "reason": reason, "phases": dict(info.phase_times)}
+
+
+def _push(cache, model_dir: Path, tries: int = 2) -> str:
+    """Push this replica's publish to the remote store: a note for the start's reason. A
+    push that fails (each try moves only the chunks still missing) leaves the replica
+    serving what it booted; the next replica that holds the lease pushes again."""
+    for attempt in range(1, tries + 1):
+        try:
+            pushed = cache.push(model_dir)
+            return f"pushed {pushed}" if pushed else ""
+        except Exception as e:  # noqa: BLE001 - a store error must not fail a booted replica
+            log.warning("node cache push failed (try %d of %d): %s", attempt, tries, e)
+            error = e
+    return f"push to {cache.remote.url} failed: {error}"
 
 
 def _prepare_store(cfg: FleetConfig):
