@@ -230,7 +230,8 @@ def write_report(args, model_dir: str, rows: list[dict], boots: dict, steps: dic
             f"{_f(r.get('vllm_decode_tok_s'))} | {_x(r.get('decode_ratio_vs_vllm'))} |"
         )
     lines += ["", "Start-up of each engine in this run (s): " + json.dumps(_rounded(boots))]
-    choice = {d: {k: c[k] for k in ("mode", "kernel")} for d, c in steps.items() if c}
+    keys = ("mode", "kernel", "helpers", "dense_rows")
+    choice = {d: {k: c.get(k) for k in keys} for d, c in steps.items() if c}
     lines += ["", "warmboot's step as measured at its start: " + json.dumps(choice)]
     (args.out / "decode.md").write_text("\n".join(lines) + "\n")
     plot(args.out / "decode.png", meta, rows)

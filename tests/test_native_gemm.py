@@ -120,6 +120,27 @@ def test_packed_linears_take_native_panels_for_bf16_only():
     assert not native_gemm(torch.zeros(4, 7, dtype=torch.bfloat16))  # odd in_features
 
 
+def test_from_dense_rows_on_a_packed_linear_is_the_model_weights_f_linear():
+    from torch import nn
+
+    from warmboot.kernels.step_ops import PackedLinears, StepContext, bound, packed_linear
+
+    _, w, b = _case(1, 48, 64, True)
+    lin = nn.Linear(64, 48, dtype=torch.bfloat16)
+    lin.weight.data, lin.bias.data = w, b
+    table = PackedLinears()
+    table.add_layer([lin])
+    table.set_dense_rows(4)
+    x = _case(6, 48, 64, False, seed=1)[0]
+    with bound(StepContext(None, [], None, [], table)), torch.inference_mode():
+        few, many = packed_linear(x[:3], 0, 48), packed_linear(x, 0, 48)
+        assert torch.equal(few, packed_gemm(x[:3], table.layers[0][0][0], b, 48))
+        assert torch.equal(many, torch.nn.functional.linear(x, w, b))
+        table.set_dense_rows(None)
+        assert torch.equal(packed_linear(x, 0, 48), packed_gemm(x, table.layers[0][0][0], b, 48))
+    _check(many, _reference(x, w, b))
+
+
 def _tasks() -> int:
     import os
 

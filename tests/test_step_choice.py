@@ -98,3 +98,39 @@ def test_a_recorded_choice_is_data_checked():
             StepChoice.from_fact({"mode": "compiled", "kernel": "native", "helpers": helpers})
             is None
         )
+
+
+@pytest.mark.skipif(native.library() is None, reason=f"{native.unavailable_reason()}")
+def test_dense_rows_is_where_f_linear_wins_from_on(tiny_model_dir, monkeypatch):
+    import torch
+
+    llm = _engine(tiny_model_dir("llama"), "bfloat16", eager=False)
+    runner, table = llm.engine.runner, llm.engine.runner.compiled.linears
+    table.use("native")
+
+    def fake_best(plain_wins):
+        def best(fn) -> float:
+            rows = fn.args[0].shape[0]
+            return 1.0 if (fn.func is torch.nn.functional.linear) == plain_wins(rows) else 2.0
+
+        return best
+
+    cases = {(lambda r: r >= 8): 8, (lambda r: r == 4 or r >= 16): 16, (lambda r: False): None}
+    for plain_wins, want in cases.items():
+        monkeypatch.setattr(step_choice, "_best", fake_best(plain_wins))
+        assert step_choice.dense_rows(runner, table) == want
+    monkeypatch.undo()
+    measured = step_choice.dense_rows(runner, table)
+    assert measured is None or measured in step_choice.PROBES
+    table.set_dense_rows(2)  # NOTE: prefills and two-row decodes then run F.linear
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 9], VOCAB_SIZE, seed=5)]
+    got = _greedy(llm, prompts)
+    assert len(got) == 2 and all(len(t) == 6 for t in got)
+
+
+def test_a_recorded_dense_rows_is_data_checked():
+    fact = {"mode": "compiled", "kernel": "native"}
+    assert StepChoice.from_fact(fact).dense_rows is None
+    assert StepChoice.from_fact(fact | {"dense_rows": 16}).dense_rows == 16
+    for bad in (3, "16", 16.0, True, -1):
+        assert StepChoice.from_fact(fact | {"dense_rows": bad}) is None

@@ -26,13 +26,16 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.nn import functional as F
 
 from warmboot.device.compiled import CompiledSteps, scratch_decode
-from warmboot.kernels.step_ops import StepContext, native_gemm
+from warmboot.kernels.step_ops import PackedLinears, StepContext, native_gemm, packed_gemm
 
 log = logging.getLogger(__name__)
 
 BATCH = 16
+PROBES = (2, 4, 8, 16, 32, 64, 128, 256)
+"""Row counts ``dense_rows`` times the native GEMM and ``F.linear`` at."""
 REPEATS = 3
 MODES = ("compiled", "eager")
 KERNELS = ("native", "onednn")
@@ -46,6 +49,9 @@ class StepChoice:
     """The compiled step's bf16 GEMM: ``native`` or ``onednn``."""
     helpers: int = 0
     """Helper threads lent to the native kernels (``CpuStream.lend_helpers``)."""
+    dense_rows: int | None = None
+    """From this many rows on, the native kernel's GEMMs run as ``F.linear`` on the model's
+    own weights (``PackedLinears.dense_rows``: measured by ``dense_rows``)."""
     ms_per_step: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per candidate (``compiled/native``, ``compiled/native+helper``, ``compiled/onednn``,
     ``eager``): ms per scratch decode step by row count."""
@@ -63,7 +69,10 @@ class StepChoice:
         mode, kernel, helpers = fact.get("mode"), fact.get("kernel"), fact.get("helpers", 0)
         if mode not in MODES or kernel not in KERNELS or helpers not in (0, 1):
             return None
-        return cls(mode, kernel, helpers, {}, "recorded")
+        rows = fact.get("dense_rows")
+        if rows is not None and (type(rows) is not int or rows not in PROBES):
+            return None
+        return cls(mode, kernel, helpers, rows, {}, "recorded")
 
 
 def choose(runner, steps: CompiledSteps, allow_eager: bool = True) -> StepChoice:
@@ -75,6 +84,9 @@ def choose(runner, steps: CompiledSteps, allow_eager: bool = True) -> StepChoice
     kernels = KERNELS
     if not _has_native_gemm(runner):  # NOTE: then every weight is in oneDNN's layout already
         table.kernel, kernels = "onednn", ("onednn",)
+    if "native" in kernels:
+        table.use("native")
+        table.set_dense_rows(dense_rows(runner, table))
     times = {}
     for kernel in kernels:
         table.use(kernel)
@@ -87,10 +99,51 @@ def choose(runner, steps: CompiledSteps, allow_eager: bool = True) -> StepChoice
     best = min(times, key=lambda name: _geomean(times[name].values()))
     mode, _, kernel = best.partition("/")
     kernel, helper, _ = kernel.partition("+")
-    choice = StepChoice(mode, kernel or table.kernel, int(bool(helper)), times)
+    choice = StepChoice(mode, kernel or table.kernel, int(bool(helper)), table.dense_rows, times)
     table.use(choice.kernel)
     log.info("step choice: %s (ms per step: %s)", best, times)
     return choice
+
+
+def dense_rows(runner, table: PackedLinears) -> int | None:
+    """The fewest rows (of ``PROBES``) from which ``F.linear`` on the model's own weights
+    beats the native GEMM on the first layer's linears, at that probe and every larger one;
+    None where it never does. Timed on the device thread (tens of ms)."""
+    pairs = [(w, table.source(0, slot)) for slot, (w, _) in
+             enumerate(table.layers[0] if table.layers else ()) if w is not None and w.dim() == 4]  # fmt: skip
+    if not pairs:
+        return None
+    wins: dict[int, bool] = {}
+
+    @torch.inference_mode()
+    def probe() -> None:
+        for rows in PROBES:
+            packed = plain = 0.0
+            for w, src in pairs:
+                x = torch.randn(rows, src.shape[1], dtype=src.dtype)
+                packed += _best(functools.partial(packed_gemm, x, w, None, src.shape[0]))
+                plain += _best(functools.partial(F.linear, x, src))
+            wins[rows] = plain < packed
+
+    runner.stream.submit(probe)
+    runner.stream.record().wait()
+    found = None
+    for rows in reversed(PROBES):
+        if not wins[rows]:
+            break
+        found = rows
+    log.info("dense GEMM from %s rows (probes: %s)", found, wins)
+    return found
+
+
+def _best(fn, repeats: int = REPEATS) -> float:
+    fn()  # NOTE: a warm-up, left out
+    best = math.inf
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def _has_native_gemm(runner) -> bool:

@@ -90,6 +90,8 @@ class ModelCompile:
             if choice is None:
                 with self.phase("step_choice", detail=detail):
                     choice = step_choice.choose(runner, steps, allow_eager)
+            if steps.linears is not None:
+                steps.linears.set_dense_rows(choice.dense_rows)
             runner.install_compiled(steps if choice.mode == "compiled" else None)
             runner.stream.lend_helpers(choice.helpers)
             stats = steps.stats

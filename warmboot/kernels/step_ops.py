@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from warmboot.kernels import native
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, AttentionSpec
@@ -45,6 +46,10 @@ class PackedLinears:
         self.kernel = "native"
         """The bf16 GEMM: ``native`` (``kernels.native``, where it builds) or ``onednn``;
         ``use`` switches (``device.step_choice`` measures which is faster)."""
+        self.dense_rows: int | None = None
+        """From this many rows on, a natively packed weight's GEMM is ``F.linear`` on the
+        model's own weight (oneDNN's, with AMX where the CPU has it: the native kernel is
+        compute-bound past a few rows there); None: never. ``set_dense_rows`` sets it."""
         self.experts: list[list[ExpertTable]] = []
         """Per layer: its ``FusedExperts``, in slot order (``fused_experts``)."""
         self.layers: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
@@ -62,6 +67,11 @@ class PackedLinears:
             self.release()
             self.kernel = kernel
             self.repack()
+
+    def set_dense_rows(self, rows: int | None) -> None:
+        self.dense_rows = rows
+        for table in (t for row in self.experts for t in row):
+            table.dense_rows = rows
 
     def add_layer(self, linears: list[nn.Module]) -> None:
         """One decoder layer's linears (anything with ``weight`` and ``bias``), in slot order."""
@@ -103,6 +113,10 @@ class PackedLinears:
             raise RuntimeError("the packed weights are released (repack() after a restore)")
         return weight, bias
 
+    def source(self, layer: int, slot: int) -> torch.Tensor:
+        """The model's own weight behind ``lookup``'s packed one."""
+        return self._head_source if slot == HEAD_SLOT else self._sources[layer][slot]
+
 
 HEAD_SLOT = -1
 
@@ -113,6 +127,7 @@ class ExpertTable:
 
     def __init__(self, module: FusedExperts, pack: bool, kernel: str = "native"):
         self.module, self.pack, self.kernel = module, pack, kernel
+        self.dense_rows: int | None = None  # NOTE: PackedLinears.dense_rows
         self.gate_up: list[torch.Tensor] | None = None
         self.down: list[torch.Tensor] | None = None
         self.repack()
@@ -142,10 +157,16 @@ class ExpertTable:
         n13, n2 = m.gate_up_proj.shape[1], m.down_proj.shape[1]
 
         def up_gemm(e: int, rows: torch.Tensor) -> torch.Tensor:
-            return packed_gemm(rows, gate_up[e], None if b13 is None else b13[e], n13)
+            bias = None if b13 is None else b13[e]
+            if dense(rows, gate_up[e], self.dense_rows):
+                return F.linear(rows, m.gate_up_proj[e], bias)
+            return packed_gemm(rows, gate_up[e], bias, n13)
 
         def down_gemm(e: int, rows: torch.Tensor) -> torch.Tensor:
-            return packed_gemm(rows, down[e], None if b2 is None else b2[e], n2)
+            bias = None if b2 is None else b2[e]
+            if dense(rows, down[e], self.dense_rows):
+                return F.linear(rows, m.down_proj[e], bias)
+            return packed_gemm(rows, down[e], bias, n2)
 
         return grouped_experts(x, weights, ids, m.num_experts, up_gemm, down_gemm, m.act_and_mul)
 
@@ -156,6 +177,12 @@ def packed_gemm(
     if weight.dim() == 4:  # NOTE: native panels (pack_weight)
         return torch.ops.warmboot_cpu.linear(x, weight, bias, n)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def dense(x: torch.Tensor, weight: torch.Tensor, dense_rows: int | None) -> bool:
+    """Whether ``x`` has the rows from which ``weight``'s natively packed GEMM gives way to
+    ``F.linear`` on the model's own weight (``PackedLinears.dense_rows``)."""
+    return dense_rows is not None and weight.dim() == 4 and x.numel() >= dense_rows * x.shape[-1]
 
 
 def pack_weight(weight: torch.Tensor, kernel: str = "native") -> torch.Tensor:
@@ -248,7 +275,10 @@ def _(q, k, v):
 @torch.library.custom_op("warmboot::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, slot: int, out_features: int) -> torch.Tensor:
     ctx = _context("packed_linear")
-    weight, bias = ctx.linears.lookup(ctx.layer, slot)
+    table = ctx.linears
+    weight, bias = table.lookup(ctx.layer, slot)
+    if dense(x, weight, table.dense_rows):
+        return F.linear(x, table.source(ctx.layer, slot), bias)
     return packed_gemm(x, weight, bias, out_features)
 
 
