@@ -110,6 +110,30 @@ def test_bad_input_is_refused():
         torch.ops.warmboot_cpu.use_isa("amx")
 
 
+@pytest.mark.skipif(not native.amx(), reason="no AMX on this CPU, or the OS withholds it")
+@pytest.mark.parametrize("m,n,k", [(4, 33, 64), (5, 95, 576), (16, 960, 576), (17, 64, 1536),
+                                   (33, 70, 96), (64, 40, 128)])  # fmt: skip
+def test_amx_tiles_match_float64_and_the_dot_products(m, n, k):
+    x, w, b = _case(m, n, k, True)
+    packed = pack_weight(w)
+    try:
+        tiles = packed_gemm(x, packed, b, n)
+        torch.ops.warmboot_cpu.use_amx(False)
+        dots = packed_gemm(x, packed, b, n)
+    finally:
+        torch.ops.warmboot_cpu.use_amx(True)
+    _check(tiles, _reference(x, w, b))
+    _check(dots, _reference(x, w, b))
+    assert (tiles.float() - dots.float()).abs().max() <= tiles.float().abs().max() * 2**-7
+
+
+def test_amx_is_refused_where_the_cpu_or_os_has_none():
+    if native.amx():
+        pytest.skip("this CPU and OS run AMX")
+    with pytest.raises(RuntimeError, match="cannot run AMX"):
+        torch.ops.warmboot_cpu.use_amx(True)
+
+
 def test_packed_linears_take_native_panels_for_bf16_only():
     x, w, b = _case(4, 48, 64, True)
     packed = pack_weight(w)

@@ -12,7 +12,9 @@ machine without a compiler. ``make native`` builds it ahead; otherwise the first
 wants it does (about 20-35 s, once per key).
 
 Each kernel picks its instruction set at run time from the CPU's flags (AVX-512 with BF16
-dot products, else AVX2/FMA, else portable C++): ``isa()`` names the one in use.
+dot products, else AVX2/FMA, else portable C++): ``isa()`` names the one in use. The bf16
+GEMM runs from 4 rows on AMX tiles where the CPU has them and Linux grants the tile state
+(``amx()``; not inside gVisor): there the dot products are compute-bound from a few rows.
 
 ``library()`` is None, with ``unavailable_reason()`` saying why, where no compiler works or
 the platform is not x86-64 Linux; callers then keep torch's and oneDNN's paths.
@@ -100,6 +102,11 @@ def unavailable_reason() -> str | None:
 def isa() -> str | None:
     """The instruction set the kernels run with on this CPU (None without the library)."""
     return torch.ops.warmboot_cpu.isa() if library() else None
+
+
+def amx() -> bool:
+    """Whether the bf16 GEMM may use AMX tiles here (CPU flags and the OS's permission)."""
+    return bool(torch.ops.warmboot_cpu.amx()) if library() else False
 
 
 def use_helpers(count: int, cpus: list[int]) -> int:

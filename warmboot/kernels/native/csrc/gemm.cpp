@@ -22,6 +22,8 @@ namespace warmboot {
 namespace {
 
 constexpr int64_t kCols = 32;
+// From this many rows on the GEMM runs on AMX tiles where the CPU has them (amx_ready).
+constexpr int64_t kAmxRows = 4;
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16")
@@ -113,6 +115,74 @@ void store_panel_bf16(const float* acc, int64_t m, void* y, bool y_bf16, int64_t
 }
 #pragma GCC pop_options
 
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
+// AMX: where the rows make the GEMM compute-bound (a few rows on a Xeon: the dot products
+// above then take longer than the panel's stream), the tiles multiply 16 rows x 32 k by 32 k
+// x 16 columns an instruction. B tiles read the panels in place: a panel's k pair rows are
+// 32 columns x 2 = 128 bytes, so a tile of 16 pairs x 16 columns is a 64-byte-wide window
+// with a 128-byte stride. C tiles 0-3, A tiles 4-5, B tiles 6-7.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every thread loads it before a call's tiles (another library's kernels, oneDNN's, may
+// have loaded their own on this thread since).
+void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+  // NOTE: not GCC 12's _tile_loadconfig: its asm names 8 bytes of the config as read, so
+  // the stores of the rest were dropped as dead (the tiles then raised #UD)
+  asm volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+// acc (m16, 32) fp32 = x (m16 rows of k bf16, ldx apart) @ one panel; m16 a multiple of 16
+// and k of 32. Two 16-row blocks share each pair of B tiles where there are two.
+// pf: the next panel, fetched into cache during the first block (tile loads stall on memory).
+void panel_amx(const uint16_t* x, int64_t m16, int64_t ldx, const uint16_t* w, int64_t k,
+               float* acc, const uint16_t* pf) {
+  auto fetch = [&](int64_t kk) {
+    if (!pf) return;
+    const char* p = reinterpret_cast<const char*>(pf + kk * 32);
+    for (int i = 0; i < 2048; i += 64) _mm_prefetch(p + i, _MM_HINT_T0);
+  };
+  int64_t r = 0;
+  for (; r + 32 <= m16; r += 32) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t kk = 0; kk < k; kk += 32) {
+      if (r == 0) fetch(kk);
+      _tile_loadd(6, w + kk * 32, 128);
+      _tile_loadd(7, w + kk * 32 + 32, 128);
+      _tile_loadd(4, x + r * ldx + kk, ldx * 2);
+      _tile_loadd(5, x + (r + 16) * ldx + kk, ldx * 2);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, acc + r * 32, 128);
+    _tile_stored(1, acc + r * 32 + 16, 128);
+    _tile_stored(2, acc + (r + 16) * 32, 128);
+    _tile_stored(3, acc + (r + 16) * 32 + 16, 128);
+  }
+  if (r < m16) {
+    _tile_zero(0); _tile_zero(1);
+    for (int64_t kk = 0; kk < k; kk += 32) {
+      if (r == 0) fetch(kk);
+      _tile_loadd(6, w + kk * 32, 128);
+      _tile_loadd(7, w + kk * 32 + 32, 128);
+      _tile_loadd(4, x + r * ldx + kk, ldx * 2);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    _tile_stored(0, acc + r * 32, 128);
+    _tile_stored(1, acc + r * 32 + 16, 128);
+  }
+}
+#pragma GCC pop_options
+
 namespace avx512 {
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,fma")
@@ -191,17 +261,26 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const bool bf16 = detect_isa() == Isa::Avx512Bf16;
-  const at::Tensor xin = bf16 ? x2.to(at::kBFloat16) : x2.to(at::kFloat);
+  const bool amx = bf16 && m >= kAmxRows && k % 32 == 0 && amx_ready();
+  // NOTE: AMX reads x in whole 16-row tiles: rows past m are zeros (their sums unstored)
+  const int64_t m_acc = amx ? (m + 15) / 16 * 16 : m;
+  at::Tensor xin = bf16 ? x2.to(at::kBFloat16) : x2.to(at::kFloat);
+  if (m_acc > m) xin = at::cat({xin, at::zeros({m_acc - m, k}, xin.options())});
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const GenericPanels generic = generic_kernel();
   // NOTE: about 64 KB of weights a chunk: a few microseconds, many claims' worth
   const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (k * 2 * kCols));
   parallel_chunks(panels, grain, [&](int64_t p0, int64_t p1) {
     thread_local std::vector<float> acc;
-    acc.resize(m * kCols);
+    acc.resize(m_acc * kCols);
+    if (amx) amx_configure();
     for (int64_t p = p0; p < p1; ++p) {
       const uint16_t* wp = w + p * k2 * 2 * kCols;
-      if (bf16) {
+      if (amx) {
+        const uint16_t* next = p + 1 < p1 ? wp + k2 * 2 * kCols : nullptr;
+        panel_amx(reinterpret_cast<const uint16_t*>(xin.data_ptr<at::BFloat16>()), m_acc, k, wp,
+                  k, acc.data(), next);
+      } else if (bf16) {
         const uint16_t* next = p + 1 < p1 ? wp + k2 * 2 * kCols : nullptr;
         panels_bf16(reinterpret_cast<const uint16_t*>(xin.data_ptr<at::BFloat16>()), m, k, wp,
                     k2, acc.data(), next);

@@ -1,7 +1,10 @@
 // The library's namespace and the instruction set its kernels run with on this CPU.
 #include "isa.h"
 
+#include <cpuid.h>
+#include <sys/syscall.h>
 #include <torch/library.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <string>
@@ -25,6 +28,28 @@ const char* kNames[] = {"portable", "avx2", "avx512", "avx512_bf16"};
 
 std::atomic<int> g_isa{static_cast<int>(best_isa())};
 
+// CPUID leaf 7: AMX-BF16 (EDX bit 22) and AMX-TILE (bit 24); then ask Linux for the tile
+// data state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), which a process must hold to use it.
+bool amx_permitted() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!(d & (1u << 22)) || !(d & (1u << 24))) return false;
+  constexpr long kReqXcompPerm = 0x1023, kXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
+}
+
+const bool g_amx_permitted = amx_permitted();
+std::atomic<bool> g_amx{g_amx_permitted};
+
+bool amx_available() { return g_amx_permitted; }
+
+// Tests run the GEMM with and without the tiles; on where the CPU and OS allow only.
+bool use_amx(bool on) {
+  TORCH_CHECK(!on || g_amx_permitted, "this CPU or OS cannot run AMX");
+  g_amx = on;
+  return on;
+}
+
 std::string isa_name() { return kNames[g_isa.load()]; }
 
 // Tests run every kernel variant the CPU can: a lower set than the best, never a higher one.
@@ -43,9 +68,13 @@ std::string use_isa(const std::string& name) {
 
 Isa detect_isa() { return static_cast<Isa>(g_isa.load()); }
 
+bool amx_ready() { return g_amx.load() && detect_isa() == Isa::Avx512Bf16; }
+
 }  // namespace warmboot
 
 TORCH_LIBRARY(warmboot_cpu, m) {
   m.def("isa() -> str", &warmboot::isa_name);
   m.def("use_isa(str name) -> str", &warmboot::use_isa);
+  m.def("amx() -> bool", &warmboot::amx_available);
+  m.def("use_amx(bool on) -> bool", &warmboot::use_amx);
 }
