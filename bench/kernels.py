@@ -153,7 +153,8 @@ def main() -> None:
     if native.library():
         batches, contexts = ([1, 8], [256]) if args.quick else ([1, 8, 32], [256, 1024])
         attn = attention_rows(batches, contexts, repeats)
-    meta = report_meta(isa=native.isa(), bandwidth_gb_s=bw, torch=torch.__version__)
+    isa = f"{native.isa()} + AMX tiles from 4 rows" if native.amx() else native.isa()
+    meta = report_meta(isa=isa, bandwidth_gb_s=bw, torch=torch.__version__)
     write(args.out, meta, gemm, attn)
 
 
