@@ -9,7 +9,10 @@ small model on a slow host may not gain from the compiled step at all. So a
 cold start, once the steps are compiled, times each candidate on scratch decode steps (they
 read and write only the scratch block) at one row and at ``BATCH`` rows, and keeps the one
 with the lowest geometric mean; eager wins only by being faster, so the choice is never
-slower than eager where it was measured. About two seconds on the demo model.
+slower than eager where it was measured. Before that, ``dense_rows`` finds the row count
+from which the native GEMM gives way to ``F.linear`` (oneDNN's blocking wins at prefill sizes,
+and from a few rows where neither AVX-512 BF16's nor AMX's path suits the CPU). About two
+seconds on the demo model.
 
 The choice is a fact of the tier-A snapshot (``step_choice``): a restore applies it without
 measuring, and one that chose eager skips the compile. Where the mode is unsaid, a cold start
@@ -34,7 +37,7 @@ from warmboot.kernels.step_ops import PackedLinears, StepContext, native_gemm, p
 log = logging.getLogger(__name__)
 
 BATCH = 16
-PROBES = (2, 4, 8, 16, 32, 64, 128, 256)
+PROBES = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 """Row counts ``dense_rows`` times the native GEMM and ``F.linear`` at."""
 REPEATS = 3
 MODES = ("compiled", "eager")
@@ -108,7 +111,8 @@ def choose(runner, steps: CompiledSteps, allow_eager: bool = True) -> StepChoice
 def dense_rows(runner, table: PackedLinears) -> int | None:
     """The fewest rows (of ``PROBES``) from which ``F.linear`` on the model's own weights
     beats the native GEMM on the first layer's linears, at that probe and every larger one;
-    None where it never does. Timed on the device thread (tens of ms)."""
+    None where it never does. Timed on the device thread (a few tenths of a second: the
+    larger probes are prefill-sized)."""
     pairs = [(w, table.source(0, slot)) for slot, (w, _) in
              enumerate(table.layers[0] if table.layers else ()) if w is not None and w.dim() == 4]  # fmt: skip
     if not pairs:
