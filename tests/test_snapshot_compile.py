@@ -81,7 +81,8 @@ def test_restore_loads_the_artifacts_and_compiles_nothing(published):
     assert "cache files written" in info["artifacts"], "the kernels come with the image"
     assert info["cache_misses"] == 0 and info["cache_hits"] == info["graphs"] == 2, info
     assert warm["tokens"] == cold["tokens"]
-    want = {k: cold["compile"]["step_choice"][k] for k in ("mode", "kernel", "helpers")}
+    keys = ("mode", "kernel", "helpers", "dense_rows")
+    want = {k: cold["compile"]["step_choice"][k] for k in keys}
     assert info["step_choice"] == want | {"ms_per_step": {}, "source": "recorded"}
     assert "step_choice" in cold["phases"] and "step_choice" not in warm["phases"]
     assert "compile_artifacts" in warm["phases"] and "load_weights" not in warm["phases"]
