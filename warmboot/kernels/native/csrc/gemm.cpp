@@ -115,6 +115,10 @@ void store_panel_bf16(const float* acc, int64_t m, void* y, bool y_bf16, int64_t
 }
 #pragma GCC pop_options
 
+// NOTE: the AMX intrinsics need GCC 11 (the build's compiler is the system's); an older one
+// builds the library without the tiles
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
+#define WB_AMX 1
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
 // AMX: where the rows make the GEMM compute-bound (a few rows on a Xeon: the dot products
@@ -181,7 +185,17 @@ void panel_amx(const uint16_t* x, int64_t m16, int64_t ldx, const uint16_t* w, i
     _tile_stored(1, acc + r * 32 + 16, 128);
   }
 }
+
+// Back to the tiles' initial state after a call: a context switch then saves no tile data.
+void amx_release() { _tile_release(); }
 #pragma GCC pop_options
+#else
+#define WB_AMX 0
+void amx_configure() {}
+void amx_release() {}
+void panel_amx(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, float*,
+               const uint16_t*) {}
+#endif
 
 namespace avx512 {
 #pragma GCC push_options
@@ -261,7 +275,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   at::Tensor b = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::Tensor();
   const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
   const bool bf16 = detect_isa() == Isa::Avx512Bf16;
-  const bool amx = bf16 && m >= kAmxRows && k % 32 == 0 && amx_ready();
+  const bool amx = WB_AMX && bf16 && m >= kAmxRows && k % 32 == 0 && amx_ready();
   // NOTE: AMX reads x in whole 16-row tiles: rows past m are zeros (their sums unstored)
   const int64_t m_acc = amx ? (m + 15) / 16 * 16 : m;
   at::Tensor xin = bf16 ? x2.to(at::kBFloat16) : x2.to(at::kFloat);
@@ -297,6 +311,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
         store_panel(acc.data(), m, y, bp, n0, width);
       }
     }
+    if (amx) amx_release();
   });
   return y.view(out_shape);
 }

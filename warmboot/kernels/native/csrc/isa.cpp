@@ -31,6 +31,9 @@ std::atomic<int> g_isa{static_cast<int>(best_isa())};
 // CPUID leaf 7: AMX-BF16 (EDX bit 22) and AMX-TILE (bit 24); then ask Linux for the tile
 // data state (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), which a process must hold to use it.
 bool amx_permitted() {
+#if !(defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11)
+  return false;  // NOTE: gemm.cpp builds its tiles with GCC 11 or later only
+#endif
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
   if (!(d & (1u << 22)) || !(d & (1u << 24))) return false;
