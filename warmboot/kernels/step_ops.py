@@ -48,8 +48,9 @@ class PackedLinears:
         ``use`` switches (``device.step_choice`` measures which is faster)."""
         self.dense_rows: int | None = None
         """From this many rows on, a natively packed weight's GEMM is ``F.linear`` on the
-        model's own weight (oneDNN's, with AMX where the CPU has it: the native kernel is
-        compute-bound past a few rows there); None: never. ``set_dense_rows`` sets it."""
+        model's own weight (oneDNN's: its blocking wins at prefill sizes, and from a few rows
+        on a CPU where the native kernel is compute-bound); None: never. Measured by
+        ``device.step_choice.dense_rows``."""
         self.experts: list[list[ExpertTable]] = []
         """Per layer: its ``FusedExperts``, in slot order (``fused_experts``)."""
         self.layers: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
