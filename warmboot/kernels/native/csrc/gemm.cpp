@@ -290,12 +290,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
     if (amx) amx_configure();
     for (int64_t p = p0; p < p1; ++p) {
       const uint16_t* wp = w + p * k2 * 2 * kCols;
+      const uint16_t* next = p + 1 < p1 ? wp + k2 * 2 * kCols : nullptr;
       if (amx) {
-        const uint16_t* next = p + 1 < p1 ? wp + k2 * 2 * kCols : nullptr;
         panel_amx(reinterpret_cast<const uint16_t*>(xin.data_ptr<at::BFloat16>()), m_acc, k, wp,
                   k, acc.data(), next);
       } else if (bf16) {
-        const uint16_t* next = p + 1 < p1 ? wp + k2 * 2 * kCols : nullptr;
         panels_bf16(reinterpret_cast<const uint16_t*>(xin.data_ptr<at::BFloat16>()), m, k, wp,
                     k2, acc.data(), next);
       } else {
