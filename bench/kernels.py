@@ -9,6 +9,9 @@ GEMM and oneDNN's, the native paged decode attention and the torch path it repla
 - Attention: one decode step's 30 layers (9 query heads, 3 KV heads, head dim 64, bf16) at
   batch 1 / 8 / 32 and context 256 / 1024, one thread and with the helper; GB/s = K/V
   bytes read / time.
+- Prefill attention: one layer's chunk of n query tokens over a context of ctx (n = ctx: no
+  cached context), bf16, the native op against SDPA as the backend runs it (K/V gathered
+  where there is cached context); the backend's pick (``TILED_PREFILL_ROWS``) named.
 
 Writes ``docs/benchmarks/kernels.{json,md,png}``. ``python bench/kernels.py [--quick]``.
 """
@@ -19,6 +22,7 @@ import argparse
 import contextlib
 import os
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -139,6 +143,34 @@ def attention_rows(batches: list[int], contexts: list[int], repeats: int) -> lis
     return out
 
 
+PREFILLS = [(16, 16), (64, 64), (128, 128), (512, 512), (2048, 2048), (128, 1024), (512, 2048)]
+
+
+def prefill_rows(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
+    from warmboot.kernels.backend import PrefillSeq
+    from warmboot.kernels.native import attention
+    from warmboot.kernels.torch_attention import TorchAttentionBackend
+
+    out = []
+    sdpa, both = TorchAttentionBackend(native_kernels=False), TorchAttentionBackend(True)
+    for n, ctx in cases:
+        blocks = -(-ctx // BLOCK)
+        k, v = (torch.randn(blocks, BLOCK, KV_HEADS, HEAD_DIM).to(torch.bfloat16) for _ in "kv")
+        table = torch.randperm(blocks)
+        q = torch.randn(n, HEADS, HEAD_DIM).to(torch.bfloat16)
+        new = [c[table].view(-1, KV_HEADS, HEAD_DIM)[ctx - n : ctx] for c in (k, v)]
+        seq = PrefillSeq(0, n, ctx, table)
+        native_s = best_of(partial(attention.paged_extend, q, k, v, table, ctx, 0.125), repeats)
+        sdpa_s = best_of(
+            partial(sdpa._prefill, q, *new, k, v, seq, 0.125, None, None, None), repeats
+        )
+        pick = "native" if both._native_prefill(q, None, None) else "SDPA"
+        row = {"n": n, "context": ctx, "native_ms": native_s * 1e3, "sdpa_ms": sdpa_s * 1e3}
+        out.append(row | {"backend_runs": pick})
+        print(out[-1], flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (a smoke run)")
@@ -149,16 +181,17 @@ def main() -> None:
     rows = [1, 8] if args.quick else [1, 4, 8, 16, 32, 64]
     bw = {"1": bandwidth(1, repeats), "all": bandwidth(os.cpu_count() or 1, repeats)}
     gemm = gemm_rows(rows, repeats)
-    attn = []
+    attn, prefill = [], []
     if native.library():
         batches, contexts = ([1, 8], [256]) if args.quick else ([1, 8, 32], [256, 1024])
         attn = attention_rows(batches, contexts, repeats)
+        prefill = prefill_rows(PREFILLS[:3] if args.quick else PREFILLS, repeats)
     isa = f"{native.isa()} + AMX tiles from 4 rows" if native.amx() else native.isa()
     meta = report_meta(isa=isa, bandwidth_gb_s=bw, torch=torch.__version__)
-    write(args.out, meta, gemm, attn)
+    write(args.out, meta, gemm, attn, prefill)
 
 
-def write(out: Path, meta: dict, gemm: list[dict], attn: list[dict]) -> None:
+def write(out: Path, meta: dict, gemm: list[dict], attn: list[dict], prefill: list[dict]) -> None:
     bw1, bwn = meta["bandwidth_gb_s"]["1"], meta["bandwidth_gb_s"]["all"]
     lines = [
         "# Decode kernels against the machine's memory bandwidth",
@@ -202,6 +235,19 @@ def write(out: Path, meta: dict, gemm: list[dict], attn: list[dict]) -> None:
                 f"| {ctx} | {b} | {n['ms']:.2f} | {n['gb_s']:.1f} | {h['ms']:.2f} | "
                 f"{h['gb_s']:.1f} | {t['ms']:.2f} | {t['ms'] / n['ms']:.2f}x |"
             )
+    if prefill:
+        lines += [
+            "",
+            "## Prefill attention: one layer's chunk (9 q / 3 KV heads, dim 64, bf16)",
+            "",
+            "| query tokens | context | native ms | SDPA ms | native / SDPA | the backend runs |",
+            "| ---: | ---: | ---: | ---: | ---: | :--- |",
+        ]
+        for r in prefill:
+            lines.append(
+                f"| {r['n']} | {r['context']} | {r['native_ms']:.3f} | {r['sdpa_ms']:.3f} | "
+                f"{r['native_ms'] / r['sdpa_ms']:.2f}x | {r['backend_runs']} |"
+            )
     plt = pyplot()
     fig, ax = plt.subplots(1, 2 if attn else 1, figsize=(11 if attn else 6, 4), squeeze=False)
     for kernel in ("native", "native+helper", "onednn"):
@@ -224,7 +270,8 @@ def write(out: Path, meta: dict, gemm: list[dict], attn: list[dict]) -> None:
         ax[0][1].set(xscale="log", yscale="log", xlabel="batch", ylabel="ms per step (30 layers)",
                      title="paged decode attention")  # fmt: skip
         ax[0][1].legend(fontsize=8)
-    save_report(out, "kernels", meta, {"gemm": gemm, "attention": attn}, lines, fig)
+    data = {"gemm": gemm, "attention": attn, "prefill_attention": prefill}
+    save_report(out, "kernels", meta, data, lines, fig)
 
 
 def _f(row: dict | None, key: str) -> str:

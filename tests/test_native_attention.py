@@ -238,6 +238,40 @@ def test_extend_splits_long_context():
     _check(out, ref, torch.float32)
 
 
+@pytest.mark.skipif(not native.amx(), reason="no AMX tiles here (CPU flags or the OS's permission)")
+@pytest.mark.parametrize(
+    "n,ctx,window", [(64, 64, None), (80, 200, None), (70, 70, 33), (96, 130, 50)]
+)
+def test_tiled_prefill(n, ctx, window, monkeypatch):
+    """bfloat16 chunks of ``TILED_PREFILL_ROWS`` rows or more on AMX: the backend runs SDPA
+    (not the native op), fresh and over cached context, against the float64 reference. Bound:
+    SDPA's flash kernel rounds the probabilities to bfloat16 before multiplying V (2^-9 of
+    each), so 2^-8 * max|v| + 2^-8 * |ref| (worst measured: 0.35 of it)."""
+    from warmboot.kernels.backend import PrefillSeq
+    from warmboot.kernels.torch_attention import TILED_PREFILL_ROWS, TorchAttentionBackend
+
+    assert n >= TILED_PREFILL_ROWS
+    k, v, tables = _paged([ctx], 3, 64, 16, torch.bfloat16, seed=n)
+    table = tables[0, : -(-ctx // 16)]
+    q = torch.randn(n, 9, 64, generator=torch.Generator().manual_seed(ctx)).to(torch.bfloat16)
+    seen_k, seen_v = (c[table].reshape(-1, 3, 64)[:ctx] for c in (k, v))
+
+    def refuse(*args):
+        raise AssertionError("the native op ran a tiled prefill")
+
+    monkeypatch.setattr(attention, "paged_extend", refuse)
+    seq = PrefillSeq(query_start=0, query_len=n, context_len=ctx, block_table=table)
+    backend = TorchAttentionBackend(native_kernels=True)
+    out = backend._prefill(
+        q, seen_k[ctx - n :], seen_v[ctx - n :], k, v, seq, 0.125, window, None, None
+    )
+    ref = _ref_extend(q, k, v, table, ctx, 0.125, window)
+    err = (out.double() - ref).abs()
+    bound = 2**-8 * seen_v.abs().max().double() + 2**-8 * ref.abs()
+    assert out.dtype == torch.bfloat16 and not out.isnan().any()
+    assert (err <= bound).all(), f"max error {err.max().item():.3g}"
+
+
 def test_matches_torch_backend_decode():
     """The backend's own decode path (gather + SDPA) and the native op agree."""
     from warmboot.kernels.backend import AttentionMetadata
