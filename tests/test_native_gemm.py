@@ -157,11 +157,14 @@ def test_from_dense_rows_on_a_packed_linear_is_the_model_weights_f_linear():
     table.set_dense_rows(4)
     x = _case(6, 48, 64, False, seed=1)[0]
     with bound(StepContext(None, [], None, [], table)), torch.inference_mode():
-        few, many = packed_linear(x[:3], 0, 48), packed_linear(x, 0, 48)
+        zero = torch.tensor(0)
+        few, many = packed_linear(x[:3], zero, 0, 48), packed_linear(x, zero, 0, 48)
         assert torch.equal(few, packed_gemm(x[:3], table.layers[0][0][0], b, 48))
         assert torch.equal(many, torch.nn.functional.linear(x, w, b))
         table.set_dense_rows(None)
-        assert torch.equal(packed_linear(x, 0, 48), packed_gemm(x, table.layers[0][0][0], b, 48))
+        assert torch.equal(
+            packed_linear(x, zero, 0, 48), packed_gemm(x, table.layers[0][0][0], b, 48)
+        )
     _check(many, _reference(x, w, b))
 
 

@@ -10,13 +10,16 @@ recompiles, and the graph is the same in every process of one model, which lets 
 caches, and the snapshot that carries them (``snapshot.compile_artifacts``), skip the
 compile.
 
-Regional compilation: one graph for a decoder layer, reused by every layer (dynamo keys it on
-the layer's type and shapes, not its identity; the ops read the running layer from the
-context), and one for the LM head (hidden rows -> float32 logits). The embedding, rope
-gathers and final norm run eagerly around them. Tracing one layer instead of the unrolled
-model makes a warm compile (inductor's caches hit) a second or two, not tens of seconds.
-``warm_up`` compiles both at start-up on scratch rows, so no request waits for a compile
-(a restore does it in the background while eager steps serve: ``engine.background_compile``).
+One region a step: the model's forward (embedding, every decoder layer, final norm) is one
+graph, in which each layer is a nested compile region (``torch.compiler.nested_compile_region``):
+traced and compiled once for all layers of one structure, then called per layer from
+inductor's wrapper (its ``repeated_subgraph``). The ops get the layer's number as a tensor
+(its ``STEP_INDEX`` buffer), so the layers differ in inputs only. A step enters dynamo twice
+(hidden rows, then the LM head's logits) instead of once a layer (0.15-0.2 ms an entry on
+these CPUs, 30 a demo-model step), and a warm compile (inductor's caches hit) stays a second
+or two, as one traced layer's. ``warm_up`` compiles both at start-up on scratch rows, so no
+request waits for a compile (a restore does it in the background while eager steps serve:
+``engine.background_compile``).
 """
 
 from __future__ import annotations
@@ -38,12 +41,12 @@ from warmboot.device.threads import torch_threads
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata
 from warmboot.kernels.step_ops import (
     HEAD_SLOT,
+    STEP_INDEX,
     ExpertTable,
     PackedLinears,
     StepContext,
     bound,
     can_pack,
-    op_attention,
 )
 from warmboot.models.base import CausalLM
 from warmboot.models.layers.linear import Linear, PackedMethod
@@ -85,16 +88,21 @@ class CompiledSteps:
         """OpenMP threads of the generated C++ kernels (baked in at compile time): the
         device thread's count, whichever thread compiles."""
         self.guard_free = False
-        """Warmed, with one layer graph for every layer and none specialised on the row
-        count: steps skip dynamo's guards (``guard_gate``)."""
-        self._layer = self._compile(_own_code(_layer_step))
+        """Warmed, with one graph for the step's hidden rows and one for its logits, neither
+        specialised on the row count: steps skip dynamo's guards (``guard_gate``)."""
+        self._hidden = self._compile(_own_code(_model_step))
         self._head = self._compile(_own_code(_head_step))
 
     def _compile(self, fn: Callable) -> Callable:
         # NOTE: the backend holds the stats, never self: dynamo keeps backends alive with its
-        # code cache, and a CompiledSteps kept alive keeps its weights (in a process image too)
+        # code cache, and a CompiledSteps kept alive keeps its weights (in a process image too).
+        # Static but the rows (unbacked: ``_symbolic_rows``). Not dynamic=True: the weights'
+        # shapes would turn symbolic, which nested regions refuse (torch 2.13); not the default
+        # either: its automatic dynamic, keyed by file and line (every engine's copy of the
+        # code alike), turns a float that differs between two models' layers (an eps) into a
+        # region operand, which nested regions refuse too
         backend = functools.partial(_inductor, self.stats)
-        return torch.compile(fn, backend=backend, dynamic=True, fullgraph=True)
+        return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
 
     def context(self, meta: AttentionMetadata | None) -> StepContext:
         return StepContext(self.backend, self.kv_caches, meta, self.specs, self.linears)
@@ -103,18 +111,11 @@ class CompiledSteps:
         self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         """(N,) ids and positions of a step -> (N, hidden), final-normed: the model's own
-        ``forward``, each layer through the one compiled layer graph."""
+        ``forward``, compiled as one region."""
         _allow_entries()
-        ctx = self.context(meta)
-        _symbolic_rows(positions)
-        with bound(ctx):
-            return self._unguarded(lambda: self.model(ids, positions, ctx, self._run_layer))
-
-    def _run_layer(self, layer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # NOTE: every layer's input: a layer whose graph differs from the one before it (a
-        # global-attention layer among sliding ones) would else specialise on its row count
-        _symbolic_rows(x)
-        return self._layer(layer, x, positions)
+        _symbolic_rows(ids, positions)
+        with bound(self.context(meta)):
+            return self._unguarded(lambda: self._hidden(self.model, ids, positions))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(M, hidden) -> (M, vocab) float32."""
@@ -155,8 +156,8 @@ class CompiledSteps:
             torch_threads(self.cpu_threads),
         ):
             traced = [self._scratch_step(rows, scratch_block, block_size) for rows in (2, 1, 3)]
-        # NOTE: one layer graph and the head's, per engine (``_own_code``): the guards that
-        # tell a model's layer graphs apart are not all kept by the stance (exaone4's)
+        # NOTE: one graph per code object, and each engine's code is its own (``_own_code``):
+        # nothing is left for the guards to tell apart
         self.guard_free = traced[0] == traced[-1] == 2
         if traced[0] != traced[-1]:
             log.warning("a compiled graph depends on the row count: steps keep their guards")
@@ -213,9 +214,20 @@ def _own_code(fn: Callable) -> Callable:
     return types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+def _attend(layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    return torch.ops.warmboot.paged_attention(q, k, v, layer)
+
+
+@torch.compiler.nested_compile_region
 def _layer_step(layer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """What the layer graph traces: one decoder layer, its caches and metadata in the context."""
-    return layer(x, positions, op_attention)
+    """One decoder layer, its caches and metadata in the bound context: traced once for all
+    layers alike (a nested region), called per layer."""
+    return layer(x, positions, functools.partial(_attend, getattr(layer, STEP_INDEX)))
+
+
+def _model_step(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """What the step's graph traces: the model's forward, each layer a nested region."""
+    return model(ids, positions, None, _layer_step)
 
 
 def _head_step(model: CausalLM, hidden: torch.Tensor) -> torch.Tensor:
@@ -231,7 +243,8 @@ def packed_view(model: CausalLM, table: PackedLinears, pack: bool = True) -> Cau
     shared = itertools.chain(model.parameters(), model.buffers(), [model.cfg])
     memo = {id(t): t for t in shared}
     view = copy.deepcopy(model, memo)
-    for layer in view.layers:
+    for i, layer in enumerate(view.layers):
+        _number(layer, i)
         experts = [m for m in layer.modules() if isinstance(m, FusedExperts)]
         table.experts.append([ExpertTable(m, pack, table.kernel) for m in experts])
         for slot, module in enumerate(experts):
@@ -244,7 +257,16 @@ def packed_view(model: CausalLM, table: PackedLinears, pack: bool = True) -> Cau
     if pack:
         table.set_head(view.lm_head.weight, view.lm_head.bias)
         view.lm_head.method = PackedMethod(HEAD_SLOT)
+        view.lm_head.register_buffer(STEP_INDEX, torch.tensor(-1), persistent=False)
     return view.eval()
+
+
+def _number(layer: torch.nn.Module, i: int) -> None:
+    """Decoder layer ``i``, its linears and experts carry ``i`` (one tensor) as ``STEP_INDEX``."""
+    index = torch.tensor(i)  # NOTE: on the CPU: the ops read it on the host
+    for module in layer.modules():
+        if module is layer or isinstance(module, (Linear, FusedExperts)):
+            module.register_buffer(STEP_INDEX, index, persistent=False)
 
 
 _THREAD = threading.local()

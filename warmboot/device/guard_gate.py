@@ -1,14 +1,14 @@
 """Compiled steps without dynamo's guard checks, where that is safe.
 
-A compiled step calls the layer graph once per layer (``device.compiled``), and each call
-first runs dynamo's guards for that graph: about 0.15-0.2 ms a call on these CPUs, 5-6 ms of
-a 30-layer step, 15% of a batch-1 decode. An engine whose every layer runs one graph, traced
-at ``warm_up`` for any row count, and whose graphs no other engine shares (each engine has
-code objects of its own), runs its steps under torch's ``skip_guard_eval_unsafe`` stance:
-with one cached graph per code object, nothing is left to check. Engines with several layer
-graphs (a model whose layers differ in structure) keep their guards: the stance keeps only
-the guards that tell cached graphs apart, and not every kind of them (measured: exaone4's
-layers with and without rope were confused).
+A compiled step enters two graphs (``device.compiled``: the hidden rows, then the logits),
+and each entry first runs dynamo's guards, whose cost grows with what the graph reads (every
+layer's weights). An engine whose graphs were traced at ``warm_up`` for any row count, and
+which no other engine shares (each engine has code objects of its own), runs its steps under
+torch's ``skip_guard_eval_unsafe`` stance: with one cached graph per code object, nothing is
+left to check. An engine whose graphs traced again for another row count keeps its guards:
+the stance keeps only the guards that tell cached graphs apart, and not every kind of them
+(measured, when each layer was a graph of its own: exaone4's layers with and without rope
+were confused).
 
 The stance is process-wide, so the gate keeps guarded calls (a compile, a step of an engine
 that keeps its guards) and unguarded steps apart: a guarded call waits for unguarded steps

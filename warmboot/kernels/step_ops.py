@@ -7,19 +7,20 @@ the step (``bound``) and the ops look them up. The graph sees tensors of the ste
 count and constant ints only, so no batch make-up recompiles, one graph serves every layer,
 and two engines of one model trace the same graph (inductor's caches hit).
 
-- ``warmboot::paged_attention(q, k, v)``: write the running layer's new K/V and attend.
-- ``warmboot::fused_experts(x, weights, ids, slot)``: the running layer's experts number
+- ``warmboot::paged_attention(q, k, v, layer)``: write layer ``layer``'s new K/V and attend.
+- ``warmboot::fused_experts(x, weights, ids, layer, slot)``: the layer's experts number
   ``slot`` (``ExpertTable``) over the routed tokens: one GEMM pair per active expert, on
   packed weights where the CPU packs them (a ``FusedExperts`` reaches it through its
   ``OpExperts`` method).
-- ``warmboot::packed_linear(x, slot, out_features)``: ``x @ W.T + b`` with W the running
+- ``warmboot::packed_linear(x, layer, slot, out_features)``: ``x @ W.T + b`` with W the
   layer's linear number ``slot`` prepacked (``PackedLinears``): bf16 in the native GEMM's
   panels (``kernels.native``: 1.75-1.8x oneDNN at 1-8 rows), else in oneDNN's blocked layout
   (1.2-2x ``F.linear`` at decode sizes). A ``Linear`` reaches it through its
   ``PackedMethod`` (``models.layers.linear``).
 
-The model sets ``StepContext.layer`` before each layer, so one traced layer serves them all.
-An eager step calls the same ``StepContext`` directly as its attention.
+``layer`` is a 0-d int64 tensor, the layer's ``STEP_INDEX`` buffer (``device.compiled``): a
+graph input, not a constant, so one traced layer serves them all. An eager step calls the
+same ``StepContext`` directly as its attention, after the model sets ``StepContext.layer``.
 """
 
 from __future__ import annotations
@@ -231,10 +232,14 @@ class StepContext:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The running layer's attention (an eager step's ``Attend``)."""
+        return self.attend(self.layer, q, k, v)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Layer ``layer``'s attention: write its new K/V and attend."""
         if self.meta is None:
             raise RuntimeError("attention ran in a step without attention metadata")
-        k_cache, v_cache = self.kv_caches[self.layer]
-        s = self.specs[self.layer]
+        k_cache, v_cache = self.kv_caches[layer]
+        s = self.specs[layer]
         return self.backend.forward(
             q, k, v, k_cache, v_cache, self.meta, s.scale, s.sliding_window, s.softcap, s.sinks
         )
@@ -266,20 +271,23 @@ def _context(op: str) -> StepContext:
 # Declared functional: paged_attention's one side effect, the KV write, is on state the graph
 # never sees, and each layer graph calls it once with an output that is always used.
 _LIB = torch.library.Library("warmboot", "FRAGMENT")
-_LIB.define("paged_attention(Tensor q, Tensor k, Tensor v) -> Tensor")
-_LIB.define("packed_linear(Tensor x, int slot, int out_features) -> Tensor")
+_LIB.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor layer) -> Tensor")
+_LIB.define("packed_linear(Tensor x, Tensor layer, int slot, int out_features) -> Tensor")
+
+STEP_INDEX = "step_index"
+"""The buffer (0-d int64, the layer's number) that a packed view's layers and their linears
+and experts carry, and hand to the ops."""
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return _context("paged_attention")(q, k, v)
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor):
+    return _context("paged_attention").attend(int(layer), q, k, v)
 
 
-def packed_linear(x: torch.Tensor, slot: int, out_features: int) -> torch.Tensor:
-    ctx = _context("packed_linear")
-    table = ctx.linears
-    weight, bias = table.lookup(ctx.layer, slot)
+def packed_linear(x: torch.Tensor, layer: torch.Tensor, slot: int, out_features: int):
+    table, i = _context("packed_linear").linears, int(layer)
+    weight, bias = table.lookup(i, slot)
     if dense(x, weight, table.dense_rows):
-        return F.linear(x, table.source(ctx.layer, slot), bias)
+        return F.linear(x, table.source(i, slot), bias)
     return packed_gemm(x, weight, bias, out_features)
 
 
@@ -288,28 +296,22 @@ _LIB.impl("packed_linear", packed_linear, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("warmboot::paged_attention")
-def _(q, k, v):
+def _(q, k, v, layer):
     return torch.empty_like(q)
 
 
 @torch.library.register_fake("warmboot::packed_linear")
-def _(x, slot, out_features):
+def _(x, layer, slot, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
 @torch.library.custom_op("warmboot::fused_experts", mutates_args=())
 def fused_experts(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, slot: int
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, layer: torch.Tensor, slot: int
 ) -> torch.Tensor:
-    ctx = _context("fused_experts")
-    return ctx.linears.experts[ctx.layer][slot](x, weights, ids)
+    return _context("fused_experts").linears.experts[int(layer)][slot](x, weights, ids)
 
 
 @fused_experts.register_fake
-def _(x, weights, ids, slot):
+def _(x, weights, ids, layer, slot):
     return torch.empty_like(x)
-
-
-def op_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """What a traced layer attends with: the op, which finds the bound step."""
-    return torch.ops.warmboot.paged_attention(q, k, v)

@@ -142,13 +142,16 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,  # (N,)
         positions: torch.Tensor,  # (N,)
-        step: StepContext,
+        step: StepContext | None,
         run_layer: RunLayer | None = None,
     ) -> torch.Tensor:  # (N, hidden), final-normed
         x = self.embed(input_ids)
         for i, layer in enumerate(self.layers):
+            if run_layer is not None:  # NOTE: a compiled step: the layer knows its number
+                x = run_layer(layer, x, positions)
+                continue
             step.layer = i
-            x = layer(x, positions, step) if run_layer is None else run_layer(layer, x, positions)
+            x = layer(x, positions, step)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -37,14 +37,15 @@ DENSE = DenseMethod()
 
 
 class PackedMethod(LinearMethod):
-    """Slot ``slot`` of the running layer's oneDNN-packed weights, looked up in the bound
-    step (``kernels.step_ops.packed_linear``): the compiled CPU step's GEMM."""
+    """Slot ``slot`` of its decoder layer's packed weights, looked up in the bound step
+    (``kernels.step_ops.packed_linear``): the compiled CPU step's GEMM. The ``Linear``
+    carries its decoder layer's number as the buffer ``step_index``."""
 
     def __init__(self, slot: int):
         self.slot = slot
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.warmboot.packed_linear(x, self.slot, layer.out_features)
+        return torch.ops.warmboot.packed_linear(x, layer.step_index, self.slot, layer.out_features)
 
 
 class Linear(nn.Module):

@@ -176,14 +176,15 @@ DENSE_EXPERTS = DenseExperts()
 
 
 class OpExperts(ExpertsMethod):
-    """Experts number ``slot`` of the running layer, looked up in the bound step
+    """Experts number ``slot`` of its decoder layer (whose number the ``FusedExperts``
+    carries as the buffer ``step_index``), looked up in the bound step
     (``kernels.step_ops.fused_experts``): the compiled step's opaque expert op."""
 
     def __init__(self, slot: int):
         self.slot = slot
 
     def apply(self, layer: FusedExperts, x, weights, ids) -> torch.Tensor:
-        return torch.ops.warmboot.fused_experts(x, weights, ids, self.slot)
+        return torch.ops.warmboot.fused_experts(x, weights, ids, layer.step_index, self.slot)
 
 
 def grouped_experts(
