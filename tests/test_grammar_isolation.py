@@ -227,8 +227,11 @@ def test_the_time_limit_fires_and_the_pool_goes_on():
 def test_a_full_queue_is_refused():
     slow = SlowBackend()
     compiles = pool(slow, max_queued=2)
-    tickets = [compiles.submit(spec(i), timeout=5) for i in range(3)]  # one runs, two wait
+    # NOTE: the next two only once the first runs (else a loaded machine's worker may not
+    # have taken it yet, and the third finds the queue full)
+    tickets = [compiles.submit(spec(0), timeout=5)]
     wait_for(lambda: len(slow.started) == 1)
+    tickets += [compiles.submit(spec(i), timeout=5) for i in (1, 2)]  # one runs, two wait
     with pytest.raises(GrammarCompileBusy, match="the limit is 2"):
         compiles.submit(spec(9))
     slow.release()
