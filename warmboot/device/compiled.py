@@ -15,9 +15,9 @@ graph, in which each layer is a nested compile region (``torch.compiler.nested_c
 traced and compiled once for all layers of one structure, then called per layer from
 inductor's wrapper (its ``repeated_subgraph``). The ops get the layer's number as a tensor
 (its ``STEP_INDEX`` buffer), so the layers differ in inputs only. A step enters dynamo twice
-(hidden rows, then the LM head's logits) instead of once a layer (0.15-0.2 ms an entry on
-these CPUs, 30 a demo-model step), and a warm compile (inductor's caches hit) stays a second
-or two, as one traced layer's. ``warm_up`` compiles both at start-up on scratch rows, so no
+(hidden rows, then the LM head's logits) instead of once a layer (30 a demo-model step; with
+guards skipped, ``guard_gate``, the saving was within a 2-vCPU Xeon's noise), and a warm
+compile (inductor's caches hit) stays a second or two, as one traced layer's. ``warm_up`` compiles both at start-up on scratch rows, so no
 request waits for a compile (a restore does it in the background while eager steps serve:
 ``engine.background_compile``).
 """
