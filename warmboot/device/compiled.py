@@ -17,9 +17,9 @@ inductor's wrapper (its ``repeated_subgraph``). The ops get the layer's number a
 (its ``STEP_INDEX`` buffer), so the layers differ in inputs only. A step enters dynamo twice
 (hidden rows, then the LM head's logits) instead of once a layer (30 a demo-model step; with
 guards skipped, ``guard_gate``, the saving was within a 2-vCPU Xeon's noise), and a warm
-compile (inductor's caches hit) stays a second or two, as one traced layer's. ``warm_up`` compiles both at start-up on scratch rows, so no
-request waits for a compile (a restore does it in the background while eager steps serve:
-``engine.background_compile``).
+compile (inductor's caches hit) stays a second or two, as one traced layer's. ``warm_up``
+compiles both at start-up on scratch rows, so no request waits for a compile (a restore does
+it in the background while eager steps serve: ``engine.background_compile``).
 """
 
 from __future__ import annotations
