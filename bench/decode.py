@@ -123,6 +123,7 @@ def start_engines(args, model_dir: str, dtype: str, top: int) -> dict:
             max_num_batched_tokens=top * args.prompt_len,
         )  # fmt: skip
         out["vllm_boot_s"] = time.perf_counter() - t0
+        out["vllm"].pause()  # NOTE: each engine is measured alone (``run_engine``)
         out["vllm_version"] = out["vllm"].version
     return out
 
@@ -165,7 +166,11 @@ def run_engine(name: str, engine, prompts, new_tokens: int) -> tuple[float, list
     if name == "transformers":
         return run_transformers(engine, prompts, new_tokens)
     if name == "vllm":
-        return engine.run(prompts, new_tokens)
+        engine.pause(False)
+        try:
+            return engine.run(prompts, new_tokens)
+        finally:
+            engine.pause()  # NOTE: its idle processes would share the cores with the others
     return run_warmboot(engine, prompts, new_tokens)
 
 
@@ -195,7 +200,7 @@ def write_report(args, model_dir: str, rows: list[dict], boots: dict, steps: dic
         "# Decode throughput: warmboot (compiled, eager) vs vLLM's CPU build and transformers",
         "",
         f"{meta['date']} · {meta['machine']} · {meta['vllm']} (own venv, its defaults: compiled, "
-        f"one bound OpenMP thread) · transformers {meta['transformers']} · model "
+        f"one bound OpenMP thread; its processes stopped while the others run) · transformers {meta['transformers']} · model "
         f"`{meta['model']}` · prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, "
         f"EOS ignored, offline API · median of {args.repeats} interleaved runs · warmboot at its "
         "defaults (the step measured at start, one compute thread on 2 cores) · "

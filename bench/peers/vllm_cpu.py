@@ -295,8 +295,16 @@ class VllmDecoder:
         out = self._recv(timeout_s)
         return out["seconds"], out["token_ids"]
 
+    def pause(self, paused: bool = True) -> None:
+        """Stop (SIGSTOP) or continue (SIGCONT) the worker's process group: idle, its engine
+        core and worker keep about half a core busy, which would be taken from an engine
+        measured beside it (2026-12-02: 42% and 13% of a core)."""
+        if self._proc.poll() is None:
+            os.killpg(self._proc.pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
     def close(self) -> None:
         """Stop the worker (politely first) and everything in its process group."""
+        self.pause(False)
         if self._proc.poll() is None and self._proc.stdin and not self._proc.stdin.closed:
             try:
                 self._proc.stdin.write(json.dumps({"op": "close"}) + "\n")
