@@ -200,8 +200,8 @@ def write_report(args, model_dir: str, rows: list[dict], boots: dict, steps: dic
         "# Decode throughput: warmboot (compiled, eager) vs vLLM's CPU build and transformers",
         "",
         f"{meta['date']} · {meta['machine']} · {meta['vllm']} (own venv, its defaults: compiled, "
-        f"one bound OpenMP thread; its processes stopped while the others run) · transformers {meta['transformers']} · model "
-        f"`{meta['model']}` · prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, "
+        "one bound OpenMP thread; its processes stopped while the others run) · transformers "
+        f"{meta['transformers']} · model `{meta['model']}` · prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, "
         f"EOS ignored, offline API · median of {args.repeats} interleaved runs · warmboot at its "
         "defaults (the step measured at start, one compute thread on 2 cores) · "
         "`python bench/decode.py`",

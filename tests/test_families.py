@@ -1,7 +1,8 @@
 """Every family beyond the original four against transformers (fp32): greedy tokens identical
 and their logprobs within 1e-4, through continuous batching, chunked prefill (16-token
 steps), prefix sharing and preemption; eagerly with the sync loop, and a set covering every
-piece the layers are made of (``COMPILED``) with compiled steps and the pipelined loop. Specs: ``tests/family_specs``."""
+piece the layers are made of (``COMPILED``) with compiled steps and the pipelined loop.
+Specs: ``tests/family_specs``."""
 
 from __future__ import annotations
 
