@@ -201,9 +201,9 @@ def write_report(args, model_dir: str, rows: list[dict], boots: dict, steps: dic
         "",
         f"{meta['date']} · {meta['machine']} · {meta['vllm']} (own venv, its defaults: compiled, "
         "one bound OpenMP thread; its processes stopped while the others run) · transformers "
-        f"{meta['transformers']} · model `{meta['model']}` · prompt {args.prompt_len}, {args.new_tokens} new tokens, greedy, "
-        f"EOS ignored, offline API · median of {args.repeats} interleaved runs · warmboot at its "
-        "defaults (the step measured at start, one compute thread on 2 cores) · "
+        f"{meta['transformers']} · model `{meta['model']}` · prompt {args.prompt_len}, "
+        f"{args.new_tokens} new tokens, greedy, EOS ignored, offline API · median of "
+        f"{args.repeats} interleaved runs · warmboot at its defaults (the step measured at start, one compute thread on 2 cores) · "
         "`python bench/decode.py`",
         "",
         "| dtype | batch | warmboot tok/s | eager tok/s | vLLM tok/s | transformers tok/s "
