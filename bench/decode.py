@@ -203,7 +203,8 @@ def write_report(args, model_dir: str, rows: list[dict], boots: dict, steps: dic
         "one bound OpenMP thread; its processes stopped while the others run) · transformers "
         f"{meta['transformers']} · model `{meta['model']}` · prompt {args.prompt_len}, "
         f"{args.new_tokens} new tokens, greedy, EOS ignored, offline API · median of "
-        f"{args.repeats} interleaved runs · warmboot at its defaults (the step measured at start, one compute thread on 2 cores) · "
+        f"{args.repeats} interleaved runs · warmboot at its defaults (the step measured at "
+        "start, one compute thread on 2 cores) · "
         "`python bench/decode.py`",
         "",
         "| dtype | batch | warmboot tok/s | eager tok/s | vLLM tok/s | transformers tok/s "
