@@ -332,3 +332,24 @@ def test_fake_tensors_have_the_output_shape():
         )
         ext = attention.paged_extend(q, k, k, torch.zeros(4, dtype=torch.long), 10, 0.1)
     assert out.shape == ext.shape == (3, 8, 64) and out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_writes_what_index_copy_writes(dtype):
+    """``csrc/write_kv.cpp``: rows viewed out of a fused QKV projection (tokens 960 apart)
+    land where ``index_copy_`` puts them, nothing else changes; a slot outside the cache is
+    refused; what the op does not take (one cache for both, another dtype) is left to torch."""
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(5, 960, generator=g).to(dtype)
+    k, v = qkv[:, 576:768].view(5, 3, 64), qkv[:, 768:].view(5, 3, 64)
+    caches = [torch.randn(4, 16, 3, 64, generator=g).to(dtype) for _ in range(2)]
+    slots = torch.tensor([17, 0, 63, 5, 40])
+    want = [c.clone() for c in caches]
+    for c, x in zip(want, (k, v), strict=True):
+        c.view(-1, 3, 64).index_copy_(0, slots, x)
+    assert attention.write_kv(k, v, *caches, slots)
+    assert all(torch.equal(a, b) for a, b in zip(caches, want, strict=True))
+    with pytest.raises(RuntimeError, match="slot 64 is outside the cache"):
+        attention.write_kv(k, v, *caches, torch.tensor([1, 2, 3, 4, 64]))
+    assert not attention.write_kv(k, k, caches[0], caches[0], slots)
+    assert not attention.write_kv(k.half(), v.half(), *caches, slots)

@@ -176,6 +176,7 @@ def _tasks() -> int:
 
 STRESS = """
 import torch
+torch.set_num_threads(1)  # NOTE: the helpers serve only a caller on one torch thread
 from warmboot.kernels import native
 from warmboot.kernels.step_ops import pack_weight, packed_gemm
 g = torch.Generator().manual_seed(0)
@@ -188,6 +189,7 @@ native.use_helpers(1, [])
 for i in range(20000):
     x, p, n = calls[i % 3]
     assert torch.equal(packed_gemm(x, p, None, n), alone[i % 3]), i
+assert native.helper_chunks() > 0, "the helper took no chunk"
 native.use_helpers(0, [])
 print("ok")
 """
@@ -220,13 +222,44 @@ def test_helper_threads_change_no_bit_and_stop():
     cases = [_case(m, n, 576, bias=m % 2 == 1, seed=m) for m, n in [(1, 960), (5, 49), (33, 3072)]]
     packed = [(x, pack_weight(w, "native"), b, w.shape[0]) for x, w, b in cases]
     alone = [packed_gemm(x, p, b, n) for x, p, b, n in packed]
-    before = _tasks()
+    before, threads = _tasks(), torch.get_num_threads()
     assert native.use_helpers(1, []) == 1
+    torch.set_num_threads(1)  # NOTE: the helpers serve only a caller on one torch thread
     try:
         assert _tasks() == before + 1
+        chunks = native.helper_chunks()
         for _ in range(50):  # NOTE: races show up as wrong bits in some rounds
             lent = [packed_gemm(x, p, b, n) for x, p, b, n in packed]
             assert all(torch.equal(a, h) for a, h in zip(alone, lent, strict=True))
+        assert native.helper_chunks() > chunks, "the helper took no chunk"
     finally:
+        torch.set_num_threads(threads)
         assert native.use_helpers(0, []) == 0
     assert _tasks() == before
+
+
+def test_dense_linear_shares_row_blocks_with_the_helper_and_keeps_its_bits():
+    """``csrc/dense.cpp`` (prefill-sized GEMMs on torch's own kernel): row blocks give the
+    same bits lent a helper thread or not, in inference mode too (the helper takes the
+    caller's mode); within bf16 error of float64; below two blocks it is ``F.linear``."""
+    x, w, b = _case(1000, 200, 192, bias=True)
+    x3 = x.view(10, 100, 192)
+    alone = torch.ops.warmboot_cpu.dense_linear(x3, w, b)
+    threads = torch.get_num_threads()
+    native.use_helpers(1, [])
+    torch.set_num_threads(1)  # NOTE: the helpers serve only a caller on one torch thread
+    try:
+        chunks = native.helper_chunks()
+        with torch.inference_mode():
+            for _ in range(10):
+                assert torch.equal(torch.ops.warmboot_cpu.dense_linear(x3, w, b), alone)
+        assert native.helper_chunks() > chunks, "the helper took no block"
+    finally:
+        torch.set_num_threads(threads)
+        native.use_helpers(0, [])
+    assert alone.shape == (10, 100, 200)
+    _check(alone.view(1000, 200), _reference(x, w, b))
+    few = x[:255]
+    assert torch.equal(
+        torch.ops.warmboot_cpu.dense_linear(few, w, None), torch.nn.functional.linear(few, w)
+    )

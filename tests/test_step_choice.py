@@ -65,6 +65,8 @@ def test_the_fastest_candidate_serves(tiny_model_dir, monkeypatch):
         alone = _greedy(llm, prompts)
         assert runner.stream.lend_helpers(1) == 1
         assert _greedy(llm, prompts) == alone, "helpers change no bit of a GEMM"
+        assert min(runner.stream.arms.steps) > 0, "steps run lent and solo, each timed"
+        assert llm.engine.stats()["helper_steps"] == runner.stream.arms.steps
         runner.stream.lend_helpers(0)
     times |= {"eager": 0.5}
     assert step_choice.choose(runner, steps).mode == "eager"
@@ -101,9 +103,7 @@ def test_a_recorded_choice_is_data_checked():
 
 
 @pytest.mark.skipif(native.library() is None, reason=f"{native.unavailable_reason()}")
-def test_dense_rows_is_where_f_linear_wins_from_on(tiny_model_dir, monkeypatch):
-    import torch
-
+def test_dense_rows_is_where_torchs_gemm_wins_from_on(tiny_model_dir, monkeypatch):
     llm = _engine(tiny_model_dir("llama"), "bfloat16", eager=False)
     runner, table = llm.engine.runner, llm.engine.runner.compiled.linears
     table.use("native")
@@ -111,7 +111,7 @@ def test_dense_rows_is_where_f_linear_wins_from_on(tiny_model_dir, monkeypatch):
     def fake_best(plain_wins):
         def best(fn) -> float:
             rows = fn.args[0].shape[0]
-            return 1.0 if (fn.func is torch.nn.functional.linear) == plain_wins(rows) else 2.0
+            return 1.0 if (fn.func is step_choice._dense) == plain_wins(rows) else 2.0
 
         return best
 
@@ -122,7 +122,7 @@ def test_dense_rows_is_where_f_linear_wins_from_on(tiny_model_dir, monkeypatch):
     monkeypatch.undo()
     measured = step_choice.dense_rows(runner, table)
     assert measured is None or measured in step_choice.PROBES
-    table.set_dense_rows(2)  # NOTE: prefills and two-row decodes then run F.linear
+    table.set_dense_rows(2)  # NOTE: prefills and two-row decodes then run torch's GEMM
     prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 9], VOCAB_SIZE, seed=5)]
     got = _greedy(llm, prompts)
     assert len(got) == 2 and all(len(t) == 6 for t in got)

@@ -293,7 +293,7 @@ class ModelRunner:
                 lps = prompt_logprobs(hidden, logits_fn, index, targets, k)
                 handle.prompt_result = lps.to_host()
 
-        self.stream.submit(forward)
+        self.stream.submit(forward, tokens=len(step.positions))
 
     def launch_sample(self, handle: StepHandle, bitmask: torch.Tensor | None = None) -> None:
         """Enqueue sampling with host state as committed now (penalty histories, grammar

@@ -18,6 +18,7 @@ import torch
 
 from warmboot.core.types import RunnerOutput, ScheduledRequest, TokenLogprobs
 from warmboot.device.staging import upload
+from warmboot.kernels import native
 from warmboot.sampling_params import SamplingParams
 
 _SEED_MASK = (1 << 64) - 1
@@ -154,7 +155,7 @@ class Sampler:
             for p, r in zip(params, rows, strict=True)
         )
         if plain and not want_logprobs:
-            return SamplerOutput(logits.argmax(dim=-1), None, None, None)
+            return SamplerOutput(native.argmax(logits), None, None, None)
 
         x = logits.to(torch.float32, copy=True)
         logprobs = torch.log_softmax(x, dim=-1) if want_logprobs else None
@@ -162,7 +163,7 @@ class Sampler:
         apply_logit_bias(x, params)
         apply_penalties(x, rows)
         _suppress(x, rows)
-        tokens = x.argmax(dim=-1)
+        tokens = native.argmax(x)
         rand = [i for i, p in enumerate(params) if not p.greedy]
         if rand:
             # NOTE: a Python list as an index of a CUDA tensor is a blocking copy (a sync)
@@ -294,7 +295,7 @@ def _sample(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     params = [r.params for r in rows]
     x = logits / _column([p.temperature for p in params], logits.device)
     probs = torch.softmax(apply_filters(x, params), dim=-1)
-    return probs.div_(_exponentials(rows, x.shape[1], x.device)).argmax(dim=-1)
+    return native.argmax(probs.div_(_exponentials(rows, x.shape[1], x.device)))
 
 
 def _exponentials(rows: Sequence[SamplingRow], vocab: int, dev: torch.device) -> torch.Tensor:

@@ -10,7 +10,7 @@ cold start, once the steps are compiled, times each candidate on scratch decode 
 read and write only the scratch block) at one row and at ``BATCH`` rows, and keeps the one
 with the lowest geometric mean; eager wins only by being faster, so the choice is never
 slower than eager where it was measured. Before that, ``dense_rows`` finds the row count
-from which the native GEMM gives way to ``F.linear`` (oneDNN's blocking wins at prefill sizes,
+from which the native GEMM gives way to torch's (oneDNN's blocking wins at prefill sizes,
 and from a few rows where neither AVX-512 BF16's nor AMX's path suits the CPU). About two
 seconds on the demo model.
 
@@ -29,7 +29,6 @@ import time
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch.nn import functional as F
 
 from warmboot.device.compiled import CompiledSteps, scratch_decode
 from warmboot.kernels.step_ops import PackedLinears, StepContext, native_gemm, packed_gemm
@@ -38,7 +37,7 @@ log = logging.getLogger(__name__)
 
 BATCH = 16
 PROBES = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-"""Row counts ``dense_rows`` times the native GEMM and ``F.linear`` at."""
+"""Row counts ``dense_rows`` times the native GEMM and torch's at."""
 REPEATS = 3
 MODES = ("compiled", "eager")
 KERNELS = ("native", "onednn")
@@ -51,9 +50,10 @@ class StepChoice:
     kernel: str = "native"
     """The compiled step's bf16 GEMM: ``native`` or ``onednn``."""
     helpers: int = 0
-    """Helper threads lent to the native kernels (``CpuStream.lend_helpers``)."""
+    """Helper threads lent to the native kernels (``CpuStream.lend_helpers``: then each
+    step is lent them or not, whichever has been faster of late, ``device.helper_arms``)."""
     dense_rows: int | None = None
-    """From this many rows on, the native kernel's GEMMs run as ``F.linear`` on the model's
+    """From this many rows on, the native kernel's GEMMs run on torch's GEMM with the model's
     own weights (``PackedLinears.dense_rows``: measured by ``dense_rows``)."""
     ms_per_step: dict[str, dict[str, float]] = field(default_factory=dict)
     """Per candidate (``compiled/native``, ``compiled/native+helper``, ``compiled/onednn``,
@@ -94,7 +94,7 @@ def choose(runner, steps: CompiledSteps, allow_eager: bool = True) -> StepChoice
     for kernel in kernels:
         table.use(kernel)
         times[f"compiled/{kernel}"] = _time_steps(runner, steps)
-        if kernel == "native" and runner.stream.lend_helpers(1):
+        if kernel == "native" and runner.stream.lend_helpers(1, always=True):
             times["compiled/native+helper"] = _time_steps(runner, steps)
             runner.stream.lend_helpers(0)
     if allow_eager:
@@ -109,7 +109,8 @@ def choose(runner, steps: CompiledSteps, allow_eager: bool = True) -> StepChoice
 
 
 def dense_rows(runner, table: PackedLinears) -> int | None:
-    """The fewest rows (of ``PROBES``) from which ``F.linear`` on the model's own weights
+    """The fewest rows (of ``PROBES``) from which torch's GEMM on the model's own weights
+    (``dense_linear``: ``F.linear`` in row blocks a helper may share, as the step runs it)
     beats the native GEMM on the first layer's linears, at that probe and every larger one;
     None where it never does. Timed on the device thread (a few tenths of a second: the
     larger probes are prefill-sized)."""
@@ -126,7 +127,7 @@ def dense_rows(runner, table: PackedLinears) -> int | None:
             for w, src in pairs:
                 x = torch.randn(rows, src.shape[1], dtype=src.dtype)
                 packed += _best(functools.partial(packed_gemm, x, w, None, src.shape[0]))
-                plain += _best(functools.partial(F.linear, x, src))
+                plain += _best(functools.partial(_dense, x, src))
             wins[rows] = plain < packed
 
     runner.stream.submit(probe)
@@ -138,6 +139,10 @@ def dense_rows(runner, table: PackedLinears) -> int | None:
         found = rows
     log.info("dense GEMM from %s rows (probes: %s)", found, wins)
     return found
+
+
+def _dense(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.warmboot_cpu.dense_linear(x, weight, None)
 
 
 def _best(fn, repeats: int = REPEATS) -> float:

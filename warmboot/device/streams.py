@@ -11,6 +11,7 @@ Both record device-busy intervals for the bubble meter.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -19,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from warmboot.device.helper_arms import HelperArms
 from warmboot.device.threads import compute_cpus, host_cpus, pin_this_thread
 from warmboot.kernels import native
 
@@ -31,14 +33,16 @@ class Event(Protocol):
 
 
 class Stream(Protocol):
-    def submit(self, fn: Callable[[], object]) -> None: ...
+    def submit(self, fn: Callable[[], object], tokens: int = 0) -> None:
+        """Run ``fn`` in order on the stream; ``tokens``: it is a model step of that many
+        tokens (a CPU stream may lend it helper threads, ``lend_helpers``)."""
 
     def record(self) -> Event: ...
 
     def busy_seconds(self) -> float:
         """Total time the stream spent running submitted work so far."""
 
-    def lend_helpers(self, count: int) -> int:
+    def lend_helpers(self, count: int, always: bool = False) -> int:
         """Helper threads for the native CPU kernels (CPU only); how many serve."""
 
 
@@ -63,6 +67,8 @@ class CpuStream:
         self._threads = threads
         self.helpers = 0
         """Helper threads lent to the native kernels (``lend_helpers``)."""
+        self.arms: HelperArms | None = None
+        """Where helpers are lent step by step: the steps' times lent and solo."""
         self.pinned = False
         """Whether the compute threads are pinned to their cores (``device.threads``)."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -71,8 +77,15 @@ class CpuStream:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn: Callable[[], object]) -> None:
-        self._queue.put(fn)
+    def submit(self, fn: Callable[[], object], tokens: int = 0) -> None:
+        self._queue.put(functools.partial(self._step, tokens, fn) if tokens else fn)
+
+    def _step(self, tokens: int, fn: Callable[[], object]) -> None:
+        arms = self.arms  # NOTE: read on the device thread, where lend_helpers sets it
+        if arms is None:
+            fn()
+        else:
+            arms.run(tokens, fn)
 
     def record(self) -> _CpuEvent:
         event = _CpuEvent()
@@ -82,15 +95,25 @@ class CpuStream:
     def busy_seconds(self) -> float:
         return self._busy
 
-    def lend_helpers(self, count: int) -> int:
+    def lend_helpers(self, count: int, always: bool = False) -> int:
         """Give the device thread's native kernels ``count`` helper threads on the host's
         cores (``kernels.native.use_helpers``), or none (0); returns how many serve. Only a
-        one-thread device thread with a host core to spare takes them."""
+        one-thread device thread with a host core to spare takes them. Model steps are lent
+        them where that has been faster of late (``device.helper_arms``); ``always``: all
+        work is, whatever it costs (to measure them)."""
         cpus = host_cpus(self._threads or 1)
         if count and (self._threads != 1 or not cpus):
             count = 0
         lent: list[int] = []
-        self.submit(lambda: lent.append(native.use_helpers(count, cpus)))
+
+        def lend() -> None:
+            lent.append(native.use_helpers(count, cpus))
+            if lent[0] and not always:
+                self.arms = HelperArms(lent[0], lambda n: native.use_helpers(n, cpus))
+            else:
+                self.arms = None
+
+        self.submit(lend)
         self.record().wait()
         self.helpers = lent[0]
         return self.helpers
@@ -150,7 +173,7 @@ class CudaStream:
         self._intervals: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._busy = 0.0
 
-    def submit(self, fn: Callable[[], object]) -> None:
+    def submit(self, fn: Callable[[], object], tokens: int = 0) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
             start.record()
@@ -169,7 +192,7 @@ class CudaStream:
         self._busy += sum(s.elapsed_time(e) for s, e in done) / 1e3
         return self._busy
 
-    def lend_helpers(self, count: int) -> int:
+    def lend_helpers(self, count: int, always: bool = False) -> int:
         """CPU helper threads: none on a CUDA stream."""
         return 0
 

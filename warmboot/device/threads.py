@@ -11,7 +11,8 @@ The host's core is mostly idle between the host loop's bursts, though. The nativ
 borrow it without that barrier (``CpuStream.lend_helpers``, ``kernels/native/csrc/pool.cpp``):
 a helper thread on the host's core takes chunks of a kernel's work only while it runs, and
 the device thread never waits for a chunk the helper has not started. Whether it pays is
-measured at start (``device.step_choice``).
+measured at start (``device.step_choice``), then step by step as the host core's load comes
+and goes (``device.helper_arms``).
 """
 
 from __future__ import annotations

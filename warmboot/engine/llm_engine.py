@@ -152,6 +152,7 @@ class LLMEngine:
 
     def stats(self) -> dict:
         kv, graphs, meter = self.block_manager, self.runner.graphs, self.loop.meter
+        arms = getattr(self.runner.stream, "arms", None)  # NOTE: CPU helper threads only
         return {
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
@@ -168,6 +169,7 @@ class LLMEngine:
             "compile": dict(self.startup.compiling.info),
             "graph_steps": None if graphs is None else sum(graphs.replays.values()),
             "bubble_fraction": meter.bubble_fraction,
+            "helper_steps": None if arms is None else arms.steps,
             "decode_steps_measured": meter.steps,
             "launched_rows": meter.launched_rows,
             "startup_times": dict(self.startup_times),

@@ -48,10 +48,10 @@ class PackedLinears:
         """The bf16 GEMM: ``native`` (``kernels.native``, where it builds) or ``onednn``;
         ``use`` switches (``device.step_choice`` measures which is faster)."""
         self.dense_rows: int | None = None
-        """From this many rows on, a natively packed weight's GEMM is ``F.linear`` on the
-        model's own weight (oneDNN's: its blocking wins at prefill sizes, and from a few rows
-        on a CPU where the native kernel is compute-bound); None: never. Measured by
-        ``device.step_choice.dense_rows``."""
+        """From this many rows on, a natively packed weight's GEMM is torch's on the model's
+        own weight (oneDNN's: its blocking wins at prefill sizes, and from a few rows on a CPU
+        where the native kernel is compute-bound), in row blocks a helper thread may share
+        (``csrc/dense.cpp``); None: never. Measured by ``device.step_choice.dense_rows``."""
         self.experts: list[list[ExpertTable]] = []
         """Per layer: its ``FusedExperts``, in slot order (``fused_experts``)."""
         self.layers: list[list[tuple[torch.Tensor, torch.Tensor | None]]] = []
@@ -286,8 +286,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: to
 def packed_linear(x: torch.Tensor, layer: torch.Tensor, slot: int, out_features: int):
     table, i = _context("packed_linear").linears, int(layer)
     weight, bias = table.lookup(i, slot)
-    if dense(x, weight, table.dense_rows):
-        return F.linear(x, table.source(i, slot), bias)
+    if dense(x, weight, table.dense_rows):  # NOTE: a natively packed weight: the library is loaded
+        return torch.ops.warmboot_cpu.dense_linear(x, table.source(i, slot), bias)
     return packed_gemm(x, weight, bias, out_features)
 
 

@@ -47,11 +47,15 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(
         self, q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap=None, sinks=None
     ):
-        write_kv(k, v, k_cache, v_cache, meta)
-        out = torch.empty_like(q)
+        native = self.native and q.device.type == "cpu"
+        if not (native and native_attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)):
+            write_kv(k, v, k_cache, v_cache, meta)
         nd = meta.num_decode_tokens
         # NOTE: sinks grouped like the queries, (Hkv, group, 1): query head h = kvh * group + g
         sinks = None if sinks is None else sinks.view(k.shape[1], -1, 1)
+        if native and nd == q.shape[0]:  # NOTE: decodes only: the kernel's fresh output as is
+            return self._decode(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
+        out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(
                 q[:nd], k_cache, v_cache, meta, scale, sliding_window, softcap, sinks

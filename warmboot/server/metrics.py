@@ -121,6 +121,22 @@ class _EngineCollector:
         yield graph_steps
         yield from _memory_families(state)
         yield from _start_families(state)
+        yield from _helper_families(state)
+
+
+def _helper_families(state: dict):
+    """CPU steps run with the native kernels' helper thread lent and solo (``device.helper_arms``
+    chooses, step by step); absent where no helper is lent."""
+    steps = state.get("helper_steps")
+    if steps:
+        family = CounterMetricFamily(
+            "warmboot_cpu_helper_steps",
+            "CPU model steps run solo or lent the helper thread, as measured faster",
+            labels=["way"],
+        )
+        for way, count in zip(("solo", "lent"), steps, strict=True):
+            family.add_metric([way], float(count))
+        yield family
 
 
 def _memory_families(state: dict):

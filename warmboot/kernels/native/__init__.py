@@ -118,6 +118,25 @@ def use_helpers(count: int, cpus: list[int]) -> int:
     return torch.ops.warmboot_cpu.use_helpers(count, cpus) if library() else 0
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` of (rows, vocab) logits, by ``csrc/argmax.cpp`` where the
+    library is loaded already (never built for it) and takes them: CPU, float32 or bf16."""
+    if (
+        _state.get("path") is None
+        or logits.dim() != 2
+        or logits.device.type != "cpu"
+        or logits.dtype not in (torch.float32, torch.bfloat16)
+        or logits.shape[1] == 0
+    ):
+        return logits.argmax(dim=-1)
+    return torch.ops.warmboot_cpu.argmax(logits)
+
+
+def helper_chunks() -> int:
+    """Chunks the calling thread's helpers have run, all calls (0 without the library)."""
+    return torch.ops.warmboot_cpu.helper_chunks() if library() else 0
+
+
 def carried() -> tuple[bytes, dict] | None:
     """The loaded library and its keys, for a snapshot to carry (None when none is loaded)."""
     path = _state.get("path")

@@ -24,6 +24,22 @@ def available() -> bool:
     return native.library() is not None
 
 
+def write_kv(k, v, k_cache, v_cache, slots: torch.Tensor) -> bool:
+    """The step's new K/V rows (N, Hkv, D) into the caches at ``slots`` in one call
+    (``csrc/write_kv.cpp``); False, nothing written, where the op does not take them: one
+    cache serving as both, another dtype, a token's row not contiguous."""
+    if v_cache is k_cache or not (_rows(k, k_cache) and _rows(v, k_cache)):
+        return False
+    torch.ops.warmboot_cpu.write_kv(k, v, k_cache, v_cache, slots)
+    return True
+
+
+def _rows(x: torch.Tensor, cache: torch.Tensor) -> bool:
+    return (
+        x.dim() == 3 and x.dtype == cache.dtype and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+    )
+
+
 def paged_decode(
     q: torch.Tensor,  # (B, Hq, D)
     k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)

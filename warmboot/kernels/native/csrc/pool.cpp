@@ -13,6 +13,7 @@
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
 #include <sched.h>
 #include <torch/library.h>
 
@@ -35,6 +36,7 @@ struct Pool {
   std::atomic<int64_t> chunks{0}, n{0}, grain{1};
   std::atomic<const Fn*> fn{nullptr};
   std::atomic<int64_t> done{0};  // chunks the helpers finished in this call
+  std::atomic<int64_t> lent{0};  // chunks the helpers finished, all calls
   std::atomic<int> wake{0};      // bumped per call: sleeping helpers wait on it
   std::atomic<bool> stop{false};
   std::exception_ptr error;  // a helper's, rethrown by the caller
@@ -83,6 +85,7 @@ void helper_main(Pool& p, std::vector<int64_t> cpus) {
     for (auto c : cpus) CPU_SET(static_cast<int>(c), &set);
     sched_setaffinity(0, sizeof(set), &set);
   }
+  omp_set_num_threads(1);  // NOTE: a chunk that calls torch's GEMM (dense.cpp) runs it here alone
   int seen = p.wake.load();
   while (!p.stop.load()) {
     await_call(p, seen);
@@ -94,6 +97,7 @@ void helper_main(Pool& p, std::vector<int64_t> cpus) {
       } catch (...) {
         p.error = std::current_exception();
       }
+      p.lent.fetch_add(1, std::memory_order_relaxed);
       p.done.fetch_add(1, std::memory_order_release);
     }
   }
@@ -125,6 +129,8 @@ int64_t use_helpers(int64_t count, std::vector<int64_t> cpus) {
 }
 
 int64_t helpers() { return static_cast<int64_t>(pool().threads.size()); }
+
+int64_t helper_chunks() { return pool().lent.load(); }
 
 }  // namespace
 
@@ -183,4 +189,5 @@ void parallel_chunks(int64_t n, int64_t grain, const Fn& fn) {
 TORCH_LIBRARY_FRAGMENT(warmboot_cpu, m) {
   m.def("use_helpers(int count, int[] cpus) -> int", &warmboot::use_helpers);
   m.def("helpers() -> int", &warmboot::helpers);
+  m.def("helper_chunks() -> int", &warmboot::helper_chunks);
 }

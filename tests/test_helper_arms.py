@@ -1,0 +1,74 @@
+"""``device.helper_arms``: steps are lent the helpers or not, whichever has been faster of late
+for their size, and the choice follows a change in which is faster."""
+
+from __future__ import annotations
+
+import time
+
+from warmboot.device.helper_arms import EXPLORE, WARM, HelperArms
+
+
+class _Host:
+    """A stand-in helper pool: a step takes ``cost[lent]`` seconds."""
+
+    def __init__(self) -> None:
+        self.lent = 0
+        self.cost = {0: 0.002, 1: 0.008}
+
+    def lend(self, n: int) -> int:
+        self.lent = int(bool(n))
+        return n
+
+    def step(self) -> None:
+        time.sleep(self.cost[self.lent])
+
+
+def _run(arms: HelperArms, host: _Host, steps: int, tokens: int = 32) -> list[int]:
+    ways = []
+    for _ in range(steps):
+        arms.run(tokens, host.step)
+        ways.append(host.lent)
+    return ways
+
+
+def test_the_faster_way_serves_and_the_other_is_retried():
+    host = _Host()
+    arms = HelperArms(1, host.lend)
+    ways = _run(arms, host, 4 * EXPLORE)
+    assert ways[: 2 * WARM] == [1, 0] * WARM, "both ways are timed first"
+    retried = [i + 1 for i, lent in enumerate(ways) if lent and i >= 2 * WARM]
+    assert retried == list(range(EXPLORE, 4 * EXPLORE + 1, EXPLORE)), "one step in EXPLORE"
+    assert arms.steps == [ways.count(0), ways.count(1)]
+    solo, lent = arms.means_ms()[(32).bit_length()]
+    assert solo < lent
+    host.cost = {0: 0.008, 1: 0.002}  # NOTE: the host's core fell idle: now lending pays
+    ways = _run(arms, host, 6 * EXPLORE)
+    assert ways[-2 * EXPLORE :].count(1) == 2 * EXPLORE - 2, "the choice follows the change"
+
+
+def test_sizes_are_timed_apart():
+    host = _Host()
+    arms = HelperArms(1, host.lend)
+    _run(arms, host, 2 * EXPLORE, tokens=1)
+    assert arms.means_ms().keys() == {1}
+    ways = _run(arms, host, 2 * WARM, tokens=200)
+    assert ways == [1, 0] * WARM, "a new size class is timed both ways afresh"
+
+
+def test_metrics_count_the_steps_each_way():
+    from prometheus_client import generate_latest
+    from prometheus_client.registry import CollectorRegistry
+
+    from warmboot.server.metrics import _helper_families
+
+    assert list(_helper_families({"helper_steps": None})) == []
+
+    class _Collector:
+        def collect(self):
+            return _helper_families({"helper_steps": [40, 9]})
+
+    registry = CollectorRegistry()
+    registry.register(_Collector())
+    text = generate_latest(registry).decode()
+    assert 'warmboot_cpu_helper_steps_total{way="solo"} 40.0' in text
+    assert 'warmboot_cpu_helper_steps_total{way="lent"} 9.0' in text
