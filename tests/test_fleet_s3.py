@@ -77,7 +77,8 @@ def test_a_new_node_pulls_from_s3_and_restores(s3_fleet, path):
     first = _ask(client)
     assert _starts(client) == {"cold": 1}, client.get("/health").json()["starts"]
     keys = open_store(cfg.snapshot_store).list_keys()
-    assert any(k.startswith("process-") for k in keys) == tier_p, keys
+    starts = client.get("/health").json()["starts"]
+    assert any(k.startswith("process-") for k in keys) == tier_p, (keys, starts)
     _wait_idle(client)
     shutil.rmtree(cache)  # a fresh node: nothing local
     again = _ask(client)

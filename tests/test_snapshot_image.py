@@ -146,6 +146,27 @@ def test_copy_moves_only_missing_chunks(store, tmp_path):
     verify_snapshot(dst, "k2")
 
 
+def test_a_long_presence_scan_is_no_stall(store, tmp_path):
+    """Checking which chunks the destination holds reports progress: a copy onto a slow
+    store (CI: a process image pushed to S3) is not abandoned while it only checks."""
+    import time
+
+    from warmboot.snapshot.deadline import run_with_deadline
+
+    class SlowDst(LocalStore):
+        def has_chunk(self, h: str) -> bool:
+            time.sleep(0.05)
+            return super().has_chunk(h)
+
+    publish(store, "k1")
+    dst = SlowDst(tmp_path / "dst", parallelism=1)
+    copy_snapshot(store, dst, "k1")
+    n_chunks = len(list((store.root / "chunks").rglob("*")))
+    assert n_chunks * 0.05 > 0.3, "the scan must outlast the stall limit below"
+    step = lambda progress: copy_snapshot(store, dst, "k1", progress)  # noqa: E731
+    assert run_with_deadline("copy", step, stall_s=0.3) == 0
+
+
 def test_concurrent_publishers_of_one_key(store, tmp_path):
     errors = []
 

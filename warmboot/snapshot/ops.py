@@ -46,9 +46,12 @@ def copy_snapshot(src: Store, dst: Store, key: str, progress: Progress | None = 
     """Copy one snapshot, moving only the chunks ``dst`` lacks (each verified on the way);
     the manifest is written last. Returns the chunk bytes moved."""
     refs, manifest = manifest_refs(src, key)
-    missing = {h: n for h, n in refs.items() if not dst.has_chunk(h)}
 
     def move(h: str, size: int) -> int:
+        if dst.has_chunk(h):  # each check is progress too: a long scan is no stall
+            if progress:
+                progress(0)
+            return 0
         data = src.get_chunk(h, size)
         verify_chunk(data, h, f"snapshot {key}")
         dst.put_chunk(h, data)
@@ -57,7 +60,7 @@ def copy_snapshot(src: Store, dst: Store, key: str, progress: Progress | None = 
         return size
 
     with ThreadPoolExecutor(max(src.parallelism, dst.parallelism)) as pool:
-        moved = sum(pool.map(lambda item: move(*item), missing.items()))
+        moved = sum(pool.map(lambda item: move(*item), refs.items()))
     dst.put_manifest(key, manifest)
     return moved
 
