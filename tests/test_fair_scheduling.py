@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from dataclasses import replace
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from tests.helpers import random_prompts
 from tests.test_scheduler import Driver, make_request, reference_output, workloads
 from tests.tiny_models import VOCAB_SIZE
 from warmboot.config import CacheConfig, EngineConfig, SchedulerConfig
+from warmboot.core import scheduler as scheduler_mod
 from warmboot.core.request import Request
 from warmboot.core.scheduler import Scheduler
 from warmboot.engine.llm_engine import LLMEngine
@@ -230,6 +232,23 @@ def test_small_call_beside_echo_prompt_logprobs_n16():
         assert sib.num_cached_tokens == 992
 
 
+def test_a_small_prompt_admitted_behind_a_long_prefill_finishes_in_its_next_step():
+    """Admitted with the 2 units a long prefill left (weight 3: 66 tokens cost 198 of 200),
+    the small prompt's other 8 tokens are claimed before the long prefill's next chunk (they
+    got 2 tokens a step before: 5 steps to the first token)."""
+    d = driver(max_num_batched_tokens=200, prompt_logprob_token_weight=3.0)
+    big = make_request("big", 1000, max_tokens=1, prompt_logprobs=0)
+    d.add(big)
+    d.step()
+    small = call("small", 1, 10, max_tokens=4)[0]
+    assert steps_to_first_token(d, small) == 2
+    assert [s.num_tokens for _, s in d.rows("small0")] == [2, 8]
+    for _ in range(3):  # decoding behind the long prefill: a token every step
+        d.step()
+        assert d.rows("small0")[-1][0] == len(d.outs) - 1
+    check_outputs(d, big, small)
+
+
 def test_prompt_logprob_tokens_count_against_the_budget():
     d = driver(max_num_batched_tokens=300, prompt_logprob_token_weight=1.5)
     plp = make_request("plp", 400, max_tokens=1, prompt_logprobs=1)
@@ -265,6 +284,26 @@ def test_reserved_seats_go_to_first_sequences_only():
     d.step()
     assert "n2-0" in {r.request_id for r in d.sched.running}
     check_outputs(d, *big, *news)
+
+
+def test_a_clients_second_call_takes_the_reserve_once_its_first_ends():
+    """A client's two overlapping calls beside another client's flood of calls (each stream a
+    call, as 256 streams are): the second arrives as a later sequence of its client, and when
+    the first ends it becomes the client's first, taking the last seat at once instead of
+    waiting for the flood's 50-token streams (the fairness bench's streams load: p99 9.9 s)."""
+    d = driver(max_num_seqs=8, reserved_seats=2)
+    flood = [call(f"f{i}-", 1, 4, max_tokens=50)[0] for i in range(20)]
+    for r in flood:
+        r.client = "flood"
+    d.add(*flood)
+    d.step()
+    assert len(d.sched.running) == 7
+    first, second = call("a", 1, 4, max_tokens=3)[0], call("b", 1, 4, max_tokens=2)[0]
+    first.client = second.client = "probe"
+    d.add(first)
+    d.step()
+    assert steps_to_first_token(d, second) <= 4
+    check_outputs(d, *flood, first, second)
 
 
 def test_a_reserve_blocked_sequence_is_not_overtaken_by_lower_priority():
@@ -313,6 +352,7 @@ def fair_workloads(draw):
     w["weight"] = draw(st.sampled_from([1.0, 1.4, 3.0]))
     w["pipelined"] = draw(st.booleans())
     w["step_ms"] = draw(st.sampled_from([None, 5.0, 40.0, 400.0]))
+    w["min_units"] = draw(st.sampled_from([32, 1, 2, 4]))  # small: budgets here claim too
     return w
 
 
@@ -374,7 +414,8 @@ def test_random_workloads_with_calls(w):
     for units in (1, 8, 16, 32):  # a step costs 10 ms + 1 ms a unit
         d.sched.step_cost.observe(units, 0, 0, 0.010 + 0.001 * units)
     made = make_calls(w)
-    run_workload(w, d, made)
+    with patch.object(scheduler_mod, "MIN_PREFILL_UNITS", w["min_units"]):
+        run_workload(w, d, made)
     assert not d.sched.requests and not d.sched.turns._clients
     assert d.kv.num_used_blocks == 0 and d.kv.num_held_blocks == 0
     for r in made:

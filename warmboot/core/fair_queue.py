@@ -14,6 +14,8 @@ levels:
 Within a priority the order is (turn, position); a lower priority value always goes first.
 Preempted sequences keep their slot's turn and go first within it. A slot's rank says what
 took it: 0, a client with nothing else live; 1, a call with nothing else live; 2, the rest.
+When a client's last seated sequence ends while others of it wait, its first waiting slot
+becomes rank 0: a client of two overlapping calls is never left behind another's flood.
 The scheduler's reserved seats go to ranks 0 and 1, the last of them to rank 0 only. A
 sequence without a call is a client of its own: those are FCFS (the offline engine's order),
 first slots all.
@@ -97,6 +99,16 @@ class WaitingQueue:
             heapq.heappush(self._slots[e.slot[4]], e.slot)
             heapq.heappush(self._clients.setdefault(e.slot[3], []), e.local)
 
+    def promote(self, client: str) -> None:
+        """``client``'s first waiting slot to rank 0 (it has none seated now)."""
+        if any(s[3] == client for s in self._slots[0]):
+            return
+        mine = [s for heap in self._slots[1:] for s in heap if s[3] == client]
+        if mine:
+            first = min(mine, key=lambda s: s[:3])
+            _remove(self._slots[first[4]], lambda s: s is first)
+            heapq.heappush(self._slots[0], (*first[:4], 0))
+
     def remove(self, req: Request) -> None:
         """Take ``req`` out, and with it its client's latest slot."""
         key = _client_of(req)
@@ -141,6 +153,7 @@ class _Client:
     round: int = 0
     """The latest call turn admitted."""
     live: int = 0
+    seated: int = 0
     calls: dict[str, _Call] = field(default_factory=dict)
 
 
@@ -170,12 +183,20 @@ class FairTurns:
         self.round = max(self.round, req.turn)
         client = self._clients[_client_of(req)]
         client.round = max(client.round, req.local_turn)
+        client.seated += 1
 
-    def release(self, req: Request) -> None:
+    def unseated(self, req: Request) -> None:
+        """``req`` was preempted: back to waiting, its slot kept."""
+        self._clients[_client_of(req)].seated -= 1
+
+    def release(self, req: Request, seated: bool) -> str | None:
+        """``req`` ended (``seated``: it held a seat). Returns its client when that has
+        sequences waiting and none seated now (the queue promotes its first slot)."""
         key = _client_of(req)
         client = self._clients.get(key)
         if client is None:
-            return
+            return None
+        client.seated -= seated
         client.live -= 1
         call = client.calls[_call_of(req)]
         call.live -= 1
@@ -183,6 +204,8 @@ class FairTurns:
             del client.calls[_call_of(req)]
         if not client.live:
             del self._clients[key]
+            return None
+        return key if seated and not client.seated else None
 
 
 def _client_of(req: Request) -> str:

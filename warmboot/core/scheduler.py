@@ -12,7 +12,9 @@ within it because one proxy may carry many users.
 - Round robin: within a priority, one sequence of each client per round, then by arrival.
 - Reserved seats: only a client's or a call's first live sequence may take the last
   ``reserved_seats``, and only a client's the last half of them.
-- Long prefills are chunked: one request computes at most ``prefill_chunk`` tokens a step.
+- Long prefills are chunked: one request computes at most ``prefill_chunk`` tokens a step,
+  and first leaves what the running requests behind it claim (a decode its token, a prompt
+  this step can finish its rest): a small prompt admitted behind it is done in one step.
 - Prompt-logprob tokens (an LM head over the vocabulary each) count
   ``prompt_logprob_token_weight`` times against the step budget and the chunk cap.
 - With ``max_step_ms``, a step holds what the fitted step cost (``core.step_cost``) says fits
@@ -129,13 +131,43 @@ class Scheduler:
         n = min(remaining, max(1, int(min(budget, cfg.prefill_chunk) / weight)), int(budget))
         return n, n * weight
 
+    def _claims_behind(self, budget: float) -> list[float]:
+        """For each running request, the budget the requests after it claim before it takes a
+        prefill chunk: a decode its token, a prefill this step can finish (weighing at most
+        ``MIN_PREFILL_UNITS``) the rest of it, the prefills' claims at most half the budget. A
+        small prompt admitted behind a long prefill is done in its next step (not a token a
+        step), and a decode behind one is never squeezed out."""
+        weight = self.config.prompt_logprob_token_weight
+        decodes, small = [0.0], [0.0]  # over the last k requests, k = 0, 1, ...
+        for req in reversed(self.running):
+            remaining = req.num_tokens - req.num_computed_tokens
+            cost = remaining * (weight if req.wants_prompt_logprobs else 1.0)
+            decodes.append(decodes[-1] + (remaining <= 1))
+            small.append(small[-1] + (cost if remaining > 1 and cost <= MIN_PREFILL_UNITS else 0))
+        n = len(self.running)
+        return [decodes[n - 1 - i] + min(small[n - 1 - i], budget / 2) for i in range(n)]
+
     def _schedule_running(self, out: SchedulerOutput, budget: float, reserve: float) -> float:
+        claims = budget >= 4 * MIN_PREFILL_UNITS  # NOTE: a tiny budget is served in order
+        left = self._serve_running(out, budget, reserve, claims)
+        if claims and not out.scheduled and not out.preempted_req_ids:
+            left = self._serve_running(out, budget, reserve, claims=False)  # claims unserved
+        return left
+
+    def _serve_running(
+        self, out: SchedulerOutput, budget: float, reserve: float, claims: bool
+    ) -> float:
         incoming = 0  # blocks that preempted victims return when the in-flight step retires
+        full, behind = budget, None  # NOTE: claims are summed at the first prefill, if any
         i = 0
         while i < len(self.running) and budget >= 1:
             req = self.running[i]
             remaining = req.num_tokens - req.num_computed_tokens
-            own = budget - reserve if remaining > 1 else budget  # NOTE: prefills leave the reserve
+            own = budget
+            if remaining > 1:  # NOTE: prefills leave the reserve and the claims behind them
+                if claims and behind is None:
+                    behind = self._claims_behind(full)
+                own -= reserve + (behind[i] if behind is not None else 0.0)
             if req.num_planned_outputs >= req.max_tokens or own < 1:
                 i += 1  # NOTE: its last token is in flight; never launch a row past max_tokens
                 continue
@@ -264,6 +296,7 @@ class Scheduler:
         return first - 1 - start, tuple(req.prompt_token_ids[first : last + 1])
 
     def _preempt(self, req: Request) -> None:
+        self.turns.unseated(req)
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -320,9 +353,12 @@ class Scheduler:
             self.waiting.remove(req)  # preempted while its last step was in flight
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
+        seated = req.status is RequestStatus.RUNNING
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
-        self.turns.release(req)
+        waiting_client = self.turns.release(req, seated)
+        if waiting_client is not None:
+            self.waiting.promote(waiting_client)
         self.kv.free(req.request_id)
         self._finished_since_step.append(req.request_id)
         del self.requests[req.request_id]

@@ -8,13 +8,15 @@ gave it.
 
 from __future__ import annotations
 
+import json
 import struct
 import threading
-from dataclasses import asdict
+from dataclasses import fields
 from typing import BinaryIO
 
 import msgpack
 
+from warmboot.core.errors import InvalidRequestError
 from warmboot.outputs import CompletionOutput, Logprob, OutputFolder, RequestOutput
 from warmboot.sampling_params import SamplingParams, StructuredOutputs
 
@@ -69,13 +71,32 @@ class FrameWriter:
 
 # -- plain-data conversions ------------------------------------------------------------------
 def params_to_wire(params: SamplingParams) -> dict:
-    return asdict(params)
+    """Shallow: a schema or structural tag given as a dict crosses as JSON text (named in
+    ``as_text``). Converted recursively, a schema 400 levels deep overflowed the stack, a
+    500 for what the worker refuses with a 400 naming the nesting limit."""
+    data = {f.name: getattr(params, f.name) for f in fields(params)}
+    spec = params.structured_outputs
+    if spec is not None:
+        wire = {f.name: getattr(spec, f.name) for f in fields(spec)}
+        texts = [name for name, value in wire.items() if isinstance(value, dict | list)]
+        for name in texts:
+            try:
+                wire[name] = json.dumps(wire[name])
+            except RecursionError:
+                raise InvalidRequestError(
+                    f"structured_outputs.{name} is nested too deeply to compile"
+                ) from None
+        data["structured_outputs"] = wire | {"as_text": texts}
+    return data
 
 
 def params_from_wire(data: dict) -> SamplingParams:
     data = dict(data)
     structured = data.pop("structured_outputs", None)
     if structured is not None:
+        structured = dict(structured)
+        for name in structured.pop("as_text", ()):
+            structured[name] = json.loads(structured[name])
         data["structured_outputs"] = StructuredOutputs(**structured)
     return SamplingParams(**data)
 
