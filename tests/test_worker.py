@@ -6,8 +6,10 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -26,11 +28,26 @@ from warmboot.launcher.frames import (
     params_to_wire,
     read_frame,
 )
-from warmboot.launcher.remote import Channel, LaunchInfo, RemoteLLM
+from warmboot.launcher.remote import Channel, LaunchInfo, RemoteLLM, WorkerError
 from warmboot.outputs import CompletionOutput, Logprob, RequestOutput
 from warmboot.sampling_params import SamplingParams, StructuredOutputs
 from warmboot.server.engine_holder import EngineHolder
 from warmboot.tokenizer import Tokenizer
+
+
+def test_a_deeply_nested_schema_crosses_the_wire_unchanged():
+    """400 levels (the fairness bench's nested load): converted recursively it overflowed the
+    stack, a 500 for what the worker refuses with a 400 naming the nesting limit."""
+    schema: dict = {"type": "string"}
+    for i in range(400):
+        schema = {"type": "object", "properties": {f"k{i}": schema}}
+    tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "x"}}
+    for spec in (StructuredOutputs(json=schema), StructuredOutputs(structural_tag=tag)):
+        params = SamplingParams(max_tokens=3, structured_outputs=spec)
+        buf = io.BytesIO()
+        FrameWriter(buf).send({"t": "add", "params": params_to_wire(params)})
+        buf.seek(0)
+        assert params_from_wire(read_frame(buf)["params"]) == params
 
 
 def test_frames_round_trip_and_reject_garbage():
@@ -85,6 +102,35 @@ def test_params_and_outputs_cross_the_wire_unchanged():
     assert got.finished and c.text == "hello" and c.token_ids == [5, 6, 7]
     assert c.finish_reason == "stop" and len(c.logprobs) == 3
     assert c.logprobs[2][107].logprob == -1.5 and c.logprobs[2][7].decoded_token == "tok"
+
+
+def _beating(frames: int, last: dict | None) -> Channel:
+    """A channel whose worker sends a stats frame every 0.1 s (``frames`` of them), then
+    ``last`` (if any), then nothing."""
+    read_end, write_end = os.pipe()
+    writer = FrameWriter(os.fdopen(write_end, "wb"))
+
+    def beat() -> None:
+        for _ in range(frames):
+            writer.send({"t": "stats", "stats": {}})
+            time.sleep(0.1)
+        if last is not None:
+            writer.send(last)
+
+    threading.Thread(target=beat, daemon=True).start()
+    return Channel(io.BytesIO(), os.fdopen(read_end, "rb"))
+
+
+def test_expect_waits_while_frames_come_up_to_its_total():
+    """A worker compiling before its checkpoint (minutes in gVisor) sends stats frames: each
+    restarts the wait for ``quiescent``, and ``total`` still bounds the whole of it."""
+    t0 = time.monotonic()
+    assert _beating(8, {"t": "quiescent"}).expect("quiescent", 0.5)["t"] == "quiescent"
+    assert time.monotonic() - t0 > 0.7, "longer than one timeout in all"
+    t0 = time.monotonic()
+    with pytest.raises(WorkerError, match="sent no 'quiescent' within 2s"):
+        _beating(1000, None).expect("quiescent", 0.5, total=1.5)
+    assert 1.4 < time.monotonic() - t0 < 3
 
 
 def _spawn(path, kv_blocks: int = 64):

@@ -41,6 +41,9 @@ from warmboot.snapshot.deadline import StoreTimeout, run_with_deadline
 from warmboot.snapshot.lease import holder, try_lease
 
 log = logging.getLogger("warmboot.startup")
+QUIESCENT_TOTAL_S = 1800.0
+"""How long the launcher waits for a sandboxed worker to be ready for its checkpoint while it
+reports it is alive (a background compile inside gVisor: minutes); then it boots in-process."""
 
 
 @dataclass(frozen=True)
@@ -211,7 +214,7 @@ def _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, ph
     try:
         with progress.phase("prepare_checkpoint"):
             channel.send({"t": "prepare_checkpoint"})
-            quiescent = channel.expect("quiescent", 120)
+            quiescent = channel.expect("quiescent", 120, total=QUIESCENT_TOTAL_S)
         image = work / "image"
         with _phase(phases, "checkpoint"):
             sandbox.checkpoint(image)

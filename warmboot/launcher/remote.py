@@ -7,6 +7,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,14 +56,18 @@ class Channel:
         except (BrokenPipeError, ValueError, OSError) as e:
             raise WorkerError(f"{self.name} is gone: {e}") from None
 
-    def expect(self, kind: str, timeout: float) -> dict:
+    def expect(self, kind: str, timeout: float, total: float | None = None) -> dict:
         """The next frame, which must be ``kind`` (``stats`` frames are skipped; ``phase``
-        frames are replayed as start-up phases on this thread)."""
+        frames are replayed as start-up phases on this thread). ``timeout`` bounds the wait
+        for any frame (a skipped one restarts it), ``total`` the whole wait."""
+        end = None if total is None else time.monotonic() + total
         while True:
+            wait = timeout if end is None else max(0.0, min(timeout, end - time.monotonic()))
             try:
-                frame = self.frames.get(timeout=timeout)
+                frame = self.frames.get(timeout=wait)
             except queue.Empty:
-                raise WorkerError(f"{self.name} sent no {kind!r} within {timeout:.0f}s") from None
+                within = timeout if wait == timeout else total
+                raise WorkerError(f"{self.name} sent no {kind!r} within {within:.0f}s") from None
             if frame is None:
                 raise WorkerError(f"{self.name} exited before sending {kind!r}")
             if frame["t"] == "fatal" and frame.get("user_error"):

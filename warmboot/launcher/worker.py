@@ -36,6 +36,9 @@ from warmboot.launcher.frames import (
 log = logging.getLogger("warmboot.worker")
 STATS_INTERVAL_S = 0.5
 CHECKPOINT_KV_BLOCKS = 1
+HEARTBEAT_S = 10.0
+"""While a background compile runs before a checkpoint, a stats frame this often: the
+launcher waits for ``quiescent`` while frames come (a compile in gVisor takes minutes)."""
 
 
 class Worker:
@@ -136,7 +139,8 @@ class Worker:
         if self.engine.has_unfinished_requests():
             self.writer.send({"t": "error", "message": "cannot checkpoint a busy worker"})
             return
-        self.engine.wait_compiled()  # NOTE: never checkpoint a compile in flight
+        while not self.engine.wait_compiled(HEARTBEAT_S):  # NOTE: never checkpoint a compile
+            self.writer.send({"t": "stats", "stats": self.engine.stats()})  # in flight; alive
         mapped = self.engine.remap_weights_from_snapshot()  # NOTE: a tier-A restore copies them
         if mapped:
             log.info("weights now mapped from the tier-A snapshot (kept out of the image)")
