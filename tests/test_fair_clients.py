@@ -22,8 +22,9 @@ from tests.test_fair_scheduling import (
 )
 from tests.test_scheduler import make_request
 from tests.tiny_models import VOCAB_SIZE
+from warmboot.core import scheduler as scheduler_mod
 from warmboot.core.request import Request
-from warmboot.core.scheduler import MIN_PREFILL_UNITS
+from warmboot.core.scheduler import EXPRESS_UNITS, MIN_PREFILL_UNITS
 from warmboot.core.step_cost import MIN_SAMPLES, StepCost
 from warmboot.sampling_params import SamplingParams
 
@@ -178,9 +179,10 @@ def test_max_step_ms_never_starves_decodes_prefills_or_newcomers():
     check_outputs(d, *decoders, long, short)
 
 
-def test_running_prefills_leave_the_reserve_to_a_newcomer():
+def test_running_prefills_leave_the_reserve_to_a_newcomer(monkeypatch):
     """A long prompt takes every time-capped step; a small call arriving gets the reserve,
-    the long prompt the floor beside it."""
+    the long prompt the floor beside it (express steps off: the next tests)."""
+    monkeypatch.setattr(scheduler_mod, "EXPRESS_GAIN", float("inf"))
     d = timed(driver(max_model_len=2048, max_step_ms=150.0))
     long = call("long", 1, 1500, max_tokens=1)[0]
     d.add(long)
@@ -192,6 +194,68 @@ def test_running_prefills_leave_the_reserve_to_a_newcomer():
     assert d.outs[-2].num_batched_tokens == 50
     assert scheduled == {"long0": MIN_PREFILL_UNITS, "small0": 20}
     check_outputs(d, long, small)
+
+
+def _beside_decodes(max_step_ms: float | None, streams_count: int = 62):
+    """``streams_count`` decoding streams of client a; steps cost 10 ms + 2 ms a row or unit."""
+    d = timed(driver(max_num_seqs=64, max_step_ms=max_step_ms), fixed_ms=10.0)
+    flood = streams("a", streams_count, max_tokens=40)
+    d.add(*flood)
+    for _ in range(20):
+        d.step()
+        if all(r.num_output_tokens for r in flood):
+            return d, flood
+    raise AssertionError("the streams never all decoded")
+
+
+def _probe(client: str, length: int = 8) -> Request:
+    req = call(f"probe-{client}", 1, length, max_tokens=2)[0]
+    req.client = client
+    return req
+
+
+def test_a_new_clients_small_prompt_runs_alone_beside_a_long_step():
+    """Beside 62 decodes (a 134-ms step) a new client's 8-token prompt runs in a step of its
+    own (26 ms); a second new client arriving next shares the following step: never two
+    express steps in a row, so the decodes lose at most every other step."""
+    d, flood = _beside_decodes(max_step_ms=150.0)
+    first, second = _probe("b"), _probe("c")
+    assert steps_to_first_token(d, first) == 1
+    assert [s.req_id for s in d.outs[-1].scheduled] == [first.request_id]
+    assert d.outs[-1].budget_units == 8 and d.sched.num_express == 1
+    assert steps_to_first_token(d, second) == 1
+    shared = {s.req_id for s in d.outs[-1].scheduled}
+    assert second.request_id in shared and len(shared) == 64, "decodes, the first's 2nd token"
+    assert d.sched.num_express == 1
+    check_outputs(d, *flood, first, second)
+
+
+@pytest.mark.parametrize("case", ["uncapped", "short step", "prompt too long", "own client"])
+def test_no_express_step_where_it_does_not_pay(case):
+    """Offline (no time cap), beside a short step (4 decodes: 18 ms against 26), for a prompt
+    the express step cannot finish, or for a client that already has a call live: the
+    newcomer shares the step with the running requests."""
+    d, flood = _beside_decodes(
+        max_step_ms=None if case == "uncapped" else 150.0,
+        streams_count=4 if case == "short step" else 62,
+    )
+    probe = _probe("a" if case == "own client" else "b", 200 if "long" in case else 8)
+    d.add(probe)
+    d.step()
+    assert len(d.outs[-1].scheduled) > 1 and d.sched.num_express == 0
+    check_outputs(d, *flood, probe)
+
+
+def test_an_express_step_takes_new_clients_while_it_stays_short():
+    """Ten new clients' 8-token prompts beside 56 decodes: the k-th joins while the step it
+    would share (138 ms) lasts twice the express step with it (10 + 16k ms): three of them."""
+    d, flood = _beside_decodes(max_step_ms=150.0, streams_count=56)
+    probes = [_probe(c) for c in "bcdefghijk"]
+    d.add(*probes)
+    d.step()
+    assert [s.req_id for s in d.outs[-1].scheduled] == [p.request_id for p in probes[:3]]
+    assert d.outs[-1].budget_units == 24 <= EXPRESS_UNITS
+    check_outputs(d, *flood, *probes)
 
 
 # -- engine ------------------------------------------------------------------------------------

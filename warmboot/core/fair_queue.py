@@ -99,6 +99,10 @@ class WaitingQueue:
             heapq.heappush(self._slots[e.slot[4]], e.slot)
             heapq.heappush(self._clients.setdefault(e.slot[3], []), e.local)
 
+    def has_rank(self, rank: int) -> bool:
+        """Whether a slot of ``rank`` waits."""
+        return bool(self._slots[rank])
+
     def promote(self, client: str) -> None:
         """``client``'s first waiting slot to rank 0 (it has none seated now)."""
         if any(s[3] == client for s in self._slots[0]):

@@ -111,3 +111,40 @@ class Request:
         self.num_inflight -= 1
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def stop_after(self, token: int) -> FinishReason | None:
+        """Why the sequence ends with ``token`` just committed, or None."""
+        p = self.params
+        if self.num_output_tokens > p.min_tokens:  # earlier stops were suppressed by the sampler
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return FinishReason.STOP
+            if token in p.stop_token_ids:
+                self.stop_reason = token
+                return FinishReason.STOP
+        if self.num_output_tokens >= self.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def take_prompt_logprob_targets(self, start: int, n: int) -> tuple[int, tuple[int, ...]]:
+        """The prompt tokens a chunk at ``start..start+n`` predicts that no earlier step was
+        asked for (position ``p`` predicts prompt token ``p + 1``), marked as asked for now:
+        (the first one's offset in the chunk, the tokens)."""
+        if not self.wants_prompt_logprobs:
+            return 0, ()
+        first = max(start + 1, self.num_prompt_logprobs + 1)  # the first target token's index
+        last = min(start + n, self.num_prompt_tokens - 1)
+        if last < first:
+            return 0, ()
+        self.num_prompt_logprobs = last
+        return first - 1 - start, tuple(self.prompt_token_ids[first : last + 1])
+
+    def waits_for_leader(self, prefix_caching: bool) -> bool:
+        """n > 1: siblings wait until the leader's first token is committed; by then its
+        prompt's full blocks are in the prefix cache and the siblings share them."""
+        leader = self.leader
+        return (
+            prefix_caching
+            and leader is not None
+            and not leader.is_finished
+            and leader.num_output_tokens == 0
+        )

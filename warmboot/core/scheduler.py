@@ -21,6 +21,8 @@ within it because one proxy may carry many users.
   in that time (or in twice its unavoidable cost, if longer), never less than its decodes
   plus ``MIN_PREFILL_UNITS`` for running prefills, and as much again that they leave to
   waiting requests while one could take a free seat.
+- Express steps (time-capped only): when the running requests would make a step long, a new
+  client's small prompt runs in a short step of its own, never two of those in a row.
 
 Bound: a new client's first sequence is admitted in the first step scheduled after it arrives
 that has, once the requests ahead of it are served (preempted requests, lower priority values
@@ -46,6 +48,10 @@ from warmboot.core.types import RunnerOutput, ScheduledRequest, SchedulerOutput,
 MIN_PREFILL_UNITS = 32
 """Prefill budget a time-capped step always has beside its decodes, and that running prefills
 leave to waiting requests: a small request's prompt in one chunk."""
+EXPRESS_UNITS = 2 * MIN_PREFILL_UNITS
+"""Most prefill units of an express step: new clients' whole prompts, alone (``_express``)."""
+EXPRESS_GAIN = 2.0
+"""An express step runs when the step it spares a new client lasts this many times as long."""
 
 
 def _priority(req: Request) -> int:
@@ -66,6 +72,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_step: list[str] = []
         self.num_preemptions = 0
+        self.num_express = 0
+        self._expressed = False
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -96,6 +104,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_since_step)
         self._finished_since_step = []
+        self._expressed = not self._expressed and self._express(out)
+        if self._expressed:
+            return out
         budget, reserve = self._budget()
         left = self._schedule_running(out, budget, reserve)
         if not out.preempted_req_ids:
@@ -108,8 +119,7 @@ class Scheduler:
         cfg = self.config
         if not cfg.max_step_ms or self.step_cost.samples < MIN_SAMPLES:
             return cfg.max_num_batched_tokens, 0
-        decodes = sum(r.num_tokens - r.num_computed_tokens <= 1 for r in self.running)
-        context = sum(r.num_computed_tokens + 1 for r in self.running)
+        decodes, context, _ = self._running_load()
         cap = self.step_cost.units_within(cfg.max_step_ms / 1000, decodes, context)
         prefills = len(self.running) > decodes
         reserve = MIN_PREFILL_UNITS if self._admissible_waits() else 0
@@ -117,11 +127,24 @@ class Scheduler:
         budget = min(cfg.max_num_batched_tokens, max(cap, floor))
         return budget, max(0, min(reserve, budget - decodes - 1))  # NOTE: a prefill moves
 
+    def _running_load(self) -> tuple[int, int, float]:
+        """The running requests' decodes, the KV tokens they read, and their prefill units."""
+        weight, decodes, context, prefill = self.config.prompt_logprob_token_weight, 0, 0, 0.0
+        for r in self.running:
+            remaining = r.num_tokens - r.num_computed_tokens
+            context += r.num_computed_tokens + 1
+            decodes += remaining <= 1
+            if remaining > 1:
+                prefill += remaining * (weight if r.wants_prompt_logprobs else 1.0)
+        return decodes, context, prefill
+
     def _admissible_waits(self) -> bool:
         """Whether a waiting request could take a seat now (siblings wait for their leader)."""
         if len(self.running) >= self.config.max_num_seqs:
             return False
-        return any(not self._waits_for_leader(r) for r in self.waiting.requests())
+        return any(
+            not r.waits_for_leader(self.kv.enable_prefix_caching) for r in self.waiting.requests()
+        )
 
     def _chunk(self, req: Request, remaining: int, budget: float) -> tuple[int, float]:
         """How many of its ``remaining`` tokens ``req`` computes in this step (at most the
@@ -218,38 +241,75 @@ class Scheduler:
             entry = self.waiting.pop(rank=2 if seated < anyone else 1 if seated < firsts else 0)
             if entry is None:
                 break
-            req = entry.req
-            if self._waits_for_leader(req):
+            if entry.req.waits_for_leader(self.kv.enable_prefix_caching):
                 skipped.append(entry)
                 continue
-            cold = req.num_computed_tokens or req.wants_prompt_logprobs
-            prefix = [] if cold else self.kv.find_cached_prefix(req.all_token_ids)
-            start = len(prefix) * self.kv.block_size
-            n, cost = self._chunk(req, req.num_tokens - start, budget)
-            if not self.kv.allocate(req.request_id, start + n, prefix):
+            cost = self._admit(entry, out, budget)
+            if cost is None:
                 skipped.append(entry)  # NOTE: the head waits for blocks: none overtakes it
                 break
-            if req.num_preemptions == 0:
-                req.num_cached_tokens = start
-            req.num_computed_tokens = start
-            req.status = RequestStatus.RUNNING
-            self.turns.admitted(entry)
-            bisect.insort(self.running, req, key=_priority)  # NOTE: all equal: an append
-            out.scheduled.append(self._scheduled(req, n))
             budget -= cost
         self.waiting.restore(skipped)
         return budget
 
-    def _waits_for_leader(self, req: Request) -> bool:
-        # n > 1: siblings wait until the leader's first token is committed; by then its prompt's
-        # full blocks are in the prefix cache and the siblings share them.
-        leader = req.leader
-        return (
-            leader is not None
-            and self.kv.enable_prefix_caching
-            and not leader.is_finished
-            and leader.num_output_tokens == 0
-        )
+    def _admit(
+        self, entry: Entry, out: SchedulerOutput, budget: float, whole: bool = False
+    ) -> float | None:
+        """Seat ``entry``'s request with its first chunk (``whole``: only if that is its whole
+        prompt); the budget it used, or None (no blocks, or not whole)."""
+        req = entry.req
+        cold = req.num_computed_tokens or req.wants_prompt_logprobs
+        prefix = [] if cold else self.kv.find_cached_prefix(req.all_token_ids)
+        start = len(prefix) * self.kv.block_size
+        n, cost = self._chunk(req, req.num_tokens - start, budget)
+        if whole and start + n < req.num_tokens:
+            return None
+        if not self.kv.allocate(req.request_id, start + n, prefix):
+            return None
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = start
+        req.num_computed_tokens = start
+        req.status = RequestStatus.RUNNING
+        self.turns.admitted(entry)
+        bisect.insort(self.running, req, key=_priority)  # NOTE: all equal: an append
+        out.scheduled.append(self._scheduled(req, n))
+        return cost
+
+    def _express(self, out: SchedulerOutput) -> bool:
+        """A step of new clients' small prompts alone (rank 0: a client with nothing else
+        live), when the step they would share with the running requests would last
+        ``EXPRESS_GAIN`` times as long as this one: beside 62 decoding streams a new client's
+        first token then waits for the step in flight and a short one, not for a long one
+        more. Time-capped schedulers only, never two in a row: the running requests lose
+        at most every other step, each the length of the short one."""
+        cfg, fit = self.config, self.step_cost.fit()
+        if not (cfg.max_step_ms and fit and self.running and self.waiting.has_rank(0)):
+            return False
+        fixed, per_unit, per_row, per_read = fit
+        decodes, context, prefill = self._running_load()
+        prefill = min(prefill, self._budget()[0] - decodes)  # NOTE: what the step would hold
+        shared = fixed + per_row * decodes + per_read * context + per_unit * prefill
+        budget, skipped = float(EXPRESS_UNITS), []
+        while budget >= 1 and len(self.running) < cfg.max_num_seqs:
+            entry = self.waiting.pop(rank=0)
+            if entry is None:
+                break
+            skipped.append(entry)
+            units = self._chunk(entry.req, entry.req.num_tokens, budget)[1]
+            gain = (shared + per_unit * units) / (
+                fixed + per_unit * (EXPRESS_UNITS - budget + units)
+            )
+            if entry.req.waits_for_leader(self.kv.enable_prefix_caching) or gain < EXPRESS_GAIN:
+                break
+            cost = self._admit(entry, out, budget, whole=True)
+            if cost is None:
+                break
+            skipped.pop()
+            budget -= cost
+        self.waiting.restore(skipped)
+        out.budget_units = EXPRESS_UNITS - budget
+        self.num_express += bool(out.scheduled)
+        return bool(out.scheduled)
 
     def _scheduled(self, req: Request, n: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -265,7 +325,7 @@ class Scheduler:
             suppress = eos + req.params.stop_token_ids
         lp_from, targets = 0, ()
         if req.params.prompt_logprobs is not None:  # NOTE: inline test: a step builds 100s
-            lp_from, targets = self._prompt_logprob_targets(req, start, n)
+            lp_from, targets = req.take_prompt_logprob_targets(start, n)
         req.num_computed_tokens += n
         req.num_inflight += sample
         return ScheduledRequest(
@@ -281,19 +341,6 @@ class Scheduler:
             prompt_logprobs_from=lp_from,
             prompt_logprob_targets=targets,
         )
-
-    @staticmethod
-    def _prompt_logprob_targets(req: Request, start: int, n: int) -> tuple[int, tuple[int, ...]]:
-        """The prompt tokens a chunk at ``start..start+n`` predicts that no earlier step was
-        asked for: position ``p`` predicts prompt token ``p + 1``."""
-        if not req.wants_prompt_logprobs:
-            return 0, ()
-        first = max(start + 1, req.num_prompt_logprobs + 1)  # the first target token's index
-        last = min(start + n, req.num_prompt_tokens - 1)
-        if last < first:
-            return 0, ()
-        req.num_prompt_logprobs = last
-        return first - 1 - start, tuple(req.prompt_token_ids[first : last + 1])
 
     def _preempt(self, req: Request) -> None:
         self.turns.unseated(req)
@@ -320,7 +367,7 @@ class Scheduler:
                 row = rows[s.req_id]
                 token = result.sampled_token_ids[row]
                 req.append_output(token)
-                reason = self._check_stop(req, token)
+                reason = req.stop_after(token)
                 if reason is not None:
                     self._remove(req)
                     self._finish(req, reason)
@@ -333,18 +380,6 @@ class Scheduler:
                 known = min(req.num_computed_tokens, req.num_known_tokens)
                 self.kv.cache_full_blocks(req.request_id, req.all_token_ids, known)
         return events
-
-    def _check_stop(self, req: Request, token: int) -> FinishReason | None:
-        p = req.params
-        if req.num_output_tokens > p.min_tokens:  # earlier stops were suppressed by the sampler
-            if not p.ignore_eos and token in req.eos_token_ids:
-                return FinishReason.STOP
-            if token in p.stop_token_ids:
-                req.stop_reason = token
-                return FinishReason.STOP
-        if req.num_output_tokens >= req.max_tokens:
-            return FinishReason.LENGTH
-        return None
 
     def _remove(self, req: Request) -> None:
         if req.status is RequestStatus.RUNNING:

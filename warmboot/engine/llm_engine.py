@@ -164,6 +164,7 @@ class LLMEngine:
             "prefix_cache_queries": kv.prefix_queries,
             "prefix_cache_hits": kv.prefix_hits,
             "preemptions": self.scheduler.num_preemptions,
+            "express_steps": self.scheduler.num_express,
             "loop": self.loop.name,
             "cuda_graphs": self.startup.graphs_note,
             "compile": dict(self.startup.compiling.info),
