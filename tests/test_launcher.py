@@ -50,6 +50,7 @@ def published(path, tmp_path_factory):
     cfg = LaunchConfig(engine=engine, store=str(store), work_dir=root / "work")
     info, answer = _launch(cfg)
     assert info.path == "cold" and "published" in info.reason, info
+    assert "no process snapshot" in info.reason, info
     return cfg, answer
 
 
@@ -133,9 +134,14 @@ def test_newer_schema_and_key_mismatch_boot_cold(published, faulty):
     )
     info, answer = _launch(cfg)
     assert info.path == "cold" and "unusable" in info.reason and answer == published[1]
+    # NOTE: a key that has no image boots as the published fixture's first start did
+    from warmboot.launcher import spec
+
     other = replace(cfg, engine={**cfg.engine, "max_model_len": 96})
-    info, _ = _launch(other)
-    assert info.path == "cold" and "no process snapshot" in info.reason
+    keys = [spec.process_key(spec.process_key_fields(c.engine, RUNSC, launch_mod.worker_spec(c)))
+            for c in (cfg, other)]  # fmt: skip
+    assert keys[0] != keys[1], "another engine setting is another process"
+    assert process_image.lookup(store, keys[1]) is None
 
 
 def test_restore_timeout_and_missing_runsc_fall_back_in_process(published, faulty, monkeypatch):
