@@ -131,3 +131,20 @@ def guard_captured_region(monkeypatch) -> CaptureGuard:
     for name in ("tolist", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, host_read(name))
     return guard
+
+
+def until_a_helper_shares(round_, rounds: int = 10, limit_s: float = 20.0) -> None:
+    """Run ``round_`` (it asserts its own answers) at least ``rounds`` times, and on until the
+    native kernels' helper thread has taken a chunk (bounded by ``limit_s``): on a loaded
+    machine the caller can finish every chunk of a few small calls before the helper wakes,
+    so a fixed count of calls is no proof either way."""
+    import time
+
+    from warmboot.kernels import native
+
+    chunks, deadline = native.helper_chunks(), time.monotonic() + limit_s
+    done = 0
+    while done < rounds or native.helper_chunks() == chunks:
+        assert time.monotonic() < deadline, f"the helper took no chunk in {done} rounds"
+        round_()
+        done += 1

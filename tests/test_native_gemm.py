@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import until_a_helper_shares
 from warmboot.kernels import native
 from warmboot.kernels.step_ops import native_gemm, pack_weight, packed_gemm
 
@@ -227,11 +228,12 @@ def test_helper_threads_change_no_bit_and_stop():
     torch.set_num_threads(1)  # NOTE: the helpers serve only a caller on one torch thread
     try:
         assert _tasks() == before + 1
-        chunks = native.helper_chunks()
-        for _ in range(50):  # NOTE: races show up as wrong bits in some rounds
+
+        def round_() -> None:  # NOTE: races show up as wrong bits in some rounds
             lent = [packed_gemm(x, p, b, n) for x, p, b, n in packed]
             assert all(torch.equal(a, h) for a, h in zip(alone, lent, strict=True))
-        assert native.helper_chunks() > chunks, "the helper took no chunk"
+
+        until_a_helper_shares(round_, rounds=50)
     finally:
         torch.set_num_threads(threads)
         assert native.use_helpers(0, []) == 0
@@ -249,11 +251,12 @@ def test_dense_linear_shares_row_blocks_with_the_helper_and_keeps_its_bits():
     native.use_helpers(1, [])
     torch.set_num_threads(1)  # NOTE: the helpers serve only a caller on one torch thread
     try:
-        chunks = native.helper_chunks()
-        with torch.inference_mode():
-            for _ in range(10):
+
+        def round_() -> None:
+            with torch.inference_mode():
                 assert torch.equal(torch.ops.warmboot_cpu.dense_linear(x3, w, b), alone)
-        assert native.helper_chunks() > chunks, "the helper took no block"
+
+        until_a_helper_shares(round_)
     finally:
         torch.set_num_threads(threads)
         native.use_helpers(0, [])
