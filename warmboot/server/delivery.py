@@ -44,22 +44,22 @@ def json_pieces(obj, depth: int = 0) -> Iterator[str]:
     echoed prompt logprobs: 0.8 s, the event loop and every stream stalled), and between
     pieces the event loop's thread gets it back. Containers are walked to depth 8; lists
     longer than ``BATCH`` are cut into batches, whose elements (a token's logprobs) are small."""
-    if depth < 8 and isinstance(obj, dict) and obj:
+    if depth >= 8 or not isinstance(obj, dict | list | tuple) or not obj:
+        yield _dumps(obj)
+    elif isinstance(obj, dict):
         for i, (key, value) in enumerate(obj.items()):
             yield ("{" if i == 0 else ",") + _dumps({key: 0})[1:-3] + ":"  # json's key rules
             yield from json_pieces(value, depth + 1)
         yield "}"
-    elif depth < 8 and isinstance(obj, list | tuple) and len(obj) > BATCH:
+    elif len(obj) > BATCH:
         for i in range(0, len(obj), BATCH):
             yield ("[" if i == 0 else ",") + _dumps(list(obj[i : i + BATCH]))[1:-1]
         yield "]"
-    elif depth < 8 and isinstance(obj, list | tuple) and obj:
+    else:
         for i, item in enumerate(obj):
             yield "[" if i == 0 else ","
             yield from json_pieces(item, depth + 1)
         yield "]"
-    else:
-        yield _dumps(obj)
 
 
 def _dumps(obj) -> str:
