@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from warmboot.device import helper_arms
-from warmboot.device.helper_arms import EXPLORE, WARM, HelperArms
+from warmboot.device.helper_arms import EXPLORE, HelperArms
 
 
 class _Host:
@@ -47,9 +47,9 @@ def test_the_faster_way_serves_and_the_other_is_retried(_fake_clock):
     host = _fake_clock
     arms = HelperArms(1, host.lend)
     ways = _run(arms, host, 4 * EXPLORE)
-    assert ways[: 2 * WARM] == [1, 0] * WARM, "both ways are timed first"
-    retried = [i + 1 for i, lent in enumerate(ways) if lent and i >= 2 * WARM]
-    assert retried == list(range(EXPLORE, 4 * EXPLORE + 1, EXPLORE)), "one step in EXPLORE"
+    assert ways[:EXPLORE] == [1] * (EXPLORE - 1) + [0], "lent first; solo timed at EXPLORE"
+    retried = [i + 1 for i, lent in enumerate(ways) if lent and i >= EXPLORE]
+    assert retried == list(range(2 * EXPLORE, 4 * EXPLORE + 1, EXPLORE)), "one step in EXPLORE"
     assert arms.steps == [ways.count(0), ways.count(1)]
     solo, lent = arms.means_ms()[(32).bit_length()]
     assert solo < lent
@@ -58,13 +58,22 @@ def test_the_faster_way_serves_and_the_other_is_retried(_fake_clock):
     assert ways[-2 * EXPLORE :].count(1) == 2 * EXPLORE - 2, "the choice follows the change"
 
 
-def test_sizes_are_timed_apart(_fake_clock):
+def test_a_new_size_takes_the_nearest_timed_sizes_way(_fake_clock):
     host = _fake_clock
     arms = HelperArms(1, host.lend)
     _run(arms, host, 2 * EXPLORE, tokens=1)
     assert arms.means_ms().keys() == {1}
-    ways = _run(arms, host, 2 * WARM, tokens=200)
-    assert ways == [1, 0] * WARM, "a new size class is timed both ways afresh"
+    _run(arms, host, 2 * EXPLORE, tokens=1024)  # NOTE: its own times, solo as well
+    host.cost = {0: 0.008, 1: 0.002}  # NOTE: from here lending pays
+    _run(arms, host, EXPLORE + 8, tokens=1024)
+    solo, lent = arms.means_ms()[(1024).bit_length()]
+    assert lent < solo
+    ways = _run(arms, host, EXPLORE, tokens=200)
+    assert ways == [1] * (EXPLORE - 1) + [0], "size 200 follows 1024 (nearer than 1): lent"
+    ways = _run(arms, host, EXPLORE, tokens=2)
+    assert ways == [0] * (EXPLORE - 1) + [1], "size 2 follows 1 (still timed solo faster)"
+    solo, lent = arms.means_ms()[(200).bit_length()]
+    assert lent < solo, "then timed apart: its own means"
 
 
 def test_metrics_count_the_steps_each_way():

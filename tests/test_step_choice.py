@@ -64,7 +64,8 @@ def test_the_fastest_candidate_serves(tiny_model_dir, monkeypatch):
         assert (choice.kernel, choice.helpers, runner.stream.helpers) == ("native", 1, 0)
         alone = _greedy(llm, prompts)
         assert runner.stream.lend_helpers(1) == 1
-        assert _greedy(llm, prompts) == alone, "helpers change no bit of a GEMM"
+        for _ in range(4):  # NOTE: 5 decode steps a run: solo is timed at the EXPLORE-th
+            assert _greedy(llm, prompts) == alone, "helpers change no bit of a GEMM"
         assert min(runner.stream.arms.steps) > 0, "steps run lent and solo, each timed"
         assert llm.engine.stats()["helper_steps"] == runner.stream.arms.steps
         runner.stream.lend_helpers(0)

@@ -8,10 +8,14 @@ what counts, so that is what is measured. A server's host core is busy or idle a
 front end, clients and host loop come and go, so a choice made once on a quiet machine at
 start is wrong part of the time.
 
-So steps are timed lent and solo, per size class (their token count's bit length): after
-``WARM`` of each the faster way serves, and one step in ``EXPLORE`` the other, so the choice
-follows the load; each way's time is a moving mean of its last few steps. Switching starts or
-stops the helper thread (``kernels.native.use_helpers``, tens of microseconds).
+So steps are timed lent and solo, per size class (their token count's bit length): the
+faster way serves, and one step in ``EXPLORE`` the other, so the choice follows the load; each
+way's time is a moving mean of its last few steps. A size class not yet timed both ways takes
+the way its nearest timed class favours (lent where none is: the start's measurement chose
+the helpers), and times the other at its first ``EXPLORE``-th step: a rare size, a long
+prefill, is not run the slow way half its first steps to learn what the others already show.
+Switching starts or stops the helper thread (``kernels.native.use_helpers``, tens of
+microseconds).
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 EXPLORE = 16
-WARM = 2
 WEIGHT = 1 / 8  # NOTE: a moving mean over about the last eight steps of a way
 
 
@@ -31,13 +34,17 @@ class _Arm:
     seen: list[int] = field(default_factory=lambda: [0, 0])
     steps: int = 0
 
-    def pick(self) -> int:
-        """1 to lend the helpers this step, 0 to run solo."""
+    def pick(self, default: int) -> int:
+        """1 to lend the helpers this step, 0 to run solo; ``default`` until both ways are
+        timed."""
         self.steps += 1
-        if min(self.seen) < WARM:
-            return int(self.seen[1] <= self.seen[0])
-        best = int(self.seconds[1] < self.seconds[0])
-        return 1 - best if self.steps % EXPLORE == 0 else best
+        best = self.best()
+        way = default if best is None else best
+        return 1 - way if self.steps % EXPLORE == 0 else way
+
+    def best(self) -> int | None:
+        """The faster way, or None until both are timed."""
+        return None if 0 in self.seen else int(self.seconds[1] < self.seconds[0])
 
     def record(self, lent: int, seconds: float) -> None:
         mean = self.seconds[lent]
@@ -61,14 +68,20 @@ class HelperArms:
         return [sum(a.seen[way] for a in self._arms.values()) for way in (0, 1)]
 
     def run(self, tokens: int, fn: Callable[[], object]) -> None:
-        arm = self._arms.setdefault(tokens.bit_length(), _Arm())
-        lent = arm.pick()
+        size = tokens.bit_length()
+        arm = self._arms.setdefault(size, _Arm())
+        lent = arm.pick(self._default(size))
         if lent != self._lent:
             self._lend(self.count * lent)
             self._lent = lent
         t0 = time.perf_counter()
         fn()
         arm.record(lent, time.perf_counter() - t0)
+
+    def _default(self, size: int) -> int:
+        """The way the nearest size class timed both ways favours; lent where none is."""
+        timed = [(abs(k - size), k) for k, a in self._arms.items() if a.best() is not None]
+        return self._arms[min(timed)[1]].best() if timed else 1
 
     def means_ms(self) -> dict[int, tuple[float, float]]:
         """Per size class (token count's bit length): the moving mean step, solo and lent."""
