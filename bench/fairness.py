@@ -2,8 +2,9 @@
 requests, quiet and beside each hostile load, for warmboot and for vLLM's CPU build on the
 same model (the soak, warmboot's memory under a long mixed load, is ``bench/soak.py``).
 
-Each engine runs as its own server process (bf16, eager, same ``max_model_len``), one engine
-at a time. Per load: a load process (so its client work never holds the probe's GIL) keeps the
+Each engine runs as its own server process (bf16, same ``max_model_len``) at its defaults
+(warmboot probed once its compiled steps serve; ``--eager``: both ``--enforce-eager``, as the
+issue's first figures were), one engine at a time. Per load: a load process (so its client work never holds the probe's GIL) keeps the
 load's hostile traffic in flight, each request sent again once answered (a round at most every
 ``ROUND_S``) and abandoned after ``DEADLINE_S`` (20 s for the schema clients, who leave); one
 second after it starts, this process sends a streamed 1-token completion and a ``GET /health``
@@ -52,6 +53,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -255,6 +257,16 @@ def ttft(addr, model: str) -> tuple[float | None, str]:
 def health(addr) -> tuple[float | None, str]:
     ans = exchange(addr, get("/health"))
     return (ans.head_s if ans.status == 200 else None), ans.key()
+
+
+def compiled_steps(addr) -> bool:
+    """Whether warmboot's compiled model steps serve (its default compiles after the start)."""
+    url = f"http://{addr[0]}:{addr[1]}/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return b"\nwarmboot_compiled_steps 1.0" in r.read()
+    except OSError:
+        return False
 
 
 def decode_step(addr, model: str, repeats: int = 3) -> float | None:
@@ -646,7 +658,8 @@ class Warmboot(Engine):
         cmd = [sys.executable, "-m", "warmboot.cli", "serve", "--model", str(self.model)]
         cmd += ["--port", str(self.addr[1]), "--served-model-name", self.model_id]
         cmd += ["--dtype", self.args.dtype, "--max-model-len", str(self.args.max_model_len)]
-        self.cmd = [*cmd, "--enforce-eager", *shlex.split(self.args.warmboot_args)]
+        eager = ["--enforce-eager"] if self.args.eager else []
+        self.cmd = [*cmd, *eager, *shlex.split(self.args.warmboot_args)]
         log = open(f"/tmp/bench-{self.model_id}-warmboot-{self.addr[1]}.log", "w")  # noqa: SIM115
         self.proc = subprocess.Popen(
             self.cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -658,6 +671,11 @@ class Warmboot(Engine):
                 self.stop()
                 raise RuntimeError(f"warmboot did not become healthy; see {log.name}")
             time.sleep(0.2)
+        while not self.args.eager and not compiled_steps(self.addr):
+            if not self.alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"warmboot's compiled steps did not serve; see {log.name}")
+            time.sleep(1.0)
 
     def stop(self) -> None:
         """SIGTERM to the process group, then SIGKILL to whatever is left of it."""
@@ -683,7 +701,7 @@ class Vllm(Engine):
         self.addr = ("127.0.0.1", free_port())
         kw = {"dtype": self.args.dtype, "max_model_len": self.args.max_model_len}
         self.proc = vllm_cpu.start_server(
-            self.model, self.addr[1], enforce_eager=True, timeout_s=900, **kw
+            self.model, self.addr[1], enforce_eager=self.args.eager, timeout_s=900, **kw
         )
 
     def stop(self) -> None:
@@ -828,6 +846,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny sizes and windows: a smoke run")
     ap.add_argument("--model", type=Path, default=None, help="default: the demo model")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--eager", action="store_true", help="both engines --enforce-eager")
     ap.add_argument("--warmboot-args", default="",
                     help="more `warmboot serve` flags, e.g. '--max-step-ms 0'")  # fmt: skip
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -908,10 +927,11 @@ def write_report(args, z: Sizes, engines, loads, rows) -> None:
 
 def report_lines(args, meta, z: Sizes, engines, loads, by) -> list[str]:
     cmd = " ".join(["python -m bench.fairness", *sys.argv[1:]])
+    mode = "eager" if args.eager else "each engine at its defaults"
     lines = [
         "# Fairness: a small request's time to first token beside hostile loads",
         "",
-        f"{meta['date']} · {meta['machine']} · model `{meta['model']}` ({args.dtype}, eager,"
+        f"{meta['date']} · {meta['machine']} · model `{meta['model']}` ({args.dtype}, {mode},"
         f" max_model_len {args.max_model_len}) · vLLM CPU {meta.get('vllm', '-')} · `{cmd}`.",
         "",
         f"Probes: a streamed 1-token completion and a `GET /health` every {z.interval_s:g} s for"
