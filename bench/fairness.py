@@ -286,18 +286,18 @@ def probe_stream(addr, model: str, window_s: float, interval_s: float) -> dict:
     got: dict[str, list] = {"ttft": [], "health": []}
     threads = []
 
-    def one(kind: str, fn) -> None:
-        got[kind].append(fn())
+    def one(kind: str, tick: int, fn) -> None:
+        got[kind].append((tick, fn()))
 
     t0 = time.perf_counter()
     for tick in range(max(1, int(window_s / interval_s))):
         time.sleep(max(0.0, t0 + tick * interval_s - time.perf_counter()))
         for kind, fn in (("ttft", lambda: ttft(addr, model)), ("health", lambda: health(addr))):
-            threads.append(threading.Thread(target=one, args=(kind, fn), daemon=True))
+            threads.append(threading.Thread(target=one, args=(kind, tick, fn), daemon=True))
             threads[-1].start()
     for t in threads:
         t.join(DEADLINE_S + 5)
-    return {kind: summarize(samples) for kind, samples in got.items()}
+    return {kind: summarize([v for _, v in sorted(got[kind])]) for kind in got}
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -319,6 +319,7 @@ def summarize(samples: list[tuple[float | None, str]]) -> dict:
         "p50_ms": ms(percentile(values, 50)),
         "p99_ms": ms(percentile(values, 99)),
         "outcomes": dict(Counter(k for _, k in samples)),
+        "ms": [ms(v) for v, _ in samples],  # NOTE: in the order sent (failed: None)
     }
 
 

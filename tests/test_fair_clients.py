@@ -140,6 +140,36 @@ def test_step_cost_follows_a_change_of_speed():
     assert cost.fit()[1] == pytest.approx(0.004, rel=0.05)
 
 
+def test_step_cost_learns_what_a_prompt_logprob_token_weighs():
+    """Prompt-logprob tokens' extra time is a term of its own: a token costing 2 ms plus
+    4 ms for its logprobs weighs 3 units; never learnt: the configured weight, kept."""
+    learnt, fixed = StepCost(1.4, learn_weight=True), StepCost(1.4)
+    assert learnt.logprob_weight == 1.4, "nothing seen: the configured weight"
+    for i, (units, rows, context) in enumerate(STEPS * 2):
+        logprobs = units // 2 if i % 3 else 0
+        seconds = 0.050 + 0.002 * units + 0.006 * rows + 1e-5 * context + 0.004 * logprobs
+        for cost in (learnt, fixed):
+            cost.observe(units, rows, context, seconds, logprobs)
+    assert learnt.fit() == pytest.approx((0.050, 0.002, 0.006, 1e-5))
+    assert learnt.logprob_weight == pytest.approx(3.0)
+    assert fixed.logprob_weight == 1.4, "without learn_weight (no time cap) the configured one"
+    plain = StepCost(1.4, learn_weight=True)
+    for units, rows, context in STEPS * 2:
+        plain.observe(units, rows, context, 0.050 + 0.002 * units + 0.006 * rows)
+    assert plain.logprob_weight == 1.4, "no prompt-logprob step: nothing to learn it from"
+
+
+def test_a_capped_step_sizes_prompt_logprob_chunks_by_the_learnt_weight():
+    d = timed(driver(max_model_len=2048, max_step_ms=150.0, prompt_logprob_token_weight=1.4))
+    for n in (8, 40):  # NOTE: 2 ms a token + 4 ms for its logprobs: 3 units
+        d.sched.step_cost.observe(n, 0, 0, (50 + 6 * n) / 1000, n)
+    plp = make_request("plp", 400, max_tokens=1, prompt_logprobs=1)
+    d.add(plp)
+    d.step()
+    assert d.outs[0].num_batched_tokens == 16, "50 units of a 150 ms step: 16 tokens (1.4: 35)"
+    check_outputs(d, plp)
+
+
 def timed(d, fixed_ms: float = 50.0, per_unit_ms: float = 2.0):
     """Teach ``d``'s scheduler a step cost of ``fixed_ms`` + ``per_unit_ms`` a unit."""
     for units in (1, 16, 64, 256):
@@ -265,6 +295,11 @@ def _noted(schedule, sizes: list[int]):
     return out
 
 
+def _noted_call(fn, calls: list[tuple], *args):
+    calls.append(args)
+    return fn(*args)
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_engine_learns_the_step_cost_and_caps_steps_by_time(path, pipelined):
     """The loop feeds each retired step's device time, rows and context to the fit; with a
@@ -277,13 +312,15 @@ def test_engine_learns_the_step_cost_and_caps_steps_by_time(path, pipelined):
         engine = make_engine(path, pipelined, max_step_ms=step_ms)
         sizes: list[int] = []
         engine.scheduler.schedule = partial(_noted, engine.scheduler.schedule, sizes)
+        cost, seen = engine.scheduler.step_cost, []
+        cost.observe = partial(_noted_call, cost.observe, seen)
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, params, group=f"r{i}")
         outs: dict = {}
         drain(engine, outs)
         results.append(outs)
         known = MIN_SAMPLES + 2  # NOTE: pipelined: two steps are planned before one retires
-        cost = engine.scheduler.step_cost
+        assert sum(a[4] for a in seen) == sum(len(p) - 1 for p in prompts), "logprob tokens"
         assert cost.samples >= len(sizes) - 2 > known and cost.fit() is not None
         assert max(sizes[:MIN_SAMPLES]) >= 45  # 64 units: 45 prompt-logprob tokens at least
         fixed, per_unit, per_row, per_read = cost.fit()

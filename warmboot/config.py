@@ -161,7 +161,8 @@ class SchedulerConfig:
     """What a prompt token whose logprobs are wanted costs, in step budget and chunk cap, next
     to a plain prefill token: it adds an LM head over the vocabulary, a float32 log-softmax
     and a top-k (1.30-1.40 measured on the demo model's 512-token prefill, top 1 and 20, on
-    1 and 2 CPU threads, eager and compiled)."""
+    1 and 2 CPU threads, eager and compiled). With ``max_step_ms``, the weight until the
+    step-cost fit has learnt it from the steps run (``core.step_cost``)."""
     max_step_ms: float | None = None
     """Longest a step should run, in ms: the step's token budget is what the fitted step cost
     says fits (``core.step_cost``), so a request arriving mid-step waits at most about this long

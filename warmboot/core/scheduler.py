@@ -15,8 +15,8 @@ within it because one proxy may carry many users.
 - Long prefills are chunked: one request computes at most ``prefill_chunk`` tokens a step,
   and first leaves what the running requests behind it claim (a decode its token, a prompt
   this step can finish its rest): a small prompt admitted behind it is done in one step.
-- Prompt-logprob tokens (an LM head over the vocabulary each) count
-  ``prompt_logprob_token_weight`` times against the step budget and the chunk cap.
+- Prompt-logprob tokens (an LM head over the vocabulary each) weigh more in the step budget
+  and the chunk cap: ``prompt_logprob_token_weight``, with ``max_step_ms`` as learnt.
 - With ``max_step_ms``, a step holds what the fitted step cost (``core.step_cost``) says fits
   in that time (or in twice its unavoidable cost, if longer), never less than its decodes
   plus ``MIN_PREFILL_UNITS`` for running prefills, and as much again that they leave to
@@ -64,7 +64,7 @@ class Scheduler:
         self.kv = kv
         self.waiting = WaitingQueue()
         self.turns = FairTurns()
-        self.step_cost = StepCost()
+        self.step_cost = StepCost(config.prompt_logprob_token_weight, bool(config.max_step_ms))
         """Fed by the loop as steps retire (``max_step_ms``)."""
         self.running: list[Request] = []
         """Ordered by priority, then admission: the step serves it in order and preempts
@@ -129,7 +129,7 @@ class Scheduler:
 
     def _running_load(self) -> tuple[int, int, float]:
         """The running requests' decodes, the KV tokens they read, and their prefill units."""
-        weight, decodes, context, prefill = self.config.prompt_logprob_token_weight, 0, 0, 0.0
+        weight, decodes, context, prefill = self.step_cost.logprob_weight, 0, 0, 0.0
         for r in self.running:
             remaining = r.num_tokens - r.num_computed_tokens
             context += r.num_computed_tokens + 1
@@ -150,7 +150,7 @@ class Scheduler:
         """How many of its ``remaining`` tokens ``req`` computes in this step (at most the
         chunk cap, at least one) and the budget they use (prompt-logprob tokens weigh more)."""
         cfg = self.config
-        weight = cfg.prompt_logprob_token_weight if req.wants_prompt_logprobs else 1.0
+        weight = self.step_cost.logprob_weight if req.wants_prompt_logprobs else 1.0
         n = min(remaining, max(1, int(min(budget, cfg.prefill_chunk) / weight)), int(budget))
         return n, n * weight
 
@@ -160,7 +160,7 @@ class Scheduler:
         ``MIN_PREFILL_UNITS``) the rest of it, the prefills' claims at most half the budget. A
         small prompt admitted behind a long prefill is done in its next step (not a token a
         step), and a decode behind one is never squeezed out."""
-        weight = self.config.prompt_logprob_token_weight
+        weight = self.step_cost.logprob_weight
         decodes, small = [0.0], [0.0]  # over the last k requests, k = 0, 1, ...
         for req in reversed(self.running):
             remaining = req.num_tokens - req.num_computed_tokens

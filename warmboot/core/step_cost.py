@@ -7,13 +7,20 @@ A token budget alone cannot bound it across machines (a 2048-token step is tens 
 GPU, seconds on two CPU cores), so the scheduler sizes the step from this fit of
 
     seconds = fixed + per_unit * prefill_units + per_row * decode_rows + per_read * context
+              + per_logprob * prompt_logprob_tokens
 
-(units: budget units, as ``Scheduler._chunk`` counts them; a decode row is not a prefill
-token: on a CPU its attention gathers its whole context; ``context``: the tokens of KV the
-step's rows attend to, which a small chunk of a long prompt pays for again each step), least
-squares with exponential forgetting, updated as each step retires. While the steps seen do not
-tell the terms apart, simpler fits stand in (without the context; one cost per unit of either
-kind; all the time on the units, an upper bound on the unit cost: the budget errs short).
+(units: prefill tokens; a decode row is not a prefill token: on a CPU its attention gathers
+its whole context; ``context``: the tokens of KV the step's rows attend to, which a small
+chunk of a long prompt pays for again each step; a prompt-logprob token adds an LM head over
+the vocabulary, a log-softmax and a top-k), least squares with exponential forgetting, updated
+as each step retires. While the steps seen do not tell the terms apart, simpler fits stand in
+(without the context or the prompt logprobs; one cost per unit of either kind; all the time on
+the units, an upper bound on the unit cost: the budget errs short).
+
+The scheduler counts a prompt-logprob token ``logprob_weight`` units: with ``learn_weight``,
+``1 + per_logprob / per_unit`` from the last fit that told them apart (a fixed 1.4 where a
+served step's prompt-logprob token took about 3 plain tokens' time ran an echo request's
+chunks 300-420 ms past a 250 ms cap).
 
 A step never has less prefill than its unavoidable cost (fixed, decodes, context) would
 justify: below that, chunks shrink only to pay that cost more often. So a step lasts at most
@@ -29,25 +36,42 @@ MIN_SAMPLES = 4
 """Steps seen before the fit is used (until then the budget is uncapped)."""
 REFIT_EVERY = 4
 """Steps between two solves of the fit (each about 40 us; the scheduler asks every step)."""
+MAX_WEIGHT = 32.0
+"""The most a learnt prompt-logprob token weighs (a fit on few, alike steps can be wild)."""
 
 
 class StepCost:
-    def __init__(self, decay: float = 0.95):
+    def __init__(self, logprob_weight: float = 1.0, learn_weight=False, decay: float = 0.95):
         self.decay = decay
         self.samples = 0
-        self._xx = np.zeros((4, 4))
-        self._xy = np.zeros(4)
+        self._xx = np.zeros((5, 5))
+        self._xy = np.zeros(5)
         self._fit: tuple[float, float, float, float] | None = None
         self._fit_at = 0
+        self._weight, self._learn = logprob_weight, learn_weight
 
-    def observe(self, prefill_units: float, decode_rows: int, context: int, seconds: float):
-        """A retired step: its prefill budget units, decode rows, KV tokens read, device time."""
+    def observe(
+        self,
+        prefill_units: float,
+        decode_rows: int,
+        context: int,
+        seconds: float,
+        logprob_tokens: int = 0,
+    ):
+        """A retired step: its prefill tokens, decode rows, KV tokens read, device time and
+        the prompt-logprob tokens among its prefill tokens."""
         if prefill_units + decode_rows <= 0 or seconds <= 0:
             return
-        x = np.array([1.0, prefill_units, decode_rows, context])
+        x = np.array([1.0, prefill_units, decode_rows, context, logprob_tokens])
         self._xx = self.decay * self._xx + np.outer(x, x)
         self._xy = self.decay * self._xy + x * seconds
         self.samples += 1
+
+    @property
+    def logprob_weight(self) -> float:
+        """Budget units a prompt-logprob token counts (see the module docstring)."""
+        self.fit()
+        return self._weight
 
     def fit(self) -> tuple[float, float, float, float] | None:
         """(fixed seconds, per prefill unit, per decode row, per context token), or None
@@ -62,7 +86,10 @@ class StepCost:
         for terms in _MODELS:  # NOTE: columns of x each model keeps (pooling rows and units)
             beta = _solve(terms.T @ self._xx @ terms, terms.T @ self._xy)
             if beta is not None:
-                return tuple(float(v) for v in terms @ beta)
+                fixed, per_unit, per_row, per_read, per_logprob = terms @ beta
+                if per_logprob and self._learn:
+                    self._weight = float(min(1 + per_logprob / per_unit, MAX_WEIGHT))
+                return float(fixed), float(per_unit), float(per_row), float(per_read)
         units = self._xx[0, 1] + self._xx[0, 2]
         per_unit = self._xy[0] / units
         return 0.0, per_unit, per_unit, 0.0
@@ -80,13 +107,28 @@ class StepCost:
         return decode_rows + max(1, int(prefill + 1e-6))
 
 
-_MODELS = (
-    np.eye(4),
-    np.eye(4)[:, :3],
-    np.array([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.0, 0.0]]),
+def _terms(*groups: tuple[int, ...]) -> np.ndarray:
+    """A fit's map from its coefficients to the five of ``_refit``: each coefficient is the
+    cost of the columns of its group (pooled), a column in none costs 0."""
+    terms = np.zeros((5, len(groups)))
+    for k, cols in enumerate(groups):
+        terms[list(cols), k] = 1.0
+    return terms
+
+
+_MODELS = tuple(
+    _terms(*groups)
+    for groups in (
+        [(0,), (1,), (2,), (3,), (4,)],
+        [(0,), (1,), (2,), (4,)],
+        [(0,), (1,), (2,), (3,)],
+        [(0,), (1,), (2,)],
+        [(0,), (1, 2), (4,)],
+        [(0,), (1, 2)],
+    )
 )
-"""Each fit's terms as a map from its coefficients to the four of ``fit``: all; no context;
-one cost per unit of either kind."""
+"""The fits tried in turn: all; no context; no prompt logprobs; neither; one cost per unit of
+either kind, with and without prompt logprobs."""
 
 
 def _solve(xx: np.ndarray, xy: np.ndarray) -> np.ndarray | None:

@@ -115,7 +115,9 @@ class Loop:
             sched = handle.sched
             rows = sum(s.num_tokens == 1 for s in sched.scheduled)
             read = sum(s.start_pos + s.num_tokens for s in sched.scheduled)
-            p.scheduler.step_cost.observe(sched.budget_units - rows, rows, read, busy - self._busy)
+            logprobs = sum(len(s.prompt_logprob_targets) for s in sched.scheduled)
+            units = sched.num_batched_tokens - rows
+            p.scheduler.step_cost.observe(units, rows, read, busy - self._busy, logprobs)
         self._busy = busy
         self.meter.mark(busy, decode_only)
         return touched
