@@ -23,8 +23,9 @@ from tests.test_fair_scheduling import (
 from tests.test_scheduler import make_request
 from tests.tiny_models import VOCAB_SIZE
 from warmboot.core import scheduler as scheduler_mod
-from warmboot.core.request import Request
+from warmboot.core.request import Request, RequestStatus
 from warmboot.core.scheduler import EXPRESS_UNITS, MIN_PREFILL_UNITS
+from warmboot.core.shared_steps import RECENT_STEPS, SHARED_MIN_S, decodes_within, shared_seconds
 from warmboot.core.step_cost import MIN_SAMPLES, StepCost
 from warmboot.sampling_params import SamplingParams
 
@@ -188,6 +189,13 @@ def test_max_step_ms_sizes_the_step_from_the_fitted_cost():
     assert max(o.num_batched_tokens for o in d.outs) == 50
 
 
+@pytest.fixture
+def _alone(monkeypatch):
+    """Shared steps off: the rules a client alone meets (the last tests turn them on)."""
+    monkeypatch.setattr(scheduler_mod.SharedSteps, "note", lambda self, clients: False)
+
+
+@pytest.mark.usefixtures("_alone")
 def test_max_step_ms_never_starves_decodes_prefills_or_newcomers():
     d = timed(driver(max_step_ms=1.0))  # nothing fits 1 ms
     decoders = streams("a", 8, max_tokens=20)
@@ -244,6 +252,7 @@ def _probe(client: str, length: int = 8) -> Request:
     return req
 
 
+@pytest.mark.usefixtures("_alone")
 def test_a_new_clients_small_prompt_runs_alone_beside_a_long_step():
     """Beside 62 decodes (a 134-ms step) a new client's 8-token prompt runs in a step of its
     own (26 ms); a second new client arriving next shares the following step: never two
@@ -260,6 +269,7 @@ def test_a_new_clients_small_prompt_runs_alone_beside_a_long_step():
     check_outputs(d, *flood, first, second)
 
 
+@pytest.mark.usefixtures("_alone")
 @pytest.mark.parametrize("case", ["uncapped", "short step", "prompt too long", "own client"])
 def test_no_express_step_where_it_does_not_pay(case):
     """Offline (no time cap), beside a short step (4 decodes: 34 ms with the newcomer, 26 ms
@@ -276,6 +286,7 @@ def test_no_express_step_where_it_does_not_pay(case):
     check_outputs(d, *flood, probe)
 
 
+@pytest.mark.usefixtures("_alone")
 def test_an_express_step_takes_new_clients_while_it_stays_short():
     """Ten new clients' 8-token prompts beside 56 decodes: the k-th joins while the step it
     would share (138 ms) lasts twice the express step with it (10 + 16k ms): three of them."""
@@ -286,6 +297,71 @@ def test_an_express_step_takes_new_clients_while_it_stays_short():
     assert [s.req_id for s in d.outs[-1].scheduled] == [p.request_id for p in probes[:3]]
     assert d.outs[-1].budget_units == 24 <= EXPRESS_UNITS
     check_outputs(d, *flood, *probes)
+
+
+def test_shared_steps_cut_the_decodes_and_serve_them_in_turn():
+    """62 decodes of client a alone fill every step; once client b has come, a step holds
+    what fits three one-row steps (10 ms + 2 ms a row: 36 ms), at least 50 ms (20 decodes),
+    those served longest ago first, so each decode is served in any four steps running;
+    RECENT_STEPS after
+    b has gone, the steps are whole again."""
+    d, flood = _beside_decodes(max_step_ms=150.0)
+    d.step()
+    assert sum(s.num_tokens == 1 for s in d.outs[-1].scheduled) == 62
+    probe = _probe("b")
+    d.add(probe)
+    served: list[set[str]] = []
+    while probe.status is not RequestStatus.FINISHED:
+        d.step()
+    for _ in range(4):
+        d.step()
+        served.append({s.req_id for s in d.outs[-1].scheduled})
+    assert [len(ids) for ids in served] == [20] * 4
+    assert set().union(*served) == {r.request_id for r in flood}, "each in four steps"
+    assert d.sched.shared.steps >= 4
+    for _ in range(RECENT_STEPS):
+        d.step()
+    assert len(d.outs[-1].scheduled) == 62, "b gone: whole steps again"
+    check_outputs(d, *flood, probe)
+
+
+def test_a_gpus_shared_step_cuts_no_decode():
+    """A GPU's step: 5 ms fixed, 20 us a decode row, 1 ns a token read: a shared step is
+    50 ms (the floor, not three 5-ms steps) and holds 256 decodes of 2k-token contexts."""
+    fit = (0.005, 1e-5, 2e-5, 1e-9)
+    assert shared_seconds(fit) == SHARED_MIN_S
+    assert decodes_within(fit, shared_seconds(fit), 256, 256 * 2048) == 256
+    assert decodes_within((0.010, 0.002, 0.002, 0.0), 0.050, 62, 62 * 100) == 20
+
+
+def test_shared_steps_cap_a_prefill_beside_another_clients_decode():
+    """A 1000-token prompt of client a beside client b's stream: the chunks fit three
+    one-row steps (50 ms + 2 ms a unit: 156 ms, under the 250 ms cap: 52 units beside the
+    decode), without the stretch to twice the step's unavoidable cost."""
+    d = timed(driver(max_model_len=2048, max_step_ms=250.0))
+    stream = call("b", 1, 4, max_tokens=30)[0]
+    stream.client = "b"
+    long = call("a", 1, 1000, max_tokens=1)[0]
+    d.add(stream)
+    d.step()
+    d.add(long)
+    d.step()
+    assert {s.req_id: s.num_tokens for s in d.outs[-1].scheduled} == {"b0": 1, "a0": 52}
+    check_outputs(d, stream, long)
+
+
+def test_no_shared_steps_for_a_client_alone_or_offline():
+    """Client a's own second call, and sequences of no call (the offline API's), share no
+    step with another client: the steps stay whole."""
+    d, flood = _beside_decodes(max_step_ms=150.0)
+    more = call("a-more", 1, 8, max_tokens=5)
+    more[0].client = "a"
+    offline = streams("x", 4, max_tokens=5)
+    for r in offline:
+        r.group = None
+    d.add(*more, *offline)
+    check_outputs(d, *flood, *more, *offline)
+    assert d.sched.shared.steps == 0
 
 
 # -- engine ------------------------------------------------------------------------------------

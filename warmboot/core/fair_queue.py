@@ -180,6 +180,10 @@ class FairTurns:
         req.local_turn = max(client.round, call.last_turn + 1)
         call.last_turn, call.live = req.local_turn, call.live + 1
 
+    def clients(self) -> Iterator[str]:
+        """The clients with live sequences (API calls only: a bare sequence is none)."""
+        return (c for c in self._clients if not c.startswith("\0"))
+
     def admitted(self, entry: Entry) -> None:
         """``entry``'s request took a seat: it keeps its slot (a preemption returns it)."""
         req = entry.req

@@ -61,6 +61,9 @@ class Request:
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at the first admission."""
     num_preemptions: int = 0
+    served_at: int = 0
+    """The scheduler's step count when a step last held it (shared steps serve decodes
+    served longest ago first)."""
     num_prompt_logprobs: int = 0
     """Prompt tokens (after the first) whose logprobs a step has been asked for."""
     status: RequestStatus = RequestStatus.WAITING

@@ -23,6 +23,8 @@ within it because one proxy may carry many users.
   waiting requests while one could take a free seat.
 - Express steps (time-capped only): when the running requests would make a step long, a new
   client's small prompt runs in a short step of its own, never two of those in a row.
+- Shared steps (time-capped only, ``core.shared_steps``): while several clients are present,
+  steps are a few one-row steps long, their decodes cut to fit (served longest ago first).
 
 Bound: a new client's first sequence is admitted in the first step scheduled after it arrives
 that has, once the requests ahead of it are served (preempted requests, lower priority values
@@ -42,7 +44,9 @@ from warmboot.config import SchedulerConfig
 from warmboot.core.block_manager import BlockManager
 from warmboot.core.fair_queue import Entry, FairTurns, WaitingQueue
 from warmboot.core.request import FinishReason, Request, RequestStatus
+from warmboot.core.shared_steps import SharedSteps, decodes_within, served_last, shared_seconds
 from warmboot.core.step_cost import MIN_SAMPLES, StepCost
+from warmboot.core.step_load import claims_behind, running_load
 from warmboot.core.types import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenEvent
 
 MIN_PREFILL_UNITS = 32
@@ -74,6 +78,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_express = 0
         self._expressed = False
+        self.shared = SharedSteps()
+        self._skip: set[Request] = set()  # NOTE: decodes a shared step leaves to the next
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -104,6 +110,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(finished_req_ids=self._finished_since_step)
         self._finished_since_step = []
+        self._shared = bool(self.config.max_step_ms) and self.shared.note(self.turns.clients())
         self._expressed = not self._expressed and self._express(out)
         if self._expressed:
             return out
@@ -116,27 +123,22 @@ class Scheduler:
 
     def _budget(self) -> tuple[float, float]:
         """(the step's budget, the part of it running prefills leave to waiting requests)."""
-        cfg = self.config
+        cfg, self._skip = self.config, set()
         if not cfg.max_step_ms or self.step_cost.samples < MIN_SAMPLES:
             return cfg.max_num_batched_tokens, 0
-        decodes, context, _ = self._running_load()
-        cap = self.step_cost.units_within(cfg.max_step_ms / 1000, decodes, context)
-        prefills = len(self.running) > decodes
+        decodes, context, prefills = running_load(self.running, self.step_cost.logprob_weight)
+        seconds = cfg.max_step_ms / 1000
+        if self._shared:  # NOTE: decodes cut to fit a shared step, never to a shorter cap
+            shared = shared_seconds(self.step_cost.fit())
+            kept = decodes_within(self.step_cost.fit(), shared, decodes, context)
+            seconds = min(seconds, shared)
+            self._skip = served_last(self.running, decodes - kept)
+            decodes, context = kept, context * kept // max(decodes, 1)
+        cap = self.step_cost.units_within(seconds, decodes, context, stretch=not self._shared)
         reserve = MIN_PREFILL_UNITS if self._admissible_waits() else 0
-        floor = decodes + max(MIN_PREFILL_UNITS * prefills + reserve, MIN_PREFILL_UNITS)
+        floor = decodes + max(MIN_PREFILL_UNITS * (prefills > 0) + reserve, MIN_PREFILL_UNITS)
         budget = min(cfg.max_num_batched_tokens, max(cap, floor))
         return budget, max(0, min(reserve, budget - decodes - 1))  # NOTE: a prefill moves
-
-    def _running_load(self) -> tuple[int, int, float]:
-        """The running requests' decodes, the KV tokens they read, and their prefill units."""
-        weight, decodes, context, prefill = self.step_cost.logprob_weight, 0, 0, 0.0
-        for r in self.running:
-            remaining = r.num_tokens - r.num_computed_tokens
-            context += r.num_computed_tokens + 1
-            decodes += remaining <= 1
-            if remaining > 1:
-                prefill += remaining * (weight if r.wants_prompt_logprobs else 1.0)
-        return decodes, context, prefill
 
     def _admissible_waits(self) -> bool:
         """Whether a waiting request could take a seat now (siblings wait for their leader)."""
@@ -153,22 +155,6 @@ class Scheduler:
         weight = self.step_cost.logprob_weight if req.wants_prompt_logprobs else 1.0
         n = min(remaining, max(1, int(min(budget, cfg.prefill_chunk) / weight)), int(budget))
         return n, n * weight
-
-    def _claims_behind(self, budget: float) -> list[float]:
-        """For each running request, the budget the requests after it claim before it takes a
-        prefill chunk: a decode its token, a prefill this step can finish (weighing at most
-        ``MIN_PREFILL_UNITS``) the rest of it, the prefills' claims at most half the budget. A
-        small prompt admitted behind a long prefill is done in its next step (not a token a
-        step), and a decode behind one is never squeezed out."""
-        weight = self.step_cost.logprob_weight
-        decodes, small = [0.0], [0.0]  # over the last k requests, k = 0, 1, ...
-        for req in reversed(self.running):
-            remaining = req.num_tokens - req.num_computed_tokens
-            cost = remaining * (weight if req.wants_prompt_logprobs else 1.0)
-            decodes.append(decodes[-1] + (remaining <= 1))
-            small.append(small[-1] + (cost if remaining > 1 and cost <= MIN_PREFILL_UNITS else 0))
-        n = len(self.running)
-        return [decodes[n - 1 - i] + min(small[n - 1 - i], budget / 2) for i in range(n)]
 
     def _schedule_running(self, out: SchedulerOutput, budget: float, reserve: float) -> float:
         claims = budget >= 4 * MIN_PREFILL_UNITS  # NOTE: a tiny budget is served in order
@@ -189,9 +175,12 @@ class Scheduler:
             own = budget
             if remaining > 1:  # NOTE: prefills leave the reserve and the claims behind them
                 if claims and behind is None:
-                    behind = self._claims_behind(full)
+                    weight = self.step_cost.logprob_weight
+                    behind = claims_behind(
+                        self.running, full, weight, MIN_PREFILL_UNITS, self._skip
+                    )
                 own -= reserve + (behind[i] if behind is not None else 0.0)
-            if req.num_planned_outputs >= req.max_tokens or own < 1:
+            if req.num_planned_outputs >= req.max_tokens or own < 1 or req in self._skip:
                 i += 1  # NOTE: its last token is in flight; never launch a row past max_tokens
                 continue
             n, cost = self._chunk(req, remaining, own)
@@ -286,8 +275,11 @@ class Scheduler:
         if not (cfg.max_step_ms and fit and self.running and self.waiting.has_rank(0)):
             return False
         fixed, per_unit, per_row, per_read = fit
-        decodes, context, prefill = self._running_load()
-        prefill = min(prefill, self._budget()[0] - decodes)  # NOTE: what the step would hold
+        decodes, context, prefill = running_load(self.running, self.step_cost.logprob_weight)
+        budget = self._budget()[0]  # NOTE: and the decodes a shared step leaves out
+        kept = decodes - len(self._skip)
+        decodes, context = kept, context * kept // max(decodes, 1)
+        prefill = min(prefill, budget - decodes)  # NOTE: what the step would hold
         shared = fixed + per_row * decodes + per_read * context + per_unit * prefill
         budget, skipped = float(EXPRESS_UNITS), []
         while budget >= 1 and len(self.running) < cfg.max_num_seqs:
@@ -328,6 +320,7 @@ class Scheduler:
             lp_from, targets = req.take_prompt_logprob_targets(start, n)
         req.num_computed_tokens += n
         req.num_inflight += sample
+        req.served_at = self.shared.step
         return ScheduledRequest(
             req_id=req.request_id,
             token_ids=token_ids,

@@ -94,16 +94,20 @@ class StepCost:
         per_unit = self._xy[0] / units
         return 0.0, per_unit, per_unit, 0.0
 
-    def units_within(self, seconds: float, decode_rows: int = 0, context: int = 0) -> int | None:
+    def units_within(
+        self, seconds: float, decode_rows: int = 0, context: int = 0, stretch: bool = True
+    ) -> int | None:
         """The most budget units (``decode_rows`` decodes and prefill units) a step reading
-        ``context`` KV tokens may hold to last at most ``seconds``, or as long as its
-        unavoidable cost again (see the module docstring); None while the cost is not known."""
+        ``context`` KV tokens may hold to last at most ``seconds``, or (``stretch``) as long
+        as its unavoidable cost again (see the module docstring); None while the cost is not
+        known."""
         fit = self.fit()
         if fit is None:
             return None
         fixed, per_unit, per_row, per_read = fit
         unavoidable = fixed + per_row * decode_rows + per_read * context
-        prefill = max(seconds - unavoidable, unavoidable) / per_unit
+        prefill = max(seconds - unavoidable, unavoidable) if stretch else seconds - unavoidable
+        prefill /= per_unit
         return decode_rows + max(1, int(prefill + 1e-6))
 
 

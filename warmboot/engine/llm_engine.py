@@ -165,6 +165,7 @@ class LLMEngine:
             "prefix_cache_hits": kv.prefix_hits,
             "preemptions": self.scheduler.num_preemptions,
             "express_steps": self.scheduler.num_express,
+            "shared_steps": self.scheduler.shared.steps,
             "loop": self.loop.name,
             "cuda_graphs": self.startup.graphs_note,
             "compile": dict(self.startup.compiling.info),

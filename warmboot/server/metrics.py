@@ -101,6 +101,7 @@ class _EngineCollector:
             ("warmboot_kv_blocks_capacity", "kv_blocks_total", "KV blocks in the pool"),
             ("warmboot_preemptions", "preemptions", "Requests preempted so far"),
             ("warmboot_express_steps", "express_steps", "Steps of new clients' prompts alone"),
+            ("warmboot_shared_steps", "shared_steps", "Steps kept short as clients share"),
         ):
             gauge = GaugeMetricFamily(name, doc)
             gauge.add_metric([], float(state[key]))

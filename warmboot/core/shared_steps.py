@@ -1,0 +1,76 @@
+"""Short steps while the server is shared (time-capped schedulers, ``max_step_ms``).
+
+A new client's first token waits for the step in flight, whatever its own step costs. Beside
+one heavy client, a step capped at ``max_step_ms`` (250 ms by default) or a batch of 62
+decodes (70-100 ms on two CPU cores) is that wait: well past twice a quiet request's time plus
+one decode step (issue 23's goal). So while more than one client has had a request live within
+the last ``RECENT_STEPS`` steps, a step lasts at most ``SHARED_ROW_STEPS`` one-row steps (the
+fitted fixed cost plus one decode row; at least ``SHARED_MIN_S``), and the decodes a step
+holds are cut to what fits, those served longest ago first: the others take the next step,
+one token later. Prefill chunks get what the decodes leave of it (at least the scheduler's
+floor), not the stretch to twice the step's unavoidable cost of a client alone.
+
+What it costs: the heavy client's throughput while others come and go (62 decodes in two
+steps of 31 pay the fixed cost twice), never a client alone (throughput first). A GPU's
+decode row costs a fraction of its fixed cost: there no decode is cut.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from warmboot.core.request import Request
+
+RECENT_STEPS = 32
+"""Steps after a client's last live request during which it still counts as present."""
+SHARED_ROW_STEPS = 3.0
+"""A shared step's length, in one-row steps (fixed cost plus one decode row)..."""
+SHARED_MIN_S = 0.05
+"""...and at least this long: a GPU's one-row step of a few ms would cut prefill chunks to
+slivers that pay the fixed cost again and again (on two CPU cores 3 one-row steps are 54 ms)."""
+
+Fit = tuple[float, float, float, float]
+
+
+class SharedSteps:
+    """Which clients were present of late, step by step."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self._seen: dict[str, int] = {}
+        self.steps = 0
+        """Steps scheduled while shared."""
+
+    def note(self, clients: Iterable[str]) -> bool:
+        """Count a step with ``clients`` live; whether two or more were present of late."""
+        self.step += 1
+        for c in clients:
+            self._seen[c] = self.step
+        if len(self._seen) > 1:
+            old = self.step - RECENT_STEPS
+            self._seen = {c: s for c, s in self._seen.items() if s > old}
+        shared = len(self._seen) > 1
+        self.steps += shared
+        return shared
+
+
+def shared_seconds(fit: Fit) -> float:
+    """A shared step's length: ``SHARED_ROW_STEPS`` one-row steps, at least ``SHARED_MIN_S``."""
+    fixed, _, per_row, _ = fit
+    return max(SHARED_ROW_STEPS * (fixed + per_row), SHARED_MIN_S)
+
+
+def decodes_within(fit: Fit, seconds: float, decodes: int, context: int) -> int:
+    """How many of ``decodes`` decode rows (reading ``context`` KV tokens in all) a step of
+    ``seconds`` holds: at least one."""
+    if decodes <= 1:
+        return decodes
+    fixed, _, per_row, per_read = fit
+    per = per_row + per_read * context / decodes
+    return max(1, min(decodes, int((seconds - fixed) / per + 1e-6)))
+
+
+def served_last(running: Sequence[Request], n: int) -> set[Request]:
+    """The ``n`` running decodes served most recently: a shared step leaves them out."""
+    decodes = [r for r in running if r.num_tokens - r.num_computed_tokens <= 1]
+    return set(sorted(decodes, key=lambda r: r.served_at)[len(decodes) - n :]) if n > 0 else set()
