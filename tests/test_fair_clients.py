@@ -171,6 +171,39 @@ def test_a_capped_step_sizes_prompt_logprob_chunks_by_the_learnt_weight():
     check_outputs(d, plp)
 
 
+def test_step_cost_learns_what_reading_earlier_kv_costs_a_prefill():
+    """A prefill chunk over a cached prefix gathers it: what the fit leaves of such steps'
+    time, 8 us a token read, is learnt apart from the (decode-priced) context term."""
+    cost = StepCost()
+    assert cost.per_extend_read == 0.0
+    for units, rows, context in STEPS * 2:
+        cost.observe(units, rows, context, 0.050 + 0.002 * units + 0.006 * rows + 1e-5 * context)
+    assert cost.fit() is not None  # NOTE: the scheduler asks every step
+    for tails in (4, 15, 8):  # NOTE: n siblings' 8-token tails over a 992-token prefix
+        seconds = 0.050 + 0.002 * 8 * tails + 1e-5 * 1000 * tails + 8e-6 * 992 * tails
+        cost.observe(8 * tails, 0, 1000 * tails, seconds, 0, 992 * tails)
+    assert cost.per_extend_read == pytest.approx(8e-6, rel=0.05)
+
+
+def test_a_cached_prefix_counts_its_read_against_the_step():
+    """Calls whose prompts are a cached prefix (59 blocks: 944 tokens) and 8 tokens of their
+    own: each admission costs its 8 tokens plus the prefix read (944 x 8 us / 2 ms: 3.8
+    units), so a 150 ms step of 50 units admits four of them, not six (the first admission
+    always goes in)."""
+    d = timed(driver(max_model_len=2048, max_step_ms=150.0))
+    first = call("a", 1, 1000, max_tokens=1)[0]
+    d.add(first)
+    check_outputs(d, first)
+    prefix = list(first.prompt_token_ids[: 16 * len(d.kv.find_cached_prefix(first.all_token_ids))])
+    assert len(prefix) == 944
+    d.sched.step_cost._extend = [1.0, 8e-6]  # NOTE: learnt as the test above shows
+    tails = [call(f"t{i}", 1, prefix + [1 + i] * 8, max_tokens=1)[0] for i in range(6)]
+    d.add(*tails)
+    d.step()
+    assert [(s.start_pos, s.num_tokens) for s in d.outs[-1].scheduled] == [(944, 8)] * 4
+    check_outputs(d, *tails)
+
+
 def timed(d, fixed_ms: float = 50.0, per_unit_ms: float = 2.0):
     """Teach ``d``'s scheduler a step cost of ``fixed_ms`` + ``per_unit_ms`` a unit."""
     for units in (1, 16, 64, 256):

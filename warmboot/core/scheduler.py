@@ -250,7 +250,10 @@ class Scheduler:
         cold = req.num_computed_tokens or req.wants_prompt_logprobs
         prefix = [] if cold else self.kv.find_cached_prefix(req.all_token_ids)
         start = len(prefix) * self.kv.block_size
-        n, cost = self._chunk(req, req.num_tokens - start, budget)
+        read = self._read_units(start)  # NOTE: a cached prefix is gathered, not free
+        if read >= budget and out.scheduled:
+            return None
+        n, cost = self._chunk(req, req.num_tokens - start, max(1.0, budget - read))
         if whole and start + n < req.num_tokens:
             return None
         if not self.kv.allocate(req.request_id, start + n, prefix):
@@ -262,7 +265,12 @@ class Scheduler:
         self.turns.admitted(entry)
         bisect.insort(self.running, req, key=_priority)  # NOTE: all equal: an append
         out.scheduled.append(self._scheduled(req, n))
-        return cost
+        return cost + read
+
+    def _read_units(self, tokens: int) -> float:
+        """Budget units a chunk's read of ``tokens`` earlier KV costs past the fit (capped)."""
+        fit = self.step_cost.fit() if self.config.max_step_ms and tokens else None
+        return self.step_cost.per_extend_read * tokens / fit[1] if fit else 0.0
 
     def _express(self, out: SchedulerOutput) -> bool:
         """A step of new clients' small prompts alone (rank 0: a client with nothing else

@@ -19,6 +19,7 @@ from warmboot.core.block_manager import BlockManager
 from warmboot.core.output_processor import OutputProcessor
 from warmboot.core.request import FinishReason
 from warmboot.core.scheduler import Scheduler
+from warmboot.core.step_cost import StepCost
 from warmboot.core.types import SchedulerOutput
 from warmboot.device.grammar_requests import GrammarRequests
 from warmboot.device.runner import ModelRunner
@@ -112,15 +113,19 @@ class Loop:
         decode_only = handle.sched.decode_only and bool(touched)
         busy = p.runner.stream.busy_seconds()
         if handle.inputs is not None:  # NOTE: device time since the last commit: this step's
-            sched = handle.sched
-            rows = sum(s.num_tokens == 1 for s in sched.scheduled)
-            read = sum(s.start_pos + s.num_tokens for s in sched.scheduled)
-            logprobs = sum(len(s.prompt_logprob_targets) for s in sched.scheduled)
-            units = sched.num_batched_tokens - rows
-            p.scheduler.step_cost.observe(units, rows, read, busy - self._busy, logprobs)
+            _observe(p.scheduler.step_cost, handle.sched, busy - self._busy)
         self._busy = busy
         self.meter.mark(busy, decode_only)
         return touched
+
+
+def _observe(cost: StepCost, sched: SchedulerOutput, seconds: float) -> None:
+    """Feed a retired step's shape and device time to the step-cost fit."""
+    rows = sum(s.num_tokens == 1 for s in sched.scheduled)
+    read = sum(s.start_pos + s.num_tokens for s in sched.scheduled)
+    logprobs = sum(len(s.prompt_logprob_targets) for s in sched.scheduled)
+    extend = sum(s.start_pos for s in sched.scheduled if s.num_tokens > 1)
+    cost.observe(sched.num_batched_tokens - rows, rows, read, seconds, logprobs, extend)
 
 
 class SyncLoop(Loop):
