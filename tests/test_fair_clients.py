@@ -334,8 +334,8 @@ def test_an_express_step_takes_new_clients_while_it_stays_short():
 
 def test_shared_steps_cut_the_decodes_and_serve_them_in_turn():
     """62 decodes of client a alone fill every step; once client b has come, a step holds
-    what fits three one-row steps (10 ms + 2 ms a row: 36 ms), at least 50 ms (20 decodes),
-    those served longest ago first, so each decode is served in any four steps running;
+    what fits three one-row steps (10 ms + 2 ms a row: 36 ms), at least 40 ms (15 decodes),
+    those served longest ago first, so each decode is served in any five steps running;
     RECENT_STEPS after
     b has gone, the steps are whole again."""
     d, flood = _beside_decodes(max_step_ms=150.0)
@@ -346,12 +346,12 @@ def test_shared_steps_cut_the_decodes_and_serve_them_in_turn():
     served: list[set[str]] = []
     while probe.status is not RequestStatus.FINISHED:
         d.step()
-    for _ in range(4):
+    for _ in range(5):
         d.step()
         served.append({s.req_id for s in d.outs[-1].scheduled})
-    assert [len(ids) for ids in served] == [20] * 4
-    assert set().union(*served) == {r.request_id for r in flood}, "each in four steps"
-    assert d.sched.shared.steps >= 4
+    assert [len(ids) for ids in served] == [15] * 5
+    assert set().union(*served) == {r.request_id for r in flood}, "each in five steps"
+    assert d.sched.shared.steps >= 5
     for _ in range(RECENT_STEPS):
         d.step()
     assert len(d.outs[-1].scheduled) == 62, "b gone: whole steps again"
@@ -360,7 +360,7 @@ def test_shared_steps_cut_the_decodes_and_serve_them_in_turn():
 
 def test_a_gpus_shared_step_cuts_no_decode():
     """A GPU's step: 5 ms fixed, 20 us a decode row, 1 ns a token read: a shared step is
-    50 ms (the floor, not three 5-ms steps) and holds 256 decodes of 2k-token contexts."""
+    40 ms (the floor, not three 5-ms steps) and holds 256 decodes of 2k-token contexts."""
     fit = (0.005, 1e-5, 2e-5, 1e-9)
     assert shared_seconds(fit) == SHARED_MIN_S
     assert decodes_within(fit, shared_seconds(fit), 256, 256 * 2048) == 256
