@@ -10,8 +10,8 @@ holds are cut to what fits, those served longest ago first: the others take the 
 one token later. Prefill chunks get what the decodes leave of it (at least the scheduler's
 floor), not the stretch to twice the step's unavoidable cost of a client alone.
 
-What it costs: the heavy client's throughput while others come and go (62 decodes in two
-steps of 31 pay the fixed cost twice), never a client alone (throughput first). A GPU's
+What it costs: the heavy client's throughput while others come and go (62 decodes in two or
+three steps pay the fixed cost that often), never a client alone (throughput first). A GPU's
 decode row costs a fraction of its fixed cost: there no decode is cut.
 """
 
