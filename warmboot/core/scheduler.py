@@ -79,7 +79,7 @@ class Scheduler:
         self.num_express = 0
         self._expressed = False
         self.shared = SharedSteps()
-        self._skip: set[Request] = set()  # NOTE: decodes a shared step leaves to the next
+        self._shared, self._skip = False, set()  # NOTE: _skip: decodes left to the next step
 
     # -- requests ------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:

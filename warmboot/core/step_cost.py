@@ -18,9 +18,9 @@ as each step retires. While the steps seen do not tell the terms apart, simpler 
 the units, an upper bound on the unit cost: the budget errs short).
 
 The scheduler counts a prompt-logprob token ``logprob_weight`` units: with ``learn_weight``,
-``1 + per_logprob / per_unit`` from the last fit that told them apart (a fixed 1.4 where a
-served step's prompt-logprob token took about 3 plain tokens' time ran an echo request's
-chunks 300-420 ms past a 250 ms cap).
+``1 + per_logprob / per_unit`` from the last fit that told them apart (the demo model's
+compiled steps offline: 3-4). Priced at a fixed 1.4 and fitted in weighted units, an echo
+request's chunks in a server had run 300-420 ms past a 250 ms cap.
 
 A step never has less prefill than its unavoidable cost (fixed, decodes, context) would
 justify: below that, chunks shrink only to pay that cost more often. So a step lasts at most
