@@ -4,17 +4,18 @@ same model (the soak, warmboot's memory under a long mixed load, is ``bench/soak
 
 Each engine runs as its own server process (bf16, same ``max_model_len``) at its defaults
 (warmboot probed once its compiled steps serve; ``--eager``: both ``--enforce-eager``, as the
-issue's first figures were), one engine at a time. Per load: a load process (so its client work never holds the probe's GIL) keeps the
-load's hostile traffic in flight, each request sent again once answered (a round at most every
-``ROUND_S``) and abandoned after ``DEADLINE_S`` (20 s for the schema clients, who leave); one
-second after it starts, this process sends a streamed 1-token completion and a ``GET /health``
-every ``--interval-s`` for ``--window-s`` (each on a new connection, abandoned after 60 s)
-and takes nearest-rank p50 / p99 (a probe that fails or gets no token counts as infinite).
-Then the load is stopped and what it got recorded (status codes, seconds to the answer or the
-refusal, connections the server closed); a server that died or stopped answering is
-restarted (recorded). The goal, per engine: under every load, p99 <= 2 x the quiet p99 plus
-one decode step (the inter-token time of a quiet 16-token stream). The loads come from
-127.0.0.2, the probes from 127.0.0.1: two clients, as a hostile client and the others are.
+issue's first figures were), one engine at a time. Per load: a load process (so its client
+work never holds the probe's GIL) keeps the load's hostile traffic in flight, each request
+sent again once answered (a round at most every ``ROUND_S``) and abandoned after
+``DEADLINE_S`` (20 s for the schema clients, who leave); one second after it starts, this
+process sends a streamed 1-token completion and a ``GET /health`` every ``--interval-s`` for
+``--window-s`` (each on a new connection, abandoned after 60 s) and takes nearest-rank p50 /
+p99 (a probe that fails or gets no token counts as infinite). Then the load is stopped and
+what it got recorded (status codes, seconds to the answer or the refusal, connections the
+server closed); a server that died or stopped answering is restarted (recorded). The goal,
+per engine: under every load, p99 <= 2 x the quiet p99 plus one decode step (the inter-token
+time of a quiet 16-token stream). The loads come from 127.0.0.2, the probes from 127.0.0.1:
+two clients, as a hostile client and the others are.
 
 The loads (sizes are flags, ``--quick`` shrinks them): ``schemas`` (N chats, each with a large
 distinct ``enum`` json_schema), ``nested`` (one schema of 400 nested objects), ``streams``

@@ -336,8 +336,7 @@ def test_shared_steps_cut_the_decodes_and_serve_them_in_turn():
     """62 decodes of client a alone fill every step; once client b has come, a step holds
     what fits three one-row steps (10 ms + 2 ms a row: 36 ms), at least 40 ms (15 decodes),
     those served longest ago first, so each decode is served in any five steps running;
-    RECENT_STEPS after
-    b has gone, the steps are whole again."""
+    RECENT_STEPS after b has gone, the steps are whole again."""
     d, flood = _beside_decodes(max_step_ms=150.0)
     d.step()
     assert sum(s.num_tokens == 1 for s in d.outs[-1].scheduled) == 62
