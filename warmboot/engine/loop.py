@@ -121,11 +121,16 @@ class Loop:
 
 def _observe(cost: StepCost, sched: SchedulerOutput, seconds: float) -> None:
     """Feed a retired step's shape and device time to the step-cost fit."""
-    rows = sum(s.num_tokens == 1 for s in sched.scheduled)
-    read = sum(s.start_pos + s.num_tokens for s in sched.scheduled)
-    logprobs = sum(len(s.prompt_logprob_targets) for s in sched.scheduled)
-    extend = sum(s.start_pos for s in sched.scheduled if s.num_tokens > 1)
-    cost.observe(sched.num_batched_tokens - rows, rows, read, seconds, logprobs, extend)
+    units = rows = read = logprobs = extend = 0
+    for s in sched.scheduled:  # NOTE: one pass: this runs every step
+        n = s.num_tokens
+        read += s.start_pos + n
+        logprobs += len(s.prompt_logprob_targets)
+        if n == 1:
+            rows += 1
+        else:
+            units, extend = units + n, extend + s.start_pos
+    cost.observe(units, rows, read, seconds, logprobs, extend)
 
 
 class SyncLoop(Loop):
