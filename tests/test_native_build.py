@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from warmboot.kernels import native
 
@@ -102,3 +103,27 @@ def test_a_start_without_the_library_does_not_wait_for_its_build(tmp_path):
     first, waited, later, lib = out.stdout.split()
     assert first == "False" and float(waited) < 2.0 and later == "True", out.stdout
     assert lib.startswith(str(tmp_path / "cache" / "native")), "built into the empty cache"
+
+
+def test_a_sandboxed_worker_takes_the_instruction_set_its_host_lists():
+    """gVisor's CPUID hides AVX-512 BF16; the launcher hands its worker the host's flags
+    (``$WARMBOOT_HOST_CPU``) and the kernels run with the best set they list, never a lower
+    one than this CPU's own."""
+    assert native.host_isa("EPYC | avx2 avx512_bf16 avx512bw avx512f fma") == "avx512_bf16"
+    assert native.host_isa("EPYC | avx2 avx512bw avx512f fma") == "avx512"
+    assert native.host_isa("Core | avx2 fma sse2") == "avx2"
+    assert native.host_isa("Atom | sse2") is None
+    if native.library() is None:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    ops, best = torch.ops.warmboot_cpu, native.isa()
+    try:
+        ops.use_isa("portable")  # NOTE: as gVisor's CPUID would leave it
+        assert ops.adopt_host_isa(best) == best and native.isa() == best
+        assert ops.adopt_host_isa("portable") == best, "never lowered"
+    finally:
+        ops.use_isa(best)
+    env = {**os.environ, "WARMBOOT_HOST_CPU": "Core | avx2 fma"}
+    code = "from warmboot.kernels import native; print(native.isa())"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == best, "a host reading below this CPU's lowers nothing"

@@ -185,8 +185,33 @@ def _build_and_load() -> tuple[Path | None, str | None]:
         detail = f"{e}\n{e.stderr}" if isinstance(e, subprocess.CalledProcessError) else str(e)
         log.warning("native CPU kernels unavailable (torch's kernels serve): %s", detail)
         return None, f"the native kernels did not build or load: {detail}"
+    _adopt_host_isa()
     log.info("native CPU kernels: %s (%s)", path, torch.ops.warmboot_cpu.isa())
     return path, None
+
+
+HOST_ISAS = (("avx512_bf16", ("avx512_bf16", "avx512bw")), ("avx512", ("avx512f", "avx512bw")),
+             ("avx2", ("avx2", "fma")))  # fmt: skip
+"""The native sets, best first, with the host CPU flags each needs."""
+
+
+def host_isa(host_cpu: str) -> str | None:
+    """The best set a host's ``model | flags`` reading (``snapshot.key.host_cpu_features``)
+    lists, or None."""
+    flags = set(host_cpu.partition(" | ")[2].split())
+    return next((name for name, need in HOST_ISAS if flags.issuperset(need)), None)
+
+
+def _adopt_host_isa() -> None:
+    """In gVisor CPUID hides sets the host has (AVX-512 BF16 among them), so the sandboxed
+    worker would run slower kernels than the host, with other bits (and another canary).
+    Where the launcher handed it the host's reading (``$WARMBOOT_HOST_CPU``), the kernels run
+    with the best set it lists: the worker runs on that host, and a process image is keyed by
+    the host's flags, so it is restored only where they hold. AMX still needs the OS's grant."""
+    from warmboot.snapshot.key import HOST_CPU_ENV
+
+    if (host := os.environ.get(HOST_CPU_ENV)) and (name := host_isa(host)):
+        torch.ops.warmboot_cpu.adopt_host_isa(name)
 
 
 def build(compiler: str) -> Path:

@@ -67,6 +67,18 @@ std::string use_isa(const std::string& name) {
   TORCH_CHECK(false, "unknown instruction set ", name);
 }
 
+// gVisor's CPUID hides sets the host has (AVX-512 BF16 among them); the launcher hands its
+// worker the host's flags, and this raises the set to what they list (never lowers it).
+std::string adopt_host_isa(const std::string& name) {
+  for (int i = 0; i < 4; ++i) {
+    if (name == kNames[i]) {
+      if (i > g_isa.load()) g_isa = i;
+      return kNames[g_isa.load()];
+    }
+  }
+  TORCH_CHECK(false, "unknown instruction set ", name);
+}
+
 }  // namespace
 
 Isa detect_isa() { return static_cast<Isa>(g_isa.load()); }
@@ -78,6 +90,7 @@ bool amx_ready() { return g_amx.load() && detect_isa() == Isa::Avx512Bf16; }
 TORCH_LIBRARY(warmboot_cpu, m) {
   m.def("isa() -> str", &warmboot::isa_name);
   m.def("use_isa(str name) -> str", &warmboot::use_isa);
+  m.def("adopt_host_isa(str name) -> str", &warmboot::adopt_host_isa);
   m.def("amx() -> bool", &warmboot::amx_available);
   m.def("use_amx(bool on) -> bool", &warmboot::use_amx);
 }
