@@ -17,7 +17,7 @@ from warmboot.launcher import process_image
 from warmboot.launcher.launch import LaunchConfig, launch
 from warmboot.launcher.sandbox import runsc_status
 from warmboot.sampling_params import SamplingParams
-from warmboot.snapshot.canary import canary_mismatch
+from warmboot.snapshot.canary import HALF_ATOL, canary_mismatch
 from warmboot.snapshot.store import open_store
 
 RUNSC, NO_RUNSC = runsc_status()
@@ -158,6 +158,20 @@ def test_restore_timeout_and_missing_runsc_fall_back_in_process(published, fault
     assert answer == published[1]
     assert canary_mismatch([[1, -0.5]], [[1, -0.50001]]) is None
     assert "token 0 is 2" in canary_mismatch([[1, -0.5]], [[2, -0.5]])
+
+
+def test_a_half_precision_canary_allows_one_logit_step_and_no_more():
+    """The 1.5B model's bf16 canary, recorded in gVisor (oneDNN without AVX-512 BF16) and
+    reproduced outside: one bf16 step of the logit apart. Tier A allows that; tier P (the
+    same process restored) and float32 engines do not, and tokens must always match."""
+    recorded = [[67497, -8.563695], [4023, -8.785331]]
+    outside = [[67497, -8.579291], [4023, -8.785353]]
+    assert "logprob 0" in canary_mismatch(recorded, outside)
+    assert canary_mismatch(recorded, outside, HALF_ATOL) is None
+    wrong = [[67497, -8.563695 + 4 * HALF_ATOL], [4023, -8.785331]]
+    assert "logprob 0" in canary_mismatch(recorded, wrong, HALF_ATOL)
+    flipped = [[67497, -8.563695], [4024, -8.785331]]
+    assert "token 1 is 4024" in canary_mismatch(recorded, flipped, HALF_ATOL)
 
 
 def test_a_sandboxed_worker_runs_one_torch_thread_unless_told(tmp_path):

@@ -12,6 +12,8 @@ import torch
 from tests.helpers import random_prompts
 from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM, SamplingParams
+from warmboot.engine import startup as startup_mod
+from warmboot.kernels import native
 from warmboot.snapshot import publish as publish_mod
 from warmboot.snapshot.image import (
     IntegrityError,
@@ -102,6 +104,26 @@ def test_restored_engine_is_bitwise_equal(path, golden):
         "precondition: a tensor mapped from several chunk files"
     )
     assert outputs(llm) == golden[2]
+
+
+def test_a_publisher_runs_its_canary_on_the_kernels_a_restore_has(path, tmp_path, monkeypatch):
+    """While the native library's first build runs, steps attend with SDPA (``native.ready``);
+    a restore places the snapshot's library first. So a publishing boot waits for the build
+    before its warm-up: its recorded canary comes from the kernels a restore runs."""
+    if native.library() is None:
+        pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
+    built, seen, real_library, real_canary = [], [], native.library, startup_mod.run_canary
+    monkeypatch.setattr(native, "ready", lambda: bool(built))  # NOTE: a build in progress
+    monkeypatch.setattr(native, "library", lambda: built.append(1) or real_library())
+    monkeypatch.setattr(
+        startup_mod, "run_canary", lambda engine: seen.append(native.ready()) or real_canary(engine)
+    )
+    cold = make_llm(path, tmp_path / "store")
+    phases = list(cold.engine.start_info.phase_times)
+    assert seen == [True] and phases.index("native_build") < phases.index("warmup")
+    restored = make_llm(path, tmp_path / "store")
+    assert restored.engine.start_info.path == "restored_image"
+    assert "native_build" not in restored.engine.start_info.phase_times
 
 
 def test_flipped_byte_in_a_chunk(path, golden, store):

@@ -38,6 +38,7 @@ from warmboot.engine import settings as resolve
 from warmboot.engine.background_compile import ModelCompile
 from warmboot.engine.settings import RuntimeFacts, Settings
 from warmboot.engine.startup_graphs import GraphPhases
+from warmboot.kernels import native
 from warmboot.kernels.backend import KVLayout
 from warmboot.models.checkpoint import check_servable, checkpoint_files
 from warmboot.models.registry import ARCHITECTURES
@@ -278,7 +279,7 @@ class Startup(GraphPhases):
         if not on_cpu:
             self.compile(engine)
         canary = self._warmup(engine)
-        if self.restored and not self.snapshot.canary_matches(canary):
+        if self.restored and not self.snapshot.canary_matches(canary, engine.runner.dtype):
             self.restored = False
             log.warning("snapshot canary failed (%s); booting cold", self.snapshot.reason)
             self.wait_compiled()
@@ -304,6 +305,12 @@ class Startup(GraphPhases):
         return self._ready()
 
     def _warmup(self, engine: BootingEngine) -> list[tuple[int, float]]:
+        if self._publishing() and engine.runner.device.type == "cpu" and native.enabled():
+            # NOTE: the canary a publisher records is run on the kernels it serves with: a
+            # first build of the native library would else leave it to torch's attention
+            # (``native.ready``), and a restore, which has the library, would not match
+            with self.phase("native_build"):
+                native.library()
         with self.phase("warmup"):
             canary = run_canary(engine)
             engine.block_manager.check_invariants()

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from warmboot.snapshot.canary import canary_mismatch
+from warmboot.snapshot.canary import HALF_ATOL, canary_mismatch
 from warmboot.snapshot.compile_artifacts import (
     ARTIFACT_FILE,
     NATIVE_FILE,
@@ -123,15 +123,17 @@ class SnapshotBoot:
         self.reason = f"snapshot {self.key} matches ({len(tensors)} tensors, {gb:.3f} GB verified)"
         return tensors
 
-    def canary_matches(self, canary: list[tuple[int, float]]) -> bool:
+    def canary_matches(self, canary: list[tuple[int, float]], dtype: torch.dtype) -> bool:
         """Whether the warm-up canary reproduces the one recorded at the cold boot (see
-        ``snapshot.canary``); a snapshot without one never matches."""
+        ``snapshot.canary``; a half-precision ``dtype`` allows ``HALF_ATOL``); a snapshot
+        without one never matches."""
         want = (self.manifest.facts if self.manifest else {}).get("canary")
         if not isinstance(want, list):
             self.reason = "the snapshot records no canary"
             return False
         try:
-            why = canary_mismatch(want, canary)
+            half = dtype in (torch.bfloat16, torch.float16)
+            why = canary_mismatch(want, canary, HALF_ATOL if half else 0.0)
         except (TypeError, ValueError, IndexError):
             why = f"the snapshot's canary is malformed: {str(want)[:80]}"
         if why is not None:

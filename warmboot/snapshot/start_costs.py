@@ -8,8 +8,9 @@ quicker; otherwise it boots cold, says why (``start_info.reason``) and publishes
 
 The cost of a start is its phases up to the first step it can serve: what runs in the
 background or only for publishing (``compile``, ``step_choice``, ``snapshot_publish``,
-``autotune``, ``cuda_graphs``) is left out, so a publishing cold boot and a quick one count
-alike. Kept in ``$WARMBOOT_CACHE/start_costs.json`` (the latest figure per path and key).
+``autotune``, ``cuda_graphs``, ``native_build``: a publisher's wait for the native library's
+first build) is left out, so a publishing cold boot and a quick one count alike. Kept in
+``$WARMBOOT_CACHE/start_costs.json`` (the latest figure per path and key).
 ``$WARMBOOT_START_BY_COST=0`` restores whenever it can and records nothing (the test suite's
 default: its restore tests want the restore).
 
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 ENV = "WARMBOOT_START_BY_COST"
 
 OFF_PATH = ("compile", "compile_artifacts", "step_choice", "snapshot_publish", "autotune",
-            "cuda_graphs")  # fmt: skip
+            "cuda_graphs", "native_build")  # fmt: skip
 """Phases that are not between a start and its first servable step."""
 
 
