@@ -14,7 +14,7 @@ so the figure measures the start, not the prefill. Also the floor: image + weigh
 the ``dd`` read bandwidth measured in the same run, plus ``runsc``'s fixed cost (an empty
 process restored). Writes ``docs/benchmarks/process_start.{json,md,png}``.
 
-    python -m bench.process_start [--models demo qwen_1_5b] [--repeats 1]
+    python -m bench.process_start [--models demo qwen_1_5b] [--repeats 1] [--keep-work]
 """
 
 from __future__ import annotations
@@ -266,6 +266,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--no-vllm", action="store_true", help="leave the vLLM rows out")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--keep-work", action="store_true", help="keep the stores and logs")
     args = parser.parse_args()
     from warmboot.launcher.probe import measure_empty_process
     from warmboot.launcher.sandbox import runsc_status
@@ -281,7 +282,10 @@ def main() -> None:
             for i, (n, p) in enumerate(models(args.models).items())
         ]
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if args.keep_work:
+            print(f"kept {work}", flush=True)
+        else:
+            shutil.rmtree(work, ignore_errors=True)
     write_report(args, results, empty, version)
 
 
