@@ -71,6 +71,19 @@ def test_matches_float64(isa, m, n, k, bias):
     _check(y, _reference(x, w, b))
 
 
+@pytest.mark.parametrize("n, k", [(1, 2), (31, 130), (32, 128), (70, 1538), (97, 64)])
+def test_the_packed_layout_exactly(n, k):
+    """Panels of 32 output rows, k pairs side by side, rows past n zero; a strided weight
+    (a transposed view) packs as its contiguous copy."""
+    w = torch.randn(n, k).to(torch.bfloat16)
+    panels = -(-n // 32)
+    padded = torch.zeros(panels * 32, k, dtype=torch.bfloat16)
+    padded[:n] = w
+    want = padded.view(panels, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    assert torch.equal(torch.ops.warmboot_cpu.pack_linear(w), want)
+    assert torch.equal(torch.ops.warmboot_cpu.pack_linear(w.t().contiguous().t()), want)
+
+
 def test_float32_rows_and_leading_dims(isa):
     x, w, b = _case(6, 50, 80, True)
     packed = torch.ops.warmboot_cpu.pack_linear(w)
