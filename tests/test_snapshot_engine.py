@@ -108,8 +108,9 @@ def test_restored_engine_is_bitwise_equal(path, golden):
 
 def test_a_publisher_runs_its_canary_on_the_kernels_a_restore_has(path, tmp_path, monkeypatch):
     """While the native library's first build runs, steps attend with SDPA (``native.ready``);
-    a restore places the snapshot's library first. So a publishing boot waits for the build
-    before its warm-up: its recorded canary comes from the kernels a restore runs."""
+    a restore places the snapshot's library first. So a half-precision publishing boot waits
+    for the build before its warm-up: its recorded canary comes from the kernels a restore
+    runs."""
     if native.library() is None:
         pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
     built, seen, real_library, real_canary = [], [], native.library, startup_mod.run_canary
@@ -118,12 +119,16 @@ def test_a_publisher_runs_its_canary_on_the_kernels_a_restore_has(path, tmp_path
     monkeypatch.setattr(
         startup_mod, "run_canary", lambda engine: seen.append(native.ready()) or real_canary(engine)
     )
-    cold = make_llm(path, tmp_path / "store")
+    cold = make_llm(path, tmp_path / "store", dtype="bfloat16")
     phases = list(cold.engine.start_info.phase_times)
     assert seen == [True] and phases.index("native_build") < phases.index("warmup")
-    restored = make_llm(path, tmp_path / "store")
+    restored = make_llm(path, tmp_path / "store", dtype="bfloat16")
     assert restored.engine.start_info.path == "restored_image"
     assert "native_build" not in restored.engine.start_info.phase_times
+    seen.clear()
+    built.clear()
+    make_llm(path, tmp_path / "fp32-store")  # NOTE: float32: torch's kernels are within the
+    assert seen == [False], "canary's tolerance, and a first build is not waited for"
 
 
 def test_flipped_byte_in_a_chunk(path, golden, store):
