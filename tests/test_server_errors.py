@@ -196,3 +196,49 @@ def test_a_server_holder_freezes_the_booted_engine_for_the_collector(path):
         assert first() is None, "the replaced engine stayed frozen"
     finally:
         gc.unfreeze()
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def _compile_in_background(made: list) -> None:
+    """A background ``ModelCompile`` whose "compile" leaves ``made`` alive and a cycle dead."""
+    import contextlib
+    import weakref
+    from types import SimpleNamespace
+
+    from warmboot.device.compiled import CompileStats
+    from warmboot.device.step_choice import StepChoice
+    from warmboot.engine.background_compile import ModelCompile
+
+    def build(kernel):
+        made.extend(object.__new__(_Cycle) for _ in range(5000))  # NOTE: tracked, alive
+        made.append(weakref.ref(_Cycle()))  # the compile's garbage: a dead cycle
+        return SimpleNamespace(linears=None, stats=CompileStats())
+
+    stream = SimpleNamespace(lend_helpers=lambda n: None)
+    runner = SimpleNamespace(build_compiled=build, install_compiled=lambda s: None, stream=stream)
+    job = ModelCompile(lambda name, **kw: contextlib.nullcontext(), 0.0)
+    job.start(runner, None, background=True, recorded=StepChoice(mode="eager"))
+    assert job.wait(60) and job.info["background"], job.info
+
+
+def test_a_background_compile_keeps_a_frozen_heap_frozen():
+    """Where the booted heap was frozen (a server's engine), what a background compile leaves
+    alive is frozen too once it ends (no full-collection stalls over dynamo's objects), after
+    a collection (its garbage is freed, not frozen); elsewhere nothing is frozen."""
+    import gc
+
+    offline: list = []
+    _compile_in_background(offline)
+    assert gc.get_freeze_count() == 0, "an offline engine's heap is left as it is"
+    try:
+        gc.freeze()
+        before, made = gc.get_freeze_count(), []
+        _compile_in_background(made)
+        assert gc.get_freeze_count() >= before + 5000
+        assert made[-1]() is None, "the compile's garbage was frozen, not collected"
+    finally:
+        gc.unfreeze()

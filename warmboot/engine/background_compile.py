@@ -14,6 +14,7 @@ exit 134).
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -108,6 +109,8 @@ class ModelCompile:
         self.info = {"compiled": choice.mode == "compiled", **asdict(stats), "artifacts": note}
         self.info["step_choice"] = choice.as_fact()
         self.info |= {"background": self.thread is not None, "ready_s": ready}
+        if self.thread is not None:
+            keep_heap_frozen()
         log.info(
             "model steps compiled: %d graphs, %.1fs in inductor, cache %d hits / %d misses (%s)",
             stats.graphs, stats.seconds, stats.cache_hits, stats.cache_misses, note,
@@ -118,6 +121,17 @@ class ModelCompile:
         if self.thread is not None:
             self.thread.join(timeout)
         return not self.thread or not self.thread.is_alive()
+
+
+def keep_heap_frozen() -> None:
+    """Where the process froze its booted heap (the server and the engine process do, see
+    ``EngineHolder``), move what a background compile left alive there too, once: dynamo's
+    and inductor's ~250k objects otherwise make each full collection stall every thread for
+    100-150 ms on two CPU cores (the demo model; an echo request's output building set them
+    off mid-load). A process that froze nothing (an offline ``LLM``) is left as it is."""
+    if gc.get_freeze_count():
+        gc.collect()
+        gc.freeze()
 
 
 def _describe(e: Exception) -> str:
