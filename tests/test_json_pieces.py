@@ -69,3 +69,23 @@ def test_nan_is_refused_as_json_dumps_refuses_it():
         "".join(delivery.json_pieces({"x": [1.0] * 100 + [float("nan")]}))
     with pytest.raises(TypeError):
         "".join(delivery.json_pieces({"x": object()}))
+
+
+def test_a_long_list_the_choices_share_is_encoded_once(monkeypatch):
+    """``n`` choices share their prompt's logprobs (one list object): 8 choices cost about
+    one encoding, and a list equal to it but not the same object is encoded on its own."""
+    body = _echo_body(choices=8, positions=400)
+    encoded = []
+
+    def recording(obj) -> str:
+        out = _plain(obj)
+        encoded.append(len(out))
+        return out
+
+    monkeypatch.setattr(delivery, "_dumps", recording)
+    joined = "".join(delivery.json_pieces(body))
+    assert joined == _plain(body)
+    assert sum(encoded) < len(joined) / 6, (sum(encoded), len(joined))
+    copies = {"a": list(range(500)), "b": list(range(500))}
+    copies["b"][-1] = -1  # NOTE: equal lengths, other content: no sharing by value
+    assert "".join(delivery.json_pieces(copies)) == _plain(copies)

@@ -38,28 +38,41 @@ BATCH = 64
 """Elements of a long list encoded by one C call of ``json.dumps``."""
 
 
-def json_pieces(obj, depth: int = 0) -> Iterator[str]:
+def json_pieces(obj, depth: int = 0, done: dict | None = None) -> Iterator[str]:
     """Compact JSON of ``obj`` in pieces, each from one ``json.dumps`` call over at most
     ``BATCH`` elements of a long list: the C encoder holds the GIL for a whole call (26 MB of
     echoed prompt logprobs: 0.8 s, the event loop and every stream stalled), and between
     pieces the event loop's thread gets it back. Containers are walked to depth 8; lists
-    longer than ``BATCH`` are cut into batches, whose elements (a token's logprobs) are small."""
+    longer than ``BATCH`` are cut into batches, whose elements (a token's logprobs) are small.
+    A long list met again (``n`` choices share their prompt's logprobs: 16 x 1.3 MB for the
+    echo load) is encoded once: ``done`` maps its id to its JSON while ``obj`` holds it."""
+    done = {} if done is None else done
     if depth >= 8 or not isinstance(obj, dict | list | tuple) or not obj:
         yield _dumps(obj)
     elif isinstance(obj, dict):
         for i, (key, value) in enumerate(obj.items()):
             yield ("{" if i == 0 else ",") + _dumps({key: 0})[1:-3] + ":"  # json's key rules
-            yield from json_pieces(value, depth + 1)
+            yield from json_pieces(value, depth + 1, done)
         yield "}"
     elif len(obj) > BATCH:
-        for i in range(0, len(obj), BATCH):
-            yield ("[" if i == 0 else ",") + _dumps(list(obj[i : i + BATCH]))[1:-1]
-        yield "]"
+        yield from _long_list(obj, done)
     else:
         for i, item in enumerate(obj):
             yield "[" if i == 0 else ","
-            yield from json_pieces(item, depth + 1)
+            yield from json_pieces(item, depth + 1, done)
         yield "]"
+
+
+def _long_list(obj: list | tuple, done: dict) -> Iterator[str]:
+    if id(obj) in done:
+        yield done[id(obj)]
+        return
+    pieces = []
+    for i in range(0, len(obj), BATCH):
+        pieces.append(("[" if i == 0 else ",") + _dumps(list(obj[i : i + BATCH]))[1:-1])
+        yield pieces[-1]
+    yield "]"
+    done[id(obj)] = "".join(pieces) + "]"
 
 
 def _dumps(obj) -> str:
