@@ -171,43 +171,70 @@ def test_a_capped_step_sizes_prompt_logprob_chunks_by_the_learnt_weight():
     check_outputs(d, plp)
 
 
-def test_step_cost_learns_what_reading_earlier_kv_costs_a_prefill():
-    """A prefill chunk over a cached prefix gathers it: what the fit leaves of such steps'
-    time, 8 us a token read, is learnt apart from the (decode-priced) context term."""
+def test_step_cost_prices_a_prefill_tokens_read_of_earlier_kv():
+    """A chunk's tokens each read the KV before it (the context term counts attention pairs):
+    at 10 us a pair and 2 ms a unit, a token from position 992 weighs 4.96 units more. 16
+    siblings' 8-token tails over a 992-token prefix fit the same term as decodes do."""
     cost = StepCost()
-    assert cost.per_extend_read == 0.0
+    assert cost.read_weight(992) == 0.0, "nothing seen"
     for units, rows, context in STEPS * 2:
         cost.observe(units, rows, context, 0.050 + 0.002 * units + 0.006 * rows + 1e-5 * context)
-    assert cost.fit() is not None  # NOTE: the scheduler asks every step
-    for tails in (4, 15, 8):  # NOTE: n siblings' 8-token tails over a 992-token prefix
-        seconds = 0.050 + 0.002 * 8 * tails + 1e-5 * 1000 * tails + 8e-6 * 992 * tails
-        cost.observe(8 * tails, 0, 1000 * tails, seconds, 0, 992 * tails)
-    assert cost.per_extend_read == pytest.approx(8e-6, rel=0.05)
+    for tails in (4, 15, 8):
+        pairs = tails * (8 * 992 + 36)
+        cost.observe(8 * tails, 0, pairs, 0.050 + 0.002 * 8 * tails + 1e-5 * pairs)
+    assert cost.fit() == pytest.approx((0.050, 0.002, 0.006, 1e-5))
+    assert cost.read_weight(992) == pytest.approx(4.96)
+    assert cost.read_weight(0) == 0.0
+
+
+def test_step_cost_keeps_the_context_term_the_steps_need():
+    """Where the full fit fails (here its prompt-logprob cost comes out below zero: those
+    steps, the long-context ones, ran 0.1 ms fast), the fit that explains the steps best
+    serves: the one with the context term, not the first simpler one (which would put the
+    context's time on the logprobs); and a later fit without one keeps its price."""
+    cost = StepCost(learn_weight=True)
+    for units, rows, context in STEPS * 2:
+        logprobs, early = (units // 2, 1e-4) if context >= 1500 and units else (0, 0.0)
+        seconds = 0.050 + 0.002 * units + 0.006 * rows + 1e-5 * context - early
+        cost.observe(units, rows, context, seconds, logprobs)
+    assert cost.fit()[3] == pytest.approx(1e-5, rel=0.05)
+    assert cost.read_weight(1000) == pytest.approx(5.0, rel=0.1)
+    for _ in range(200):  # NOTE: context unseen since: the fits that remain cannot price it
+        cost.observe(64, 4, 0, 0.050 + 0.002 * 64 + 0.006 * 4)
+        cost.observe(16, 8, 0, 0.050 + 0.002 * 16 + 0.006 * 8)
+    assert cost.fit()[3] == 0.0  # NOTE: the price a pair kept; in the new fit's units
+    assert cost.read_weight(1000) * cost.fit()[1] == pytest.approx(1e-5 * 1000, rel=0.05)
 
 
 def test_a_cached_prefix_counts_its_read_against_the_step():
-    """Calls whose prompts are a cached prefix (59 blocks: 944 tokens) and 8 tokens of their
-    own: each admission costs its 8 tokens plus the prefix read (944 x 8 us / 2 ms: 3.8
-    units), so a 150 ms step of 50 units admits four of them, not six (the first admission
-    always goes in)."""
-    d = timed(driver(max_model_len=2048, max_step_ms=150.0))
+    """Calls whose prompts are a cached prefix (62 blocks: 992 tokens) and 8 tokens of their
+    own: each token reads the prefix (992 pairs x 1 us / 2 ms: 0.5 units more), so an
+    admission costs 12 units, and a 150 ms step of 50 units admits four of them whole."""
+    d = timed(driver(max_model_len=2048, max_step_ms=150.0), per_read_us=1.0)
     first = call("a", 1, 1000, max_tokens=1)[0]
     d.add(first)
     check_outputs(d, first)
     prefix = list(first.prompt_token_ids[: 16 * len(d.kv.find_cached_prefix(first.all_token_ids))])
-    assert len(prefix) == 944
-    d.sched.step_cost._extend = [1.0, 8e-6]  # NOTE: learnt as the test above shows
+    assert len(prefix) == 992
     tails = [call(f"t{i}", 1, prefix + [1 + i] * 8, max_tokens=1)[0] for i in range(6)]
     d.add(*tails)
     d.step()
-    assert [(s.start_pos, s.num_tokens) for s in d.outs[-1].scheduled] == [(944, 8)] * 4
+    step = d.outs[-1]  # NOTE: the fifth gets the 1.5 units left: one token
+    assert [(s.start_pos, s.num_tokens) for s in step.scheduled] == [(992, 8)] * 4 + [(992, 1)]
+    assert step.budget_units == pytest.approx(4 * 8 * 1.496 + 1.496) and step.budget_units <= 50
     check_outputs(d, *tails)
 
 
-def timed(d, fixed_ms: float = 50.0, per_unit_ms: float = 2.0):
-    """Teach ``d``'s scheduler a step cost of ``fixed_ms`` + ``per_unit_ms`` a unit."""
+def timed(d, fixed_ms: float = 50.0, per_unit_ms: float = 2.0, per_read_us: float = 0.0):
+    """Teach ``d``'s scheduler a step cost of ``fixed_ms`` + ``per_unit_ms`` a unit (and a
+    decode row), + ``per_read_us`` an attention pair if given."""
+    cost = d.sched.step_cost
     for units in (1, 16, 64, 256):
-        d.sched.step_cost.observe(units, 0, 0, (fixed_ms + per_unit_ms * units) / 1000)
+        cost.observe(units, 0, 0, (fixed_ms + per_unit_ms * units) / 1000)
+    for rows, pairs in ((1, 50_000), (8, 1000), (32, 20_000)) if per_read_us else ():
+        cost.observe(
+            0, rows, pairs, (fixed_ms + per_unit_ms * rows + per_read_us * pairs / 1e3) / 1000
+        )
     return d
 
 
@@ -252,7 +279,9 @@ def test_max_step_ms_never_starves_decodes_prefills_or_newcomers():
 
 def test_running_prefills_leave_the_reserve_to_a_newcomer(monkeypatch):
     """A long prompt takes every time-capped step; a small call arriving gets the reserve,
-    the long prompt the floor beside it (express steps off: the next tests)."""
+    the long prompt what the step's 50 units leave beside it: while the server is shared,
+    running prefills have no floor of their own above the reserve (express steps off: the
+    next tests)."""
     monkeypatch.setattr(scheduler_mod, "EXPRESS_GAIN", float("inf"))
     d = timed(driver(max_model_len=2048, max_step_ms=150.0))
     long = call("long", 1, 1500, max_tokens=1)[0]
@@ -263,7 +292,7 @@ def test_running_prefills_leave_the_reserve_to_a_newcomer(monkeypatch):
     assert steps_to_first_token(d, small) == 1
     scheduled = {s.req_id: s.num_tokens for s in d.outs[-1].scheduled}
     assert d.outs[-2].num_batched_tokens == 50
-    assert scheduled == {"long0": MIN_PREFILL_UNITS, "small0": 20}
+    assert scheduled == {"long0": 50 - MIN_PREFILL_UNITS, "small0": 20}
     check_outputs(d, long, small)
 
 

@@ -16,11 +16,13 @@ within it because one proxy may carry many users.
   and first leaves what the running requests behind it claim (a decode its token, a prompt
   this step can finish its rest): a small prompt admitted behind it is done in one step.
 - Prompt-logprob tokens (an LM head over the vocabulary each) weigh more in the step budget
-  and the chunk cap: ``prompt_logprob_token_weight``, with ``max_step_ms`` as learnt.
+  and the chunk cap: ``prompt_logprob_token_weight``, with ``max_step_ms`` as learnt; so does
+  (time-capped) a prefill token far into its prompt or past a cached prefix, for the earlier
+  KV it reads.
 - With ``max_step_ms``, a step holds what the fitted step cost (``core.step_cost``) says fits
   in that time (or in twice its unavoidable cost, if longer), never less than its decodes
   plus ``MIN_PREFILL_UNITS`` for running prefills, and as much again that they leave to
-  waiting requests while one could take a free seat.
+  waiting requests while one could take a free seat (while shared: the one for both).
 - Express steps (time-capped only): when the running requests would make a step long, a new
   client's small prompt runs in a short step of its own, never two of those in a row.
 - Shared steps (time-capped only, ``core.shared_steps``): while several clients are present,
@@ -126,7 +128,7 @@ class Scheduler:
         cfg, self._skip = self.config, set()
         if not cfg.max_step_ms or self.step_cost.samples < MIN_SAMPLES:
             return cfg.max_num_batched_tokens, 0
-        decodes, context, prefills = running_load(self.running, self.step_cost.logprob_weight)
+        decodes, context, prefills = running_load(self.running, self._weight)
         seconds = cfg.max_step_ms / 1000
         if self._shared:  # NOTE: decodes cut to fit a shared step, never to a shorter cap
             shared = shared_seconds(self.step_cost.fit())
@@ -136,7 +138,8 @@ class Scheduler:
             decodes, context = kept, context * kept // max(decodes, 1)
         cap = self.step_cost.units_within(seconds, decodes, context, stretch=not self._shared)
         reserve = MIN_PREFILL_UNITS if self._admissible_waits() else 0
-        floor = decodes + max(MIN_PREFILL_UNITS * (prefills > 0) + reserve, MIN_PREFILL_UNITS)
+        own = MIN_PREFILL_UNITS * (prefills > 0 and not self._shared)  # NOTE: shared: one for all
+        floor = decodes + max(own + reserve, MIN_PREFILL_UNITS)
         budget = min(cfg.max_num_batched_tokens, max(cap, floor))
         return budget, max(0, min(reserve, budget - decodes - 1))  # NOTE: a prefill moves
 
@@ -148,11 +151,17 @@ class Scheduler:
             not r.waits_for_leader(self.kv.enable_prefix_caching) for r in self.waiting.requests()
         )
 
-    def _chunk(self, req: Request, remaining: int, budget: float) -> tuple[int, float]:
-        """How many of its ``remaining`` tokens ``req`` computes in this step (at most the
-        chunk cap, at least one) and the budget they use (prompt-logprob tokens weigh more)."""
-        cfg = self.config
+    def _weight(self, req: Request, start: int | None = None) -> float:
+        """Budget units a token of ``req``'s chunk from ``start`` counts: a prompt-logprob
+        token more, and (time-capped) the earlier KV each token reads."""
         weight = self.step_cost.logprob_weight if req.wants_prompt_logprobs else 1.0
+        start = req.num_computed_tokens if start is None else start
+        return weight + (self.step_cost.read_weight(start) if self.config.max_step_ms else 0.0)
+
+    def _chunk(self, req: Request, remaining: int, budget: float, start=None) -> tuple[int, float]:
+        """How many of its ``remaining`` tokens ``req`` computes in this step (at most the
+        chunk cap, at least one) and the budget they use (``_weight`` each)."""
+        cfg, weight = self.config, self._weight(req, start)
         n = min(remaining, max(1, int(min(budget, cfg.prefill_chunk) / weight)), int(budget))
         return n, n * weight
 
@@ -175,9 +184,8 @@ class Scheduler:
             own = budget
             if remaining > 1:  # NOTE: prefills leave the reserve and the claims behind them
                 if claims and behind is None:
-                    weight = self.step_cost.logprob_weight
                     behind = claims_behind(
-                        self.running, full, weight, MIN_PREFILL_UNITS, self._skip
+                        self.running, full, self._weight, MIN_PREFILL_UNITS, self._skip
                     )
                 own -= reserve + (behind[i] if behind is not None else 0.0)
             if req.num_planned_outputs >= req.max_tokens or own < 1 or req in self._skip:
@@ -249,12 +257,9 @@ class Scheduler:
         req = entry.req
         cold = req.num_computed_tokens or req.wants_prompt_logprobs
         prefix = [] if cold else self.kv.find_cached_prefix(req.all_token_ids)
-        start = len(prefix) * self.kv.block_size
-        read = self._read_units(start)  # NOTE: a cached prefix is gathered, not free
-        if read >= budget and out.scheduled:
-            return None
-        n, cost = self._chunk(req, req.num_tokens - start, max(1.0, budget - read))
-        if whole and start + n < req.num_tokens:
+        start = len(prefix) * self.kv.block_size  # NOTE: a cached prefix is read, not free
+        n, cost = self._chunk(req, req.num_tokens - start, budget, start)
+        if (whole and start + n < req.num_tokens) or (cost > budget and out.scheduled):
             return None
         if not self.kv.allocate(req.request_id, start + n, prefix):
             return None
@@ -265,12 +270,7 @@ class Scheduler:
         self.turns.admitted(entry)
         bisect.insort(self.running, req, key=_priority)  # NOTE: all equal: an append
         out.scheduled.append(self._scheduled(req, n))
-        return cost + read
-
-    def _read_units(self, tokens: int) -> float:
-        """Budget units a chunk's read of ``tokens`` earlier KV costs past the fit (capped)."""
-        fit = self.step_cost.fit() if self.config.max_step_ms and tokens else None
-        return self.step_cost.per_extend_read * tokens / fit[1] if fit else 0.0
+        return cost
 
     def _express(self, out: SchedulerOutput) -> bool:
         """A step of new clients' small prompts alone (rank 0: a client with nothing else
@@ -283,7 +283,7 @@ class Scheduler:
         if not (cfg.max_step_ms and fit and self.running and self.waiting.has_rank(0)):
             return False
         fixed, per_unit, per_row, per_read = fit
-        decodes, context, prefill = running_load(self.running, self.step_cost.logprob_weight)
+        decodes, context, prefill = running_load(self.running, self._weight)
         budget = self._budget()[0]  # NOTE: and the decodes a shared step leaves out
         kept = decodes - len(self._skip)
         decodes, context = kept, context * kept // max(decodes, 1)

@@ -10,8 +10,11 @@ GPU, seconds on two CPU cores), so the scheduler sizes the step from this fit of
               + per_logprob * prompt_logprob_tokens
 
 (units: prefill tokens; a decode row is not a prefill token: on a CPU its attention gathers
-its whole context; ``context``: the tokens of KV the step's rows attend to, which a small
-chunk of a long prompt pays for again each step; a prompt-logprob token adds an LM head over
+its whole context; ``context``: the (query token, KV token) pairs the step's attention scores,
+a decode row its context, a prefill chunk of n tokens from position s about n * s: the
+native kernels read a chunk's earlier KV once per query token, so 16 siblings' 8-token tails
+over a 1000-token prompt cost about what 128 decodes of that context do (170 ms where a
+fit that counted a chunk's context once said 50); a prompt-logprob token adds an LM head over
 the vocabulary, a log-softmax and a top-k), least squares with exponential forgetting, updated
 as each step retires. While the steps seen do not tell the terms apart, simpler fits stand in
 (without the context or the prompt logprobs; one cost per unit of either kind; all the time on
@@ -30,6 +33,8 @@ least half of its uncapped throughput.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 MIN_SAMPLES = 4
@@ -46,10 +51,11 @@ class StepCost:
         self.samples = 0
         self._xx = np.zeros((5, 5))
         self._xy = np.zeros(5)
+        self._yy = 0.0
         self._fit: tuple[float, float, float, float] | None = None
         self._fit_at = 0
         self._weight, self._learn = logprob_weight, learn_weight
-        self._extend = [0.0, 0.0]  # NOTE: sums of extend reads squared, and times residual
+        self._read = 0.0
 
     def observe(
         self,
@@ -58,31 +64,23 @@ class StepCost:
         context: int,
         seconds: float,
         logprob_tokens: int = 0,
-        extend_reads: int = 0,
     ):
-        """A retired step: its prefill tokens, decode rows, KV tokens read, device time, the
-        prompt-logprob tokens among its prefill tokens, and the KV tokens its prefill chunks
-        read from before them (a prompt's cached prefix, its earlier chunks)."""
+        """A retired step: its prefill tokens, decode rows, attention pairs (``context``),
+        device time, and the prompt-logprob tokens among its prefill tokens."""
         if prefill_units + decode_rows <= 0 or seconds <= 0:
             return
         x = np.array([1.0, prefill_units, decode_rows, context, logprob_tokens])
-        if self._fit is not None:  # NOTE: what the last fit leaves of the time, vs the reads
-            left = seconds - float(np.dot(self._fit, x[:4]))
-            sums = self._extend
-            sums[0] = self.decay * sums[0] + extend_reads * extend_reads
-            sums[1] = self.decay * sums[1] + extend_reads * left
         self._xx = self.decay * self._xx + np.outer(x, x)
         self._xy = self.decay * self._xy + x * seconds
+        self._yy = self.decay * self._yy + seconds * seconds
         self.samples += 1
 
-    @property
-    def per_extend_read(self) -> float:
-        """Seconds a prefill chunk's read of earlier KV costs beyond the fit, a token (0 until
-        seen): gathering a cached prefix for the prefill attention, which the decode-dominated
-        context term prices at a fraction (16 siblings' 8-token tails over a 1000-token
-        prompt: 170 ms where the fit said 50)."""
-        squares, products = self._extend
-        return max(0.0, products / squares) if squares > 0 else 0.0
+    def read_weight(self, start: int) -> float:
+        """Budget units a prefill token from position ``start`` adds for the earlier KV it
+        reads: a cached prefix or a long prompt's earlier chunks are read again by each token
+        of a chunk. Priced by the last fit that had a context term (0 before one had)."""
+        fit = self.fit()
+        return self._read * start / fit[1] if fit and start else 0.0
 
     @property
     def logprob_weight(self) -> float:
@@ -100,13 +98,18 @@ class StepCost:
         return self._fit
 
     def _refit(self) -> tuple[float, float, float, float]:
+        best, least = None, math.inf
         for terms in _MODELS:  # NOTE: columns of x each model keeps (pooling rows and units)
-            beta = _solve(terms.T @ self._xx @ terms, terms.T @ self._xy)
-            if beta is not None:
-                fixed, per_unit, per_row, per_read, per_logprob = terms @ beta
-                if per_logprob and self._learn:
-                    self._weight = float(min(1 + per_logprob / per_unit, MAX_WEIGHT))
-                return float(fixed), float(per_unit), float(per_row), float(per_read)
+            xx, xy = terms.T @ self._xx @ terms, terms.T @ self._xy
+            beta = _solve(xx, xy)
+            if beta is not None and (rss := self._yy - 2 * beta @ xy + beta @ xx @ beta) < least:
+                best, least = terms @ beta, rss - 1e-12 * abs(rss)  # NOTE: ties: the richer
+        if best is not None:
+            fixed, per_unit, per_row, per_read, per_logprob = best
+            if per_logprob and self._learn:
+                self._weight = float(min(1 + per_logprob / per_unit, MAX_WEIGHT))
+            self._read = float(per_read) or self._read
+            return float(fixed), float(per_unit), float(per_row), float(per_read)
         units = self._xx[0, 1] + self._xx[0, 2]
         per_unit = self._xy[0] / units
         return 0.0, per_unit, per_unit, 0.0
@@ -148,8 +151,10 @@ _MODELS = tuple(
         [(0,), (1, 2)],
     )
 )
-"""The fits tried in turn: all; no context; no prompt logprobs; neither; one cost per unit of
-either kind, with and without prompt logprobs."""
+"""The fits tried: all; no context; no prompt logprobs; neither; one cost per unit of either
+kind, with and without prompt logprobs. The one that explains the steps seen best serves (a
+richer one on a tie): where units and prompt-logprob tokens have come in step (an echo
+request's chunks) the fit keeps the context term rather than the logprob one."""
 
 
 def _solve(xx: np.ndarray, xy: np.ndarray) -> np.ndarray | None:

@@ -2,28 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 
 from warmboot.core.request import Request
 
+Weight = Callable[[Request], float]
+"""Budget units a token of a request's next prefill chunk counts (``Scheduler._weight``)."""
 
-def running_load(running: Sequence[Request], weight: float) -> tuple[int, int, float]:
-    """The running requests' decodes, the KV tokens they read, and their prefill units
-    (prompt-logprob tokens ``weight`` each)."""
+
+def running_load(running: Sequence[Request], weight: Weight) -> tuple[int, int, float]:
+    """The running requests' decodes, the KV tokens those read, and the prefills' units."""
     decodes, context, prefill = 0, 0, 0.0
     for r in running:
         remaining = r.num_tokens - r.num_computed_tokens
-        context += r.num_computed_tokens + 1
-        decodes += remaining <= 1
         if remaining > 1:
-            prefill += remaining * (weight if r.wants_prompt_logprobs else 1.0)
+            prefill += remaining * weight(r)
+        else:
+            decodes, context = decodes + 1, context + r.num_computed_tokens + 1
     return decodes, context, prefill
 
 
 def claims_behind(
     running: Sequence[Request],
     budget: float,
-    weight: float,
+    weight: Weight,
     small_units: float,
     skipped: Container[Request] = (),
 ) -> list[float]:
@@ -35,7 +37,7 @@ def claims_behind(
     decodes, small = [0.0], [0.0]  # over the last k requests, k = 0, 1, ...
     for req in reversed(running):
         remaining = req.num_tokens - req.num_computed_tokens
-        cost = remaining * (weight if req.wants_prompt_logprobs else 1.0)
+        cost = remaining * weight(req)
         decodes.append(decodes[-1] + (remaining <= 1 and req not in skipped))
         small.append(small[-1] + (cost if remaining > 1 and cost <= small_units else 0))
     n = len(running)

@@ -121,16 +121,16 @@ class Loop:
 
 def _observe(cost: StepCost, sched: SchedulerOutput, seconds: float) -> None:
     """Feed a retired step's shape and device time to the step-cost fit."""
-    units = rows = read = logprobs = extend = 0
+    units = rows = pairs = logprobs = 0
     for s in sched.scheduled:  # NOTE: one pass: this runs every step
         n = s.num_tokens
-        read += s.start_pos + n
+        pairs += n * s.start_pos + n * (n + 1) // 2  # NOTE: a decode row: its context
         logprobs += len(s.prompt_logprob_targets)
         if n == 1:
             rows += 1
         else:
-            units, extend = units + n, extend + s.start_pos
-    cost.observe(units, rows, read, seconds, logprobs, extend)
+            units += n
+    cost.observe(units, rows, pairs, seconds, logprobs)
 
 
 class SyncLoop(Loop):
