@@ -147,10 +147,9 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
 
 def native_bf16() -> bool:
     """The host CPU computes bf16 natively (read from the host's flags, also in gVisor)."""
-    from warmboot.snapshot.key import host_cpu_features
+    from warmboot.snapshot.key import host_cpu_flags
 
-    flags = set(host_cpu_features().partition(" | ")[2].split())
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    return bool(host_cpu_flags() & {"avx512_bf16", "amx_bf16"})
 
 
 def wants_pretune(setting: bool | None, device: torch.device, backend: str, publishing: bool):

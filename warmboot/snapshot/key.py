@@ -156,6 +156,12 @@ def host_cpu_features() -> str:
     return os.environ.get(HOST_CPU_ENV) or f"{model} | {flags}"
 
 
+def host_cpu_flags(reading: str | None = None) -> frozenset[str]:
+    """The CPU flags a ``model | flags`` reading lists (the host's by default)."""
+    reading = host_cpu_features() if reading is None else reading
+    return frozenset(reading.partition(" | ")[2].split())
+
+
 @cache
 def _cpu_info() -> tuple[str, str]:
     """(model name, sorted CPU flags) of the first processor in /proc/cpuinfo."""

@@ -198,7 +198,9 @@ HOST_ISAS = (("avx512_bf16", ("avx512_bf16", "avx512bw")), ("avx512", ("avx512f"
 def host_isa(host_cpu: str) -> str | None:
     """The best set a host's ``model | flags`` reading (``snapshot.key.host_cpu_features``)
     lists, or None."""
-    flags = set(host_cpu.partition(" | ")[2].split())
+    from warmboot.snapshot.key import host_cpu_flags
+
+    flags = host_cpu_flags(host_cpu)
     return next((name for name, need in HOST_ISAS if flags.issuperset(need)), None)
 
 
