@@ -437,6 +437,25 @@ def _noted_call(fn, calls: list[tuple], *args):
     return fn(*args)
 
 
+def test_the_sync_loop_prices_a_step_by_its_wall_time(path):
+    """In the sync loop the host's part of a step (planning, output processing, both growing
+    with the rows) holds the next step as the device's does: the fit gets the step's wall
+    time, here over 20 ms of planning the device never sees."""
+    import time
+
+    engine = make_engine(path, False, max_step_ms=1000.0)
+    plan = engine.scheduler.schedule
+    engine.scheduler.schedule = lambda: (time.sleep(0.02), plan())[1]
+    seen: list[tuple] = []
+    engine.scheduler.step_cost.observe = partial(
+        _noted_call, engine.scheduler.step_cost.observe, seen
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    engine.add_request("r", random_prompts([20], VOCAB_SIZE, seed=1)[0], params)
+    drain(engine, {})
+    assert len(seen) >= 4 and min(a[3] for a in seen) >= 0.02, seen
+
+
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_engine_learns_the_step_cost_and_caps_steps_by_time(path, pipelined):
     """The loop feeds each retired step's device time, rows and context to the fit; with a

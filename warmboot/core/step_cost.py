@@ -153,8 +153,8 @@ _MODELS = tuple(
 )
 """The fits tried: all; no context; no prompt logprobs; neither; one cost per unit of either
 kind, with and without prompt logprobs. The one that explains the steps seen best serves (a
-richer one on a tie): where units and prompt-logprob tokens have come in step (an echo
-request's chunks) the fit keeps the context term rather than the logprob one."""
+richer one on a tie): where the full fit fails (a cost below zero) the context term is kept
+if the steps need it, not dropped for the first simpler fit that solves."""
 
 
 def _solve(xx: np.ndarray, xy: np.ndarray) -> np.ndarray | None:
