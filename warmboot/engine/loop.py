@@ -125,7 +125,7 @@ class Loop:
 
 
 def _observe(cost: StepCost, sched: SchedulerOutput, seconds: float) -> None:
-    """Feed a retired step's shape and device time to the step-cost fit."""
+    """Feed a retired step's shape and cost in seconds to the step-cost fit."""
     units = rows = pairs = logprobs = 0
     for s in sched.scheduled:  # NOTE: one pass: this runs every step
         n = s.num_tokens
