@@ -16,9 +16,8 @@ within it because one proxy may carry many users.
   and first leaves what the running requests behind it claim (a decode its token, a prompt
   this step can finish its rest): a small prompt admitted behind it is done in one step.
 - Prompt-logprob tokens (an LM head over the vocabulary each) weigh more in the step budget
-  and the chunk cap: ``prompt_logprob_token_weight``, with ``max_step_ms`` as learnt; so does
-  (time-capped) a prefill token far into its prompt or past a cached prefix, for the earlier
-  KV it reads.
+  and the chunk cap (``prompt_logprob_token_weight``, learnt with ``max_step_ms``), and so,
+  time-capped, does a prefill token for the earlier KV it reads (``StepCost.read_weight``).
 - With ``max_step_ms``, a step holds what the fitted step cost (``core.step_cost``) says fits
   in that time (or in twice its unavoidable cost, if longer), never less than its decodes
   plus ``MIN_PREFILL_UNITS`` for running prefills, and as much again that they leave to
@@ -152,13 +151,14 @@ class Scheduler:
         )
 
     def _weight(self, req: Request, start: int | None = None) -> float:
-        """Budget units a token of ``req``'s chunk from ``start`` counts: a prompt-logprob
-        token more, and (time-capped) the earlier KV each token reads."""
+        """Budget units a token of ``req``'s chunk from ``start`` counts (module docstring)."""
         weight = self.step_cost.logprob_weight if req.wants_prompt_logprobs else 1.0
         start = req.num_computed_tokens if start is None else start
         return weight + (self.step_cost.read_weight(start) if self.config.max_step_ms else 0.0)
 
-    def _chunk(self, req: Request, remaining: int, budget: float, start=None) -> tuple[int, float]:
+    def _chunk(
+        self, req: Request, remaining: int, budget: float, start: int | None = None
+    ) -> tuple[int, float]:
         """How many of its ``remaining`` tokens ``req`` computes in this step (at most the
         chunk cap, at least one) and the budget they use (``_weight`` each)."""
         cfg, weight = self.config, self._weight(req, start)
