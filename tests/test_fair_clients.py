@@ -458,7 +458,7 @@ def test_the_sync_loop_prices_a_step_by_its_wall_time(path):
 
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_engine_learns_the_step_cost_and_caps_steps_by_time(path, pipelined):
-    """The loop feeds each retired step's device time, rows and context to the fit; with a
+    """The loop feeds each retired step's time, rows and context to the fit; with a
     cap no step could meet (its chunks set by the fit, as the scheduler tests show), the
     tokens and prompt logprobs are those of the uncapped engine."""
     prompts = random_prompts([110, 100, 90, 80], VOCAB_SIZE, seed=5)
