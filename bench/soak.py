@@ -62,7 +62,7 @@ class Server(Warmboot):
         from warmboot.models.demo import ensure_default_model
 
         serve = argparse.Namespace(dtype=args.dtype, max_model_len=args.max_model_len,
-                                   warmboot_args=args.serve_args)  # fmt: skip
+                                   eager=False, warmboot_args=args.serve_args)  # fmt: skip
         super().__init__(args.model or ensure_default_model(), serve)
         self.start()
 
