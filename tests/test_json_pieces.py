@@ -49,9 +49,10 @@ def test_pieces_join_to_json_dumps(obj):
     assert "".join(delivery.json_pieces(obj)) == _plain(obj)
 
 
-def test_an_echo_body_joins_exactly_and_no_piece_is_large(monkeypatch):
-    body = _echo_body(choices=8, positions=400)
-    sizes = []
+@pytest.fixture
+def encoded(monkeypatch) -> list[int]:
+    """The length of what each ``json.dumps`` call of ``json_pieces`` writes."""
+    sizes: list[int] = []
 
     def recording(obj) -> str:
         out = _plain(obj)
@@ -59,6 +60,12 @@ def test_an_echo_body_joins_exactly_and_no_piece_is_large(monkeypatch):
         return out
 
     monkeypatch.setattr(delivery, "_dumps", recording)
+    return sizes
+
+
+def test_an_echo_body_joins_exactly_and_no_piece_is_large(encoded):
+    body = _echo_body(choices=8, positions=400)
+    sizes = encoded
     joined = "".join(delivery.json_pieces(body))
     assert joined == _plain(body)
     assert max(sizes) < len(joined) / 40, (max(sizes), len(joined))
@@ -71,18 +78,10 @@ def test_nan_is_refused_as_json_dumps_refuses_it():
         "".join(delivery.json_pieces({"x": object()}))
 
 
-def test_a_long_list_the_choices_share_is_encoded_once(monkeypatch):
+def test_a_long_list_the_choices_share_is_encoded_once(encoded):
     """``n`` choices share their prompt's logprobs (one list object): 8 choices cost about
     one encoding, and a list equal to it but not the same object is encoded on its own."""
     body = _echo_body(choices=8, positions=400)
-    encoded = []
-
-    def recording(obj) -> str:
-        out = _plain(obj)
-        encoded.append(len(out))
-        return out
-
-    monkeypatch.setattr(delivery, "_dumps", recording)
     joined = "".join(delivery.json_pieces(body))
     assert joined == _plain(body)
     assert sum(encoded) < len(joined) / 6, (sum(encoded), len(joined))
