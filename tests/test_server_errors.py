@@ -218,7 +218,7 @@ def _compile_in_background(made: list) -> None:
         made.append(weakref.ref(_Cycle()))  # the compile's garbage: a dead cycle
         return SimpleNamespace(linears=None, stats=CompileStats())
 
-    stream = SimpleNamespace(lend_helpers=lambda n: None)
+    stream = SimpleNamespace(lend_helpers=lambda n: None, idle_seconds=lambda: 60.0)
     runner = SimpleNamespace(build_compiled=build, install_compiled=lambda s: None, stream=stream)
     job = ModelCompile(lambda name, **kw: contextlib.nullcontext(), 0.0)
     job.start(runner, None, background=True, recorded=StepChoice(mode="eager"))

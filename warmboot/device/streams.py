@@ -45,6 +45,9 @@ class Stream(Protocol):
     def lend_helpers(self, count: int, always: bool = False) -> int:
         """Helper threads for the native CPU kernels (CPU only); how many serve."""
 
+    def idle_seconds(self) -> float:
+        """How long the stream has had no work (0 while it has some)."""
+
 
 class _CpuEvent:
     def __init__(self) -> None:
@@ -73,6 +76,8 @@ class CpuStream:
         """Whether the compute threads are pinned to their cores (``device.threads``)."""
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._busy = 0.0
+        self._running = False
+        self._last_end = time.perf_counter()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -94,6 +99,11 @@ class CpuStream:
 
     def busy_seconds(self) -> float:
         return self._busy
+
+    def idle_seconds(self) -> float:
+        if self._running or not self._queue.empty():
+            return 0.0
+        return time.perf_counter() - self._last_end
 
     def lend_helpers(self, count: int, always: bool = False) -> int:
         """Give the device thread's native kernels ``count`` helper threads on the host's
@@ -146,11 +156,14 @@ class CpuStream:
                     # NOTE: the count is process-wide in torch's OpenMP build: a host thread's
                     # torch_threads() (a warm-up, a probe) restores its own on exit
                     torch.set_num_threads(self._threads)
+                self._running = True
                 try:
                     item()
                 except BaseException as e:  # noqa: BLE001 - reported through the next event
                     self._error = e
-                self._busy += time.perf_counter() - t0
+                self._last_end = time.perf_counter()
+                self._running = False
+                self._busy += self._last_end - t0
 
 
 class _CudaEvent:
@@ -172,6 +185,8 @@ class CudaStream:
         self.stream = torch.cuda.Stream(device)
         self._intervals: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._busy = 0.0
+        self._last_end: torch.cuda.Event | None = None
+        self._idle_from: float | None = None
 
     def submit(self, fn: Callable[[], object], tokens: int = 0) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -180,6 +195,7 @@ class CudaStream:
             fn()
             end.record()
         self._intervals.append((start, end))
+        self._last_end, self._idle_from = end, None
 
     def record(self) -> _CudaEvent:
         event = torch.cuda.Event()
@@ -191,6 +207,15 @@ class CudaStream:
         self._intervals = [(s, e) for s, e in self._intervals if not e.query()]
         self._busy += sum(s.elapsed_time(e) for s, e in done) / 1e3
         return self._busy
+
+    def idle_seconds(self) -> float:
+        """Counted from when the host first saw the last submission done."""
+        if self._last_end is not None and not self._last_end.query():
+            self._idle_from = None
+            return 0.0
+        if self._idle_from is None:
+            self._idle_from = time.perf_counter()
+        return time.perf_counter() - self._idle_from
 
     def lend_helpers(self, count: int, always: bool = False) -> int:
         """CPU helper threads: none on a CUDA stream."""
