@@ -12,9 +12,9 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from warmboot.config import pid_alive, resolve_eager
+from warmboot.config import cache_root, pid_alive, resolve_eager
 from warmboot.launcher.sandbox import SandboxSpec, delete_containers
-from warmboot.snapshot.key import HOST_CPU_ENV, host_cpu_features
+from warmboot.snapshot.key import HOST_CPU_ENV, HOST_NATIVE_ENV, host_cpu_features
 
 STORE_MOUNT = "store-mount"
 """The tier-A store appears inside the sandbox at ``<work_dir>/store-mount``, wherever it
@@ -28,8 +28,8 @@ def worker_spec(engine_kwargs: dict, work_dir: Path):
     root = Path(work_dir).resolve()
     env = {k: os.environ[k] for k in ("WARMBOOT_CACHE", "PYTHONPATH") if k in os.environ}
     env |= {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
-            "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1",
-            HOST_CPU_ENV: host_cpu_features()}  # fmt: skip
+            "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1", HOST_CPU_ENV: host_cpu_features()}  # fmt: skip
+    env[HOST_NATIVE_ENV] = str(cache_root() / "native")  # NOTE: the host's build, not keyed
     binds = []
     engine = sandboxed(engine_kwargs)
     store = engine_kwargs.get("snapshot_store")
@@ -86,7 +86,7 @@ def process_key_fields(engine: dict, runsc_version: str, spec) -> dict[str, str]
             {
                 "argv": [*spec.argv[:-1], _keyed_settings(spec.argv[-1])],
                 "cwd": spec.cwd,
-                "env": spec.env,
+                "env": {k: v for k, v in spec.env.items() if k != HOST_NATIVE_ENV},
                 "binds": [dst for _, dst in spec.binds()],
                 "tmpfs": spec.tmpfs,
             },  # fmt: skip

@@ -144,6 +144,9 @@ def _version(dist: str) -> str:
 
 
 HOST_CPU_ENV = "WARMBOOT_HOST_CPU"
+HOST_NATIVE_ENV = "WARMBOOT_HOST_NATIVE"
+"""Set by the launcher for its sandboxed worker: the host's native-library cache directory
+(``kernels.native``), read-only in there; not part of a process key."""
 
 
 @cache
