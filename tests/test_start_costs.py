@@ -63,6 +63,27 @@ def test_a_slower_restore_is_skipped_for_a_cold_start(by_cost, path, tmp_path):
     assert sorted(p.stat().st_mtime_ns for p in (store / "manifests").iterdir()) == manifests
 
 
+def test_a_restore_alone_on_record_tries_a_cold_start_once(by_cost, path, tmp_path):
+    """An image made where this host's costs are not kept (in gVisor, elsewhere) has only
+    its restore on record here: a CPU engine boots cold once to measure that, publishes
+    nothing, and from then on the figures decide."""
+    store = tmp_path / "store"
+    first = _start(path, store)
+    (key,) = LocalStore(store).list_keys()
+    start_costs.costs_path().write_text(json.dumps({key: {"restored_image": 0.5}}))
+    assert start_costs.cold_is_quicker(key) is None, "only where the caller explores"
+    manifests = sorted(p.stat().st_mtime_ns for p in (store / "manifests").iterdir())
+    tried = _start(path, store)
+    assert tried[0] == "cold" and "cold start tried once" in tried[1], tried[1]
+    assert tried[2] == first[2]
+    assert sorted(p.stat().st_mtime_ns for p in (store / "manifests").iterdir()) == manifests
+    costs = json.loads(start_costs.costs_path().read_text())[key]
+    assert costs.keys() == {"cold", "restored_image"}
+    decided = _start(path, store)
+    quicker = "restored_image" if costs["restored_image"] <= costs["cold"] else "cold"
+    assert decided[0] == quicker and decided[2] == first[2], (decided[:2], costs)
+
+
 def test_launch_costs_are_compared(by_cost):
     assert start_costs.local_is_quicker("p") is None  # NOTE: nothing on record
     start_costs.record_launch("p", "restored_process", 4.5)

@@ -218,8 +218,10 @@ class Startup(GraphPhases):
             return SnapshotBoot(store, self.model_dir, key_settings, device, timeout)
 
     def _restore_pays(self) -> bool:
-        """False where a cold start measured quicker for this key (``start_costs``)."""
-        why = self.snapshot and start_costs.cold_is_quicker(self.snapshot.key)
+        """False where a cold start measured quicker for this key (``start_costs``), or is
+        tried once to measure it: on the CPU only (on CUDA a cold start compiles first)."""
+        snap = self.snapshot
+        why = snap and start_costs.cold_is_quicker(snap.key, explore=snap.device.type == "cpu")
         if why:
             self.snapshot.reason, self.snapshot.publish_skipped = why, True
         return not why

@@ -5,6 +5,8 @@ the chunks as they stream and the canary; on a small model a cold start can be q
 issue measured 5.7 s restored against 2.8 s cold, eager). So every start records its cost
 here, and a start whose key has both costs on record restores only if the restore was the
 quicker; otherwise it boots cold, says why (``start_info.reason``) and publishes nothing.
+Where only a restore is on record (the key's image was made in gVisor, whose cost file is its
+own, or on another host), a CPU engine tries a cold start once, as the launcher does below.
 
 The cost of a start is its phases up to the first step it can serve: what runs in the
 background or only for publishing (``compile``, ``step_choice``, ``snapshot_publish``,
@@ -78,10 +80,14 @@ def _save(key: str, path: str, seconds: float) -> None:
         log.warning("start costs not recorded: %s", e)
 
 
-def cold_is_quicker(key: str) -> str | None:
-    """Why a cold start beats restoring ``key`` here, or None (restore)."""
+def cold_is_quicker(key: str, explore: bool = False) -> str | None:
+    """Why a cold start beats restoring ``key`` here, or None (restore). ``explore``: with a
+    restore on record and no cold start, a cold start is tried once, to measure it (where a
+    cold start is cheap to try: on the CPU its compile runs in the background)."""
     entry = _load().get(key, {}) if enabled() else {}
     cold, restored = entry.get("cold"), entry.get("restored_image")
+    if restored is not None and cold is None and explore:
+        return f"a cold start tried once, to measure it (the restore took {restored:.2f}s)"
     if cold is None or restored is None or restored <= cold:
         return None
     return f"a cold start measured quicker here ({cold:.2f}s to serve against {restored:.2f}s restored)"
