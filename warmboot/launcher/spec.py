@@ -28,7 +28,8 @@ def worker_spec(engine_kwargs: dict, work_dir: Path):
     root = Path(work_dir).resolve()
     env = {k: os.environ[k] for k in ("WARMBOOT_CACHE", "PYTHONPATH") if k in os.environ}
     env |= {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
-            "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1", HOST_CPU_ENV: host_cpu_features()}  # fmt: skip
+            "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1",
+            HOST_CPU_ENV: host_cpu_features()}  # fmt: skip
     env[HOST_NATIVE_ENV] = str(cache_root() / "native")  # NOTE: the host's build, not keyed
     binds = []
     engine = sandboxed(engine_kwargs)
