@@ -45,7 +45,7 @@ def _start(stream: _Stream) -> tuple[ModelCompile, list[float]]:
 @pytest.fixture
 def quick(monkeypatch):
     monkeypatch.setattr(background_compile, "QUIET_S", 0.2)
-    monkeypatch.setattr(background_compile, "DEFER_MAX_S", 1.0)
+    monkeypatch.setattr(background_compile, "DEFER_MAX_S", 2.0)
 
 
 def _join(job: ModelCompile) -> None:
@@ -59,7 +59,7 @@ def test_a_background_compile_waits_for_the_steps_to_stop(quick):
     job, began = _start(stream)
     _join(job)
     assert began[0] - stream.busy_until >= 0.2 - 1e-3, "it began before the engine was quiet"
-    assert began[0] - t0 < 1.0
+    assert began[0] - t0 < 1.6, "it waited for the deadline, not for the quiet"
 
 
 def test_a_background_compile_waits_quiet_from_its_start(quick):
@@ -69,14 +69,14 @@ def test_a_background_compile_waits_quiet_from_its_start(quick):
     t0 = time.perf_counter()
     job, began = _start(stream)
     _join(job)
-    assert 0.2 - 1e-3 <= began[0] - t0 < 1.0
+    assert 0.2 - 1e-3 <= began[0] - t0 < 1.6
 
 
 def test_a_busy_engine_still_gets_its_compile(quick):
     t0 = time.perf_counter()
     job, began = _start(_Stream(busy_for=60.0))
     _join(job)
-    assert 1.0 - 1e-3 <= began[0] - t0 < 3.0, "the wait is bounded by DEFER_MAX_S"
+    assert 2.0 - 1e-3 <= began[0] - t0 < 5.0, "the wait is bounded by DEFER_MAX_S"
 
 
 def test_waiting_for_the_compile_ends_the_deferral(monkeypatch):
