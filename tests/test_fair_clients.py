@@ -25,7 +25,14 @@ from tests.tiny_models import VOCAB_SIZE
 from warmboot.core import scheduler as scheduler_mod
 from warmboot.core.request import Request, RequestStatus
 from warmboot.core.scheduler import EXPRESS_UNITS, MIN_PREFILL_UNITS
-from warmboot.core.shared_steps import RECENT_STEPS, SHARED_MIN_S, decodes_within, shared_seconds
+from warmboot.core.shared_steps import (
+    RECENT_S,
+    RECENT_STEPS,
+    SHARED_MIN_S,
+    SharedSteps,
+    decodes_within,
+    shared_seconds,
+)
 from warmboot.core.step_cost import MIN_SAMPLES, StepCost
 from warmboot.sampling_params import SamplingParams
 
@@ -278,10 +285,10 @@ def test_max_step_ms_never_starves_decodes_prefills_or_newcomers():
 
 
 def test_running_prefills_leave_the_reserve_to_a_newcomer(monkeypatch):
-    """A long prompt takes every time-capped step; a small call arriving gets the reserve,
-    the long prompt what the step's 50 units leave beside it: while the server is shared,
-    running prefills have no floor of their own above the reserve (express steps off: the
-    next tests)."""
+    """A long prompt takes every time-capped step (50 units alone); a small call arriving
+    gets the reserve, the long prompt what the step leaves beside it: shared, the step is two
+    one-row steps (104 ms: 27 units) raised to the reserve (32), and running prefills have no
+    floor of their own above it (express steps off: the next tests)."""
     monkeypatch.setattr(scheduler_mod, "EXPRESS_GAIN", float("inf"))
     d = timed(driver(max_model_len=2048, max_step_ms=150.0))
     long = call("long", 1, 1500, max_tokens=1)[0]
@@ -292,7 +299,8 @@ def test_running_prefills_leave_the_reserve_to_a_newcomer(monkeypatch):
     assert steps_to_first_token(d, small) == 1
     scheduled = {s.req_id: s.num_tokens for s in d.outs[-1].scheduled}
     assert d.outs[-2].num_batched_tokens == 50
-    assert scheduled == {"long0": 50 - MIN_PREFILL_UNITS, "small0": 20}
+    assert scheduled == {"long0": 1, "small0": 20}
+    assert d.outs[-1].budget_units == 21 and MIN_PREFILL_UNITS == 32
     check_outputs(d, long, small)
 
 
@@ -351,22 +359,24 @@ def test_no_express_step_where_it_does_not_pay(case):
 @pytest.mark.usefixtures("_alone")
 def test_an_express_step_takes_new_clients_while_it_stays_short():
     """Ten new clients' 8-token prompts beside 56 decodes: the k-th joins while the step it
-    would share (138 ms) lasts twice the express step with it (10 + 16k ms): three of them."""
+    would share (138 ms) lasts 1.5 times the express step with it (10 + 16k ms): five."""
     d, flood = _beside_decodes(max_step_ms=150.0, streams_count=56)
     probes = [_probe(c) for c in "bcdefghijk"]
     d.add(*probes)
     d.step()
-    assert [s.req_id for s in d.outs[-1].scheduled] == [p.request_id for p in probes[:3]]
-    assert d.outs[-1].budget_units == 24 <= EXPRESS_UNITS
+    assert [s.req_id for s in d.outs[-1].scheduled] == [p.request_id for p in probes[:5]]
+    assert d.outs[-1].budget_units == 40 <= EXPRESS_UNITS
     check_outputs(d, *flood, *probes)
 
 
 def test_shared_steps_cut_the_decodes_and_serve_them_in_turn():
     """62 decodes of client a alone fill every step; once client b has come, a step holds
-    what fits three one-row steps (10 ms + 2 ms a row: 36 ms), at least 40 ms (15 decodes),
-    those served longest ago first, so each decode is served in any five steps running;
-    RECENT_STEPS after b has gone, the steps are whole again."""
+    what fits two one-row steps (10 ms + 2 ms a row: 24 ms), at least 25 ms (7 decodes),
+    those served longest ago first, so each decode is served in any nine steps running;
+    RECENT_STEPS steps and RECENT_S seconds after b has gone, the steps are whole again."""
     d, flood = _beside_decodes(max_step_ms=150.0)
+    now = [0.0]
+    d.sched.shared.clock = lambda: now[0]
     d.step()
     assert sum(s.num_tokens == 1 for s in d.outs[-1].scheduled) == 62
     probe = _probe("b")
@@ -374,21 +384,45 @@ def test_shared_steps_cut_the_decodes_and_serve_them_in_turn():
     served: list[set[str]] = []
     while probe.status is not RequestStatus.FINISHED:
         d.step()
-    for _ in range(5):
+    for _ in range(9):
         d.step()
         served.append({s.req_id for s in d.outs[-1].scheduled})
-    assert [len(ids) for ids in served] == [15] * 5
-    assert set().union(*served) == {r.request_id for r in flood}, "each in five steps"
-    assert d.sched.shared.steps >= 5
+    assert [len(ids) for ids in served] == [7] * 9
+    assert set().union(*served) == {r.request_id for r in flood}, "each in nine steps"
+    assert d.sched.shared.steps >= 9
     for _ in range(RECENT_STEPS):
         d.step()
+    assert len(d.outs[-1].scheduled) < 62, "b was here within RECENT_S"
+    now[0] += RECENT_S
+    d.step()
     assert len(d.outs[-1].scheduled) == 62, "b gone: whole steps again"
     check_outputs(d, *flood, probe)
 
 
+def test_a_client_back_within_seconds_still_counts_as_present():
+    """A client is present for RECENT_STEPS steps or RECENT_S seconds after its last live
+    request, whichever lasts longer: 32 short steps are 0.7 s on two CPU cores, and a client
+    back every second or two must not find the heavy client's long steps each time."""
+    now = [0.0]
+    shared = SharedSteps(clock=lambda: now[0])
+    assert not shared.note({"a"})
+    assert shared.note({"a", "b"})
+    for _ in range(3 * RECENT_STEPS):  # NOTE: 20-ms steps: 1.9 s
+        now[0] += 0.02
+        assert shared.note({"a"})
+    now[0] = RECENT_S + 0.01
+    assert not shared.note({"a"}), "b gone for RECENT_S and RECENT_STEPS"
+    assert shared.note({"a", "c"})
+    for _ in range(RECENT_STEPS - 1):  # NOTE: 1-s steps: RECENT_STEPS count
+        now[0] += 1.0
+        assert shared.note({"a"})
+    now[0] += 1.0
+    assert not shared.note({"a"})
+
+
 def test_a_gpus_shared_step_cuts_no_decode():
     """A GPU's step: 5 ms fixed, 20 us a decode row, 1 ns a token read: a shared step is
-    40 ms (the floor, not three 5-ms steps) and holds 256 decodes of 2k-token contexts."""
+    25 ms (the floor, not two 5-ms steps) and holds 256 decodes of 2k-token contexts."""
     fit = (0.005, 1e-5, 2e-5, 1e-9)
     assert shared_seconds(fit) == SHARED_MIN_S
     assert decodes_within(fit, shared_seconds(fit), 256, 256 * 2048) == 256
@@ -396,9 +430,10 @@ def test_a_gpus_shared_step_cuts_no_decode():
 
 
 def test_shared_steps_cap_a_prefill_beside_another_clients_decode():
-    """A 1000-token prompt of client a beside client b's stream: the chunks fit three
-    one-row steps (50 ms + 2 ms a unit: 156 ms, under the 250 ms cap: 52 units beside the
-    decode), without the stretch to twice the step's unavoidable cost."""
+    """A 1000-token prompt of client a beside client b's stream: the chunks fit two one-row
+    steps (50 ms + 2 ms a unit: 104 ms, under the 250 ms cap: 26 units beside the decode),
+    without the stretch to twice the step's unavoidable cost; its first chunk, admitted from
+    the queue, has the newcomer's reserve (32)."""
     d = timed(driver(max_model_len=2048, max_step_ms=250.0))
     stream = call("b", 1, 4, max_tokens=30)[0]
     stream.client = "b"
@@ -407,7 +442,9 @@ def test_shared_steps_cap_a_prefill_beside_another_clients_decode():
     d.step()
     d.add(long)
     d.step()
-    assert {s.req_id: s.num_tokens for s in d.outs[-1].scheduled} == {"b0": 1, "a0": 52}
+    assert {s.req_id: s.num_tokens for s in d.outs[-1].scheduled} == {"b0": 1, "a0": 32}
+    d.step()
+    assert {s.req_id: s.num_tokens for s in d.outs[-1].scheduled} == {"b0": 1, "a0": 26}
     check_outputs(d, stream, long)
 
 

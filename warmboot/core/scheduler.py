@@ -45,7 +45,7 @@ from warmboot.config import SchedulerConfig
 from warmboot.core.block_manager import BlockManager
 from warmboot.core.fair_queue import Entry, FairTurns, WaitingQueue
 from warmboot.core.request import FinishReason, Request, RequestStatus
-from warmboot.core.shared_steps import SharedSteps, decodes_within, served_last, shared_seconds
+from warmboot.core.shared_steps import MIN_UNITS, SharedSteps, shared_cut
 from warmboot.core.step_cost import MIN_SAMPLES, StepCost
 from warmboot.core.step_load import claims_behind, running_load
 from warmboot.core.types import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenEvent
@@ -55,7 +55,7 @@ MIN_PREFILL_UNITS = 32
 leave to waiting requests: a small request's prompt in one chunk."""
 EXPRESS_UNITS = 2 * MIN_PREFILL_UNITS
 """Most prefill units of an express step: new clients' whole prompts, alone (``_express``)."""
-EXPRESS_GAIN = 2.0
+EXPRESS_GAIN = 1.5
 """An express step runs when the step it spares a new client lasts this many times as long."""
 
 
@@ -130,15 +130,14 @@ class Scheduler:
         decodes, context, prefills = running_load(self.running, self._weight)
         seconds = cfg.max_step_ms / 1000
         if self._shared:  # NOTE: decodes cut to fit a shared step, never to a shorter cap
-            shared = shared_seconds(self.step_cost.fit())
-            kept = decodes_within(self.step_cost.fit(), shared, decodes, context)
+            cut = shared_cut(self.step_cost.fit(), self.running, decodes, context)
+            shared, self._skip, decodes, context = cut
             seconds = min(seconds, shared)
-            self._skip = served_last(self.running, decodes - kept)
-            decodes, context = kept, context * kept // max(decodes, 1)
         cap = self.step_cost.units_within(seconds, decodes, context, stretch=not self._shared)
         reserve = MIN_PREFILL_UNITS if self._admissible_waits() else 0
+        least = MIN_UNITS if self._shared else MIN_PREFILL_UNITS  # NOTE: reserve: a newcomer's
         own = MIN_PREFILL_UNITS * (prefills > 0 and not self._shared)  # NOTE: shared: one for all
-        floor = decodes + max(own + reserve, MIN_PREFILL_UNITS)
+        floor = decodes + max(own + reserve, least)
         budget = min(cfg.max_num_batched_tokens, max(cap, floor))
         return budget, max(0, min(reserve, budget - decodes - 1))  # NOTE: a prefill moves
 

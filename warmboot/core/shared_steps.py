@@ -4,11 +4,12 @@ A new client's first token waits for the step in flight, whatever its own step c
 one heavy client, a step capped at ``max_step_ms`` (250 ms by default) or a batch of 62
 decodes (70-100 ms on two CPU cores) is that wait: well past twice a quiet request's time plus
 one decode step (issue 23's goal). So while more than one client has had a request live within
-the last ``RECENT_STEPS`` steps, a step lasts at most ``SHARED_ROW_STEPS`` one-row steps (the
-fitted fixed cost plus one decode row; at least ``SHARED_MIN_S``), and the decodes a step
-holds are cut to what fits, those served longest ago first: the others take the next step,
-one token later. Prefill chunks get what the decodes leave of it (at least the scheduler's
-floor), not the stretch to twice the step's unavoidable cost of a client alone.
+the last ``RECENT_STEPS`` steps or ``RECENT_S`` seconds, a step lasts at most
+``SHARED_ROW_STEPS`` one-row steps (the fitted fixed cost plus one decode row; at least
+``SHARED_MIN_S``), and the decodes a step holds are cut to what fits, those served longest ago
+first: the others take the next step, one token later. Prefill chunks get what the decodes
+leave of it, at least ``MIN_UNITS`` (``MIN_PREFILL_UNITS`` where a newcomer waits), not the
+stretch to twice the step's unavoidable cost of a client alone.
 
 What it costs: the heavy client's throughput while others come and go (62 decodes in two or
 three steps pay the fixed cost that often), never a client alone (throughput first). A GPU's
@@ -17,18 +18,27 @@ decode row costs a fraction of its fixed cost: there no decode is cut.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 from warmboot.core.request import Request
 
 RECENT_STEPS = 32
-"""Steps after a client's last live request during which it still counts as present."""
-SHARED_ROW_STEPS = 3.0
+"""Steps after a client's last live request during which it still counts as present..."""
+RECENT_S = 5.0
+"""...or seconds, whichever lasts longer: 32 shared steps are 0.7 s on two CPU cores, and a
+client back every second or two (a chat, a probe) found the heavy client's capped 250-ms
+steps each time (the fairness bench's first probe beside the echo load: 124-162 ms)."""
+SHARED_ROW_STEPS = 2.0
 """A shared step's length, in one-row steps (fixed cost plus one decode row)..."""
-SHARED_MIN_S = 0.04
+SHARED_MIN_S = 0.025
 """...and at least this long: a GPU's one-row step of a few ms would cut prefill chunks to
 slivers that pay the fixed cost again and again (on two CPU cores 3 one-row steps are
 40-55 ms compiled, about 165 ms eager)."""
+MIN_UNITS = 16
+"""The prefill a shared step always holds beside its decodes (else ``MIN_PREFILL_UNITS``, 32):
+a new client's small prompt still fits in one chunk, and an echo request's prompt-logprob
+chunk or a sibling's tails over a long prefix no longer make each step 50-80 ms."""
 
 Fit = tuple[float, float, float, float]
 
@@ -36,20 +46,21 @@ Fit = tuple[float, float, float, float]
 class SharedSteps:
     """Which clients were present of late, step by step."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.step = 0
-        self._seen: dict[str, int] = {}
+        self._seen: dict[str, tuple[int, float]] = {}
         self.steps = 0
         """Steps scheduled while shared."""
 
     def note(self, clients: Iterable[str]) -> bool:
         """Count a step with ``clients`` live; whether two or more were present of late."""
-        self.step += 1
+        self.step, now = self.step + 1, self.clock()
         for c in clients:
-            self._seen[c] = self.step
+            self._seen[c] = (self.step, now)
         if len(self._seen) > 1:
-            old = self.step - RECENT_STEPS
-            self._seen = {c: s for c, s in self._seen.items() if s > old}
+            old, gone = self.step - RECENT_STEPS, now - RECENT_S
+            self._seen = {c: (s, t) for c, (s, t) in self._seen.items() if s > old or t > gone}
         shared = len(self._seen) > 1
         self.steps += shared
         return shared
@@ -59,6 +70,16 @@ def shared_seconds(fit: Fit) -> float:
     """A shared step's length: ``SHARED_ROW_STEPS`` one-row steps, at least ``SHARED_MIN_S``."""
     fixed, _, per_row, _ = fit
     return max(SHARED_ROW_STEPS * (fixed + per_row), SHARED_MIN_S)
+
+
+def shared_cut(
+    fit: Fit, running: Sequence[Request], decodes: int, context: int
+) -> tuple[float, set[Request], int, int]:
+    """A shared step's length, the running decodes it leaves out, and the decode rows and KV
+    tokens of those it keeps."""
+    seconds = shared_seconds(fit)
+    kept = decodes_within(fit, seconds, decodes, context)
+    return seconds, served_last(running, decodes - kept), kept, context * kept // max(decodes, 1)
 
 
 def decodes_within(fit: Fit, seconds: float, decodes: int, context: int) -> int:
