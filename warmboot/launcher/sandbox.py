@@ -41,6 +41,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from warmboot.launcher import runsc_versions
+
 LOG_TAIL_BYTES = 4000
 RUNSC_TIMEOUT = 60.0
 
@@ -50,12 +52,16 @@ class SandboxError(RuntimeError):
 
 
 def runsc_status() -> tuple[str | None, str]:
-    """(version string, "") when runsc can be used here, else (None, reason)."""
+    """(version string, "") when runsc can be used here, else (None, reason). The version of
+    a binary already asked is read from the cache (``runsc --version`` costs 50 ms of every
+    launch); a replaced binary has another inode, size or change time and is asked again."""
     path = shutil.which("runsc")
     if path is None:
         return None, "runsc is not installed (apt-get install runsc)"
     if os.geteuid() != 0:
         return None, "runsc needs root here (rootless sandboxes are not supported)"
+    if known := runsc_versions.known(path):
+        return known, ""
     try:
         out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -63,7 +69,9 @@ def runsc_status() -> tuple[str | None, str]:
     first = out.stdout.strip().splitlines()[:1]
     if out.returncode != 0 or not first or not first[0].startswith("runsc version "):
         return None, f"{path} --version gave exit {out.returncode}: {out.stderr.strip()[-200:]}"
-    return first[0].removeprefix("runsc version ").strip(), ""
+    version = first[0].removeprefix("runsc version ").strip()
+    runsc_versions.remember(path, version)
+    return version, ""
 
 
 @dataclass(frozen=True)
