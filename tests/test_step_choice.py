@@ -135,3 +135,26 @@ def test_a_recorded_dense_rows_is_data_checked():
     assert StepChoice.from_fact(fact | {"dense_rows": 16}).dense_rows == 16
     for bad in (3, "16", 16.0, True, -1):
         assert StepChoice.from_fact(fact | {"dense_rows": bad}) is None
+
+
+@pytest.mark.skipif(native.library() is None, reason=f"{native.unavailable_reason()}")
+def test_weights_mapped_for_a_checkpoint_keep_the_step_chosen(
+    tiny_model_dir, tmp_path, monkeypatch
+):
+    """Before a process checkpoint a publisher swaps its weights for the snapshot's mapped
+    copy and compiles its steps again: the step chosen at boot stands (the weights moved, the
+    machine did not), and it serves the same tokens."""
+    path = tiny_model_dir("llama")
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 9], VOCAB_SIZE, seed=5)]
+    llm = LLM(str(path), dtype="bfloat16", enforce_eager=False, max_model_len=64, block_size=4,
+              num_kv_blocks=64, snapshot_store=str(tmp_path / "store"))  # fmt: skip
+    engine = llm.engine
+    engine.startup.wait_compiled()
+    chosen = engine.startup.compiling.info["step_choice"]
+    before = _greedy(llm, prompts)
+    measured = []
+    monkeypatch.setattr(step_choice, "choose", lambda *a, **k: measured.append(1))
+    assert engine.remap_weights_from_snapshot(), "the weights are mapped from the snapshot"
+    assert not measured, "not measured again"
+    assert engine.startup.compiling.info["step_choice"] == chosen
+    assert _greedy(llm, prompts) == before

@@ -216,7 +216,7 @@ class LLMEngine:
         if not swapped or self.runner.model is old or snap.manifest is None:
             return {}
         self.startup.wait_compiled()
-        self.startup.compile(self)
+        self.startup.compile(self, again=True)
         self.startup.recapture_graphs(self)
         return snap.manifest.chunk_refs()
 
