@@ -26,6 +26,7 @@ from warmboot.core import scheduler as scheduler_mod
 from warmboot.core.request import Request, RequestStatus
 from warmboot.core.scheduler import EXPRESS_UNITS, MIN_PREFILL_UNITS
 from warmboot.core.shared_steps import (
+    MIN_UNITS,
     RECENT_S,
     RECENT_STEPS,
     SHARED_MIN_S,
@@ -397,6 +398,31 @@ def test_shared_steps_cut_the_decodes_and_serve_them_in_turn():
     d.step()
     assert len(d.outs[-1].scheduled) == 62, "b gone: whole steps again"
     check_outputs(d, *flood, probe)
+
+
+def test_shared_a_clients_own_queued_calls_get_the_small_floor(monkeypatch):
+    """Shared (client b came and went within RECENT_S), client a's own queued call takes
+    MIN_UNITS of prefill beside a's decodes, so the steps a newcomer waits for stay short; a
+    newcomer's prompt still gets MIN_PREFILL_UNITS, whole in one chunk (express steps off)."""
+    monkeypatch.setattr(scheduler_mod, "EXPRESS_GAIN", float("inf"))
+    d, flood = _beside_decodes(max_step_ms=150.0, streams_count=8)
+    d.sched.shared.clock = lambda: 0.0
+    probe = _probe("b")
+    d.add(probe)
+    while probe.status is not RequestStatus.FINISHED:
+        d.step()
+    more = call("a-more", 1, 100, max_tokens=1)[0]
+    more.client = "a"
+    d.add(more)
+    d.step()
+    prefill = {s.req_id: s.num_tokens for s in d.outs[-1].scheduled if s.num_tokens > 1}
+    assert prefill == {more.request_id: MIN_UNITS} and MIN_UNITS < MIN_PREFILL_UNITS
+    newcomer = _probe("c", 30)
+    d.add(newcomer)
+    d.step()
+    prefill = {s.req_id: s.num_tokens for s in d.outs[-1].scheduled if s.num_tokens > 1}
+    assert prefill[newcomer.request_id] == 30
+    check_outputs(d, *flood, probe, more, newcomer)
 
 
 def test_a_client_back_within_seconds_still_counts_as_present():
