@@ -298,7 +298,8 @@ def probe_stream(addr, model: str, window_s: float, interval_s: float) -> dict:
             threads[-1].start()
     for t in threads:
         t.join(DEADLINE_S + 5)
-    return {kind: summarize([v for _, v in sorted(got[kind])]) for kind in got}
+    out = {kind: summarize([v for _, v in sorted(got[kind])]) for kind in got}
+    return out | {"started_at": round(time.time() - (time.perf_counter() - t0), 3)}
 
 
 def percentile(values: list[float], q: float) -> float:
