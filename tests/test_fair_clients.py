@@ -446,6 +446,30 @@ def test_a_client_back_within_seconds_still_counts_as_present():
     assert not shared.note({"a"})
 
 
+def test_many_alike_clients_keep_whole_steps():
+    """Eight clients of four streams each, all present: none holds half the batch, so no
+    step is cut (cut, 32 clients' streams ran 23% slower); one client's flood of 32 more
+    makes it the heavy one, and the steps are shared again."""
+    d = timed(driver(max_num_seqs=64, max_step_ms=150.0), fixed_ms=10.0)
+    flood = [r for c in "abcdefgh" for r in streams(c, 4, max_tokens=20)]
+    d.add(*flood)
+    while not all(r.num_output_tokens for r in flood):
+        d.step()
+    before = d.sched.shared.steps  # NOTE: a's first seats, alone running, were shared
+    d.step()
+    assert len(d.outs[-1].scheduled) == 32 and d.sched.shared.steps == before
+    heavy = streams("a", 32, max_tokens=12)
+    for r in heavy:
+        r.request_id = "more-" + r.request_id
+    d.add(*heavy)
+    while not all(r.num_output_tokens for r in heavy):
+        d.step()
+    before = d.sched.shared.steps
+    d.step()
+    assert d.sched.shared.steps == before + 1 and len(d.outs[-1].scheduled) < 64
+    check_outputs(d, *flood, *heavy)
+
+
 def test_a_gpus_shared_step_cuts_no_decode():
     """A GPU's step: 5 ms fixed, 20 us a decode row, 1 ns a token read: a shared step is
     25 ms (the floor, not two 5-ms steps) and holds 256 decodes of 2k-token contexts."""

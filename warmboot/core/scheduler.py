@@ -79,7 +79,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_express = 0
         self._expressed = False
-        self.shared = SharedSteps()
+        self.shared = SharedSteps(self.running)
         self._shared, self._skip = False, set()  # NOTE: _skip: decodes left to the next step
 
     # -- requests ------------------------------------------------------------------------------

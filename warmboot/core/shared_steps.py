@@ -4,21 +4,24 @@ A new client's first token waits for the step in flight, whatever its own step c
 one heavy client, a step capped at ``max_step_ms`` (250 ms by default) or a batch of 62
 decodes (70-100 ms on two CPU cores) is that wait: well past twice a quiet request's time plus
 one decode step (issue 23's goal). So while more than one client has had a request live within
-the last ``RECENT_STEPS`` steps or ``RECENT_S`` seconds, a step lasts at most
-``SHARED_ROW_STEPS`` one-row steps (the fitted fixed cost plus one decode row; at least
-``SHARED_MIN_S``), and the decodes a step holds are cut to what fits, those served longest ago
-first: the others take the next step, one token later. Prefill chunks get what the decodes
+the last ``RECENT_STEPS`` steps or ``RECENT_S`` seconds, and one of them holds at least half
+the running sequences, a step lasts at most ``SHARED_ROW_STEPS`` one-row steps (the fitted
+fixed cost plus one decode row; at least ``SHARED_MIN_S``), and the decodes a step holds are
+cut to what fits, those served longest ago first: the others take the next step, one token
+later. Prefill chunks get what the decodes
 leave of it, at least ``MIN_UNITS`` (``MIN_PREFILL_UNITS`` where a newcomer waits), not the
 stretch to twice the step's unavoidable cost of a client alone.
 
-What it costs: the heavy client's throughput while others come and go (62 decodes in two or
-three steps pay the fixed cost that often), never a client alone (throughput first). A GPU's
+What it costs: the heavy client's throughput while others come and go (62 decodes in several
+steps pay the fixed cost that often), never a client alone (throughput first), nor many alike
+clients (no one holds half the batch: whole steps). A GPU's
 decode row costs a fraction of its fixed cost: there no decode is cut.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 
 from warmboot.core.request import Request
@@ -46,7 +49,11 @@ Fit = tuple[float, float, float, float]
 class SharedSteps:
     """Which clients were present of late, step by step."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, running: Sequence[Request] = (), clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.running = running
+        """The scheduler's running requests (read, never changed here)."""
         self.clock = clock
         self.step = 0
         self._seen: dict[str, tuple[int, float]] = {}
@@ -61,9 +68,16 @@ class SharedSteps:
         if len(self._seen) > 1:
             old, gone = self.step - RECENT_STEPS, now - RECENT_S
             self._seen = {c: (s, t) for c, (s, t) in self._seen.items() if s > old or t > gone}
-        shared = len(self._seen) > 1
+        shared = len(self._seen) > 1 and self._one_holds_half()
         self.steps += shared
         return shared
+
+    def _one_holds_half(self) -> bool:
+        """Whether one client holds at least half the running sequences: a heavy client,
+        whose steps are worth cutting for the others. Many alike clients keep whole steps
+        (32 clients of one stream each: 540 against 705 tokens/s cut, on two CPU cores)."""
+        counts = Counter(r.client for r in self.running if r.group is not None)
+        return not self.running or 2 * max(counts.values(), default=0) >= len(self.running)
 
 
 def shared_seconds(fit: Fit) -> float:
