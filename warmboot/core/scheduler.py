@@ -134,8 +134,8 @@ class Scheduler:
             shared, self._skip, decodes, context = cut
             seconds = min(seconds, shared)
         cap = self.step_cost.units_within(seconds, decodes, context, stretch=not self._shared)
-        least = MIN_UNITS if self._shared else MIN_PREFILL_UNITS  # NOTE: shared: a newcomer's
-        newcomer = not self._shared or self.waiting.has_rank(0)  # NOTE: prompt keeps its 32
+        least = MIN_UNITS if self._shared else MIN_PREFILL_UNITS  # NOTE: shared: 16 units...
+        newcomer = not self._shared or self.waiting.has_rank(0)  # NOTE: ...a newcomer's 32
         reserve = (MIN_PREFILL_UNITS if newcomer else least) if self._admissible_waits() else 0
         own = MIN_PREFILL_UNITS * (prefills > 0 and not self._shared)  # NOTE: shared: one for all
         floor = decodes + max(own + reserve, least)

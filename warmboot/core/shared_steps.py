@@ -8,14 +8,14 @@ the last ``RECENT_STEPS`` steps or ``RECENT_S`` seconds, and one of them holds a
 the running sequences, a step lasts at most ``SHARED_ROW_STEPS`` one-row steps (the fitted
 fixed cost plus one decode row; at least ``SHARED_MIN_S``), and the decodes a step holds are
 cut to what fits, those served longest ago first: the others take the next step, one token
-later. Prefill chunks get what the decodes
-leave of it, at least ``MIN_UNITS`` (``MIN_PREFILL_UNITS`` where a newcomer waits), not the
-stretch to twice the step's unavoidable cost of a client alone.
+later. Prefill chunks get what the decodes leave of it, at least ``MIN_UNITS``
+(``MIN_PREFILL_UNITS`` where a newcomer waits), not the stretch to twice the step's
+unavoidable cost of a client alone.
 
 What it costs: the heavy client's throughput while others come and go (62 decodes in several
-steps pay the fixed cost that often), never a client alone (throughput first), nor many alike
-clients (no one holds half the batch: whole steps). A GPU's
-decode row costs a fraction of its fixed cost: there no decode is cut.
+steps pay the fixed cost that often); never a client alone (throughput first), nor many alike
+clients (none holds half the batch: whole steps). A GPU's decode row costs a fraction of its
+fixed cost: there no decode is cut.
 """
 
 from __future__ import annotations
@@ -33,11 +33,13 @@ RECENT_S = 5.0
 client back every second or two (a chat, a probe) found the heavy client's capped 250-ms
 steps each time (the fairness bench's first probe beside the echo load: 124-162 ms)."""
 SHARED_ROW_STEPS = 2.0
-"""A shared step's length, in one-row steps (fixed cost plus one decode row)..."""
+"""A shared step's length, in one-row steps (fixed cost plus one decode row): a newcomer
+waits for the one in flight, then for its own (three, at least 40 ms, had left the probes
+beside the 256-stream load at p99 115 ms against a goal of 105)..."""
 SHARED_MIN_S = 0.025
 """...and at least this long: a GPU's one-row step of a few ms would cut prefill chunks to
-slivers that pay the fixed cost again and again (on two CPU cores 3 one-row steps are
-40-55 ms compiled, about 165 ms eager)."""
+slivers that pay the fixed cost again and again (on two CPU cores 2 one-row steps are about
+27-37 ms compiled and 110 ms eager: two thirds of the 40-55 and 165 ms measured for 3)."""
 MIN_UNITS = 16
 """The prefill a shared step always holds beside its decodes (else ``MIN_PREFILL_UNITS``, 32):
 a new client's small prompt still fits in one chunk, and an echo request's prompt-logprob
@@ -61,7 +63,8 @@ class SharedSteps:
         """Steps scheduled while shared."""
 
     def note(self, clients: Iterable[str]) -> bool:
-        """Count a step with ``clients`` live; whether two or more were present of late."""
+        """Count a step with ``clients`` live; whether it is shared: two or more present of
+        late, and one of them heavy."""
         self.step, now = self.step + 1, self.clock()
         for c in clients:
             self._seen[c] = (self.step, now)
