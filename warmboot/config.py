@@ -42,6 +42,25 @@ def cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "warmboot"
 
 
+def read_cache_dict(path: Path) -> dict:
+    """A small JSON cache file's object: empty where the file is missing, unreadable or not
+    an object (data, never trusted: callers keep only the values they can use)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_cache_dict(path: Path, data: dict, indent: int | None = None) -> None:
+    """Write ``data`` to ``path`` whole (a temporary file moved over it: a reader never sees
+    half); raises OSError."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=indent))
+    os.replace(tmp, path)
+
+
 class ModelFilesError(FileNotFoundError):
     """A file the model directory must hold is missing."""
 

@@ -6,7 +6,6 @@ only means asking."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -22,23 +21,21 @@ def known(binary: str) -> str | None:
 
 def remember(binary: str, version: str) -> None:
     """Record ``binary``'s version; the file is replaced whole (a reader never sees half)."""
+    from warmboot.config import write_cache_dict
+
     stamp = _stamp(binary)
     if stamp is None:
         return
     entries = {k: v for k, v in _load().items() if k != stamp}
     entries = dict(list(entries.items())[-(KEPT - 1) :]) | {stamp: version}
-    path = _path()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(entries))
-        os.replace(tmp, path)
+        write_cache_dict(_path(), entries)
     except OSError:
         pass
 
 
 def _path() -> Path:
-    from warmboot.config import cache_root
+    from warmboot.config import cache_root  # NOTE: here: the sandbox module stays light
 
     return cache_root() / "runsc_versions.json"
 
@@ -53,10 +50,6 @@ def _stamp(binary: str) -> str | None:
 
 
 def _load() -> dict[str, str]:
-    try:
-        data = json.loads(_path().read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)}
+    from warmboot.config import read_cache_dict
+
+    return {k: v for k, v in read_cache_dict(_path()).items() if isinstance(v, str)}

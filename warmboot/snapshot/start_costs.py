@@ -28,12 +28,11 @@ took 64 s, through gVisor's file I/O, against 8 s for a whole local start.)
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
 
-from warmboot.config import cache_root
+from warmboot.config import cache_root, read_cache_dict, write_cache_dict
 
 log = logging.getLogger(__name__)
 ENV = "WARMBOOT_START_BY_COST"
@@ -70,12 +69,8 @@ def _save(key: str, path: str, seconds: float) -> None:
         return
     costs = _load()
     costs.setdefault(key, {})[path] = round(seconds, 4)
-    target = costs_path()
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(costs, indent=1))
-        os.replace(tmp, target)
+        write_cache_dict(costs_path(), costs, indent=1)
     except OSError as e:
         log.warning("start costs not recorded: %s", e)
 
@@ -114,14 +109,8 @@ def local_is_quicker(key: str) -> str | None:
 
 
 def _load() -> dict:
-    try:
-        data = json.loads(costs_path().read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict):
-        return {}
     return {
         k: {p: v for p, v in e.items() if isinstance(v, (int, float))}
-        for k, e in data.items()
+        for k, e in read_cache_dict(costs_path()).items()
         if isinstance(e, dict)
     }
