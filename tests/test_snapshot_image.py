@@ -3,6 +3,7 @@ paths, schema and integrity errors, dedup on bytes stored, concurrent and crashe
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -265,3 +266,45 @@ def test_process_images_share_the_store_operations(store, tmp_path):
     assert remove_snapshot(store, "k1") == engine_bytes, "a process manifest must not block GC"
     assert store.stored_bytes() == 3000, "the process image keeps its chunks"
     assert remove_snapshot(store, key) == 3000
+
+
+def test_fetching_a_process_image_reads_its_mapped_weights_ahead(store, tmp_path, monkeypatch):
+    """Once a process image is fetched, the tier-A chunks the process maps are read into the
+    page cache in the background (``runsc restore`` leaves the disk idle); a chunk gone from
+    a local store is skipped (the restore reports it), and a remote store is left alone."""
+    from warmboot.launcher import process_image
+
+    weights = {}
+    for size in (1000, 2000):
+        data = os.urandom(size)
+        h = hashlib.sha256(data).hexdigest()
+        store.put_chunk(h, data)
+        weights[h] = size
+    image = tmp_path / "image"
+    image.mkdir()
+    (image / "checkpoint.img").write_bytes(os.urandom(3000))
+    process_image.publish(store, "p1", image, {"canary": [], "mapped_chunks": weights})
+    advised = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(
+        os,
+        "posix_fadvise",
+        lambda fd, *a: advised.append((os.fstat(fd).st_size, *a)) or real(fd, *a),
+    )
+    started = []
+    prefetch = process_image.prefetch_mapped
+    monkeypatch.setattr(process_image, "prefetch_mapped", lambda *a: started.append(prefetch(*a)))
+    manifest = process_image.lookup(store, "p1")
+    assert process_image.fetch(store, manifest, tmp_path / "fetched") == 3000
+    started[0].join(10)
+    assert sorted(advised) == [
+        (1000, 0, 0, os.POSIX_FADV_WILLNEED),
+        (2000, 0, 0, os.POSIX_FADV_WILLNEED),
+    ]
+
+    advised.clear()
+    store.local_chunk_path(next(iter(weights))).unlink()
+    prefetch(store, manifest).join(10)
+    assert advised == [(2000, 0, 0, os.POSIX_FADV_WILLNEED)]
+    monkeypatch.setattr(store, "local_chunk_path", lambda h: None)
+    assert prefetch(store, manifest) is None

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import threading
 import time
 from pathlib import Path
 
@@ -122,7 +124,8 @@ def chunk_refs(manifest: dict) -> dict[str, int]:
 
 def fetch(store, manifest: dict, image_dir: Path, progress=None) -> int:
     """Write the image files into ``image_dir`` (verifying every chunk); returns bytes. The
-    tier-A chunks the process maps must all be in the store."""
+    tier-A chunks the process maps must all be in the store; once the image is written they
+    are read ahead (``prefetch_mapped``)."""
     gone = [h for h in manifest.get("mapped_chunks", {}) if not store.has_chunk(h)]
     if gone:
         raise ProcessImageError(
@@ -143,7 +146,33 @@ def fetch(store, manifest: dict, image_dir: Path, progress=None) -> int:
                 total += len(buf)
                 if progress:
                     progress(len(buf))
+    prefetch_mapped(store, manifest)
     return total
+
+
+def prefetch_mapped(store, manifest: dict) -> threading.Thread | None:
+    """Start reading the weights the restored process maps (its tier-A chunks, where the store
+    has them on a local disk) into the page cache: the disk is idle while ``runsc restore``
+    decompresses the image, and the worker's first pass over its weights (the repack) then
+    reads memory. 1.5B model, cold page cache: tier P's first token 8.9-9.3 -> 8.2-8.3 s."""
+    paths = [store.local_chunk_path(h) for h in manifest.get("mapped_chunks", {})]
+    if not paths or None in paths:
+        return None
+    thread = threading.Thread(target=_will_need, args=(paths,), name="prefetch", daemon=True)
+    thread.start()
+    return thread
+
+
+def _will_need(paths: list[Path]) -> None:
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:  # NOTE: only a hint: the restore reports a chunk that is really gone
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+        finally:
+            os.close(fd)
 
 
 def discard(store, key: str) -> None:
