@@ -73,10 +73,16 @@ def _image_chunk(cfg: LaunchConfig):
     return store, key, manifest
 
 
-def test_restore_answers_like_the_cold_boot(published):
+def test_restore_answers_like_the_cold_boot(published, monkeypatch):
     cfg, answer = published
+    read_ahead = []
+    prefetch = process_image.prefetch_mapped
+    monkeypatch.setattr(
+        process_image, "prefetch_mapped", lambda *a: read_ahead.append(prefetch(*a))
+    )
     info, again = _launch(cfg)
     assert info.path == "restored_process" and "canary ok" in info.reason
+    assert read_ahead and read_ahead[0] is not None, "the mapped weights are read ahead"
     assert set(info.phase_times) >= {"runsc_restore", "start_and_canary"}
     assert again == answer
 

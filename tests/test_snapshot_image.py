@@ -268,10 +268,10 @@ def test_process_images_share_the_store_operations(store, tmp_path):
     assert remove_snapshot(store, key) == 3000
 
 
-def test_fetching_a_process_image_reads_its_mapped_weights_ahead(store, tmp_path, monkeypatch):
-    """Once a process image is fetched, the tier-A chunks the process maps are read into the
-    page cache in the background (``runsc restore`` leaves the disk idle); a chunk gone from
-    a local store is skipped (the restore reports it), and a remote store is left alone."""
+def test_the_weights_a_process_image_maps_are_read_ahead(store, tmp_path, monkeypatch):
+    """The tier-A chunks a restored process maps are read into the page cache in the
+    background (the launcher starts it while ``runsc restore`` runs); a chunk gone from a
+    local store is skipped (the restore reports it), and a remote store is left alone."""
     from warmboot.launcher import process_image
 
     weights = {}
@@ -291,20 +291,14 @@ def test_fetching_a_process_image_reads_its_mapped_weights_ahead(store, tmp_path
         "posix_fadvise",
         lambda fd, *a: advised.append((os.fstat(fd).st_size, *a)) or real(fd, *a),
     )
-    started = []
-    prefetch = process_image.prefetch_mapped
-    monkeypatch.setattr(process_image, "prefetch_mapped", lambda *a: started.append(prefetch(*a)))
     manifest = process_image.lookup(store, "p1")
-    assert process_image.fetch(store, manifest, tmp_path / "fetched") == 3000
-    started[0].join(10)
-    assert sorted(advised) == [
-        (1000, 0, 0, os.POSIX_FADV_WILLNEED),
-        (2000, 0, 0, os.POSIX_FADV_WILLNEED),
-    ]
+    process_image.prefetch_mapped(store, manifest).join(10)
+    will_need = os.POSIX_FADV_WILLNEED
+    assert sorted(advised) == [(1000, 0, 0, will_need), (2000, 0, 0, will_need)]
 
     advised.clear()
     store.local_chunk_path(next(iter(weights))).unlink()
-    prefetch(store, manifest).join(10)
-    assert advised == [(2000, 0, 0, os.POSIX_FADV_WILLNEED)]
+    process_image.prefetch_mapped(store, manifest).join(10)
+    assert advised == [(2000, 0, 0, will_need)]
     monkeypatch.setattr(store, "local_chunk_path", lambda h: None)
-    assert prefetch(store, manifest) is None
+    assert process_image.prefetch_mapped(store, manifest) is None

@@ -134,14 +134,15 @@ def _try_restore(cfg: LaunchConfig, store, key: str, spec, t0: float) -> RemoteL
     phases: dict[str, float] = {}
     try:
         image = work / "image"
-        with _phase(phases, "fetch_image", _image_total(manifest)) as advance:
+        with _phase(phases, "fetch_image", process_image.image_total(manifest)) as advance:
             nbytes = run_with_deadline(
                 "process image fetch",
                 lambda p: process_image.fetch(store, manifest, image, p),
                 _store_timeout(cfg),
                 progress=advance,
             )
-        client = _restore_and_start(cfg, spec, work, image, manifest["canary"], phases)
+        prefetch = lambda: process_image.prefetch_mapped(store, manifest)  # noqa: E731
+        client = _restore_and_start(cfg, spec, work, image, manifest["canary"], phases, prefetch)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -240,22 +241,29 @@ def _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, ph
     return _finish(client, "cold", f"{reason}; booted in gVisor and published", phases, t0)
 
 
-def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases: dict):
-    """``runsc restore`` the image, send the fresh settings, check the canary."""
+def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases: dict,
+                       prefetch=lambda: None):  # fmt: skip
+    """``runsc restore`` the image, send the fresh settings, check the canary. While runsc
+    restores, ``prefetch()`` runs and the tokenizer loads (neither delays runsc's start)."""
     from warmboot.launcher.sandbox import Sandbox
+    from warmboot.tokenizer import Tokenizer
 
     sandbox = Sandbox(spec, work / "serve")
     try:
         with _phase(phases, "runsc_restore"):
-            proc = sandbox.restore(image, timeout=cfg.restore_timeout)
+            proc = sandbox.restore(image)
+            prefetch()
+            tokenizer = Tokenizer.from_dir(cfg.engine["model"])
+            sandbox.wait_running(cfg.restore_timeout)
             channel = Channel(proc.stdin, proc.stdout, "restored worker")
-        return _start(cfg, sandbox, proc, channel, work, canary, phases)
+        return _start(cfg, sandbox, proc, channel, work, canary, phases, tokenizer)
     except BaseException:
         sandbox.delete()
         raise
 
 
-def _start(cfg, sandbox, proc, channel, work: Path, canary: list | None, phases: dict):
+def _start(cfg, sandbox, proc, channel, work: Path, canary: list | None, phases: dict,
+           tokenizer=None):  # fmt: skip
     """Send the fresh settings, check the canary against ``canary`` (None: nothing to check
     against, a fresh boot), and wrap the worker in a client that reaps it on exit."""
     from warmboot.tokenizer import Tokenizer
@@ -267,7 +275,7 @@ def _start(cfg, sandbox, proc, channel, work: Path, canary: list | None, phases:
     why = None if canary is None else canary_mismatch(canary, started["canary"])
     if why is not None:
         raise WorkerError(f"canary mismatch: {why}")
-    tokenizer = Tokenizer.from_dir(cfg.engine["model"])
+    tokenizer = tokenizer or Tokenizer.from_dir(cfg.engine["model"])
     client = RemoteLLM(channel, tokenizer, started, LaunchInfo("pending", ""))
     client.on_exit(lambda: _reap(sandbox, proc, work))
     return client
@@ -280,13 +288,6 @@ def _phase(phases: dict, name: str, total: int | None = None) -> Iterator[progre
     with progress.phase(name, total) as advance:
         yield advance
     phases[name] = time.monotonic() - t
-
-
-def _image_total(manifest: dict) -> int | None:
-    try:
-        return sum(int(c["size"]) for f in manifest["files"] for c in f["chunks"])
-    except (KeyError, TypeError, ValueError):
-        return None
 
 
 def _store_timeout(cfg: LaunchConfig) -> float:
@@ -314,7 +315,8 @@ def _quietly(fn) -> None:
 
 def _finish(client: RemoteLLM, path: str, reason: str, phases: dict, t0: float):
     client.start_info = LaunchInfo(path, reason, time.monotonic() - t0, dict(phases))
-    log.info("worker ready via %s (%s): %s", path, reason, _fmt(phases))
+    times = ", ".join(f"{k} {v:.2f}s" for k, v in phases.items())
+    log.info("worker ready via %s (%s): %s", path, reason, times)
     return client
 
 
@@ -394,7 +396,3 @@ def _work_dir(cfg: LaunchConfig) -> Path:
     path = Path(cfg.work_dir) / f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
     path.mkdir(parents=True, exist_ok=True)
     return path
-
-
-def _fmt(phases: dict[str, float]) -> str:
-    return ", ".join(f"{k} {v:.2f}s" for k, v in phases.items())

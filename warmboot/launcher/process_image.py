@@ -124,8 +124,7 @@ def chunk_refs(manifest: dict) -> dict[str, int]:
 
 def fetch(store, manifest: dict, image_dir: Path, progress=None) -> int:
     """Write the image files into ``image_dir`` (verifying every chunk); returns bytes. The
-    tier-A chunks the process maps must all be in the store; once the image is written they
-    are read ahead (``prefetch_mapped``)."""
+    tier-A chunks the process maps must all be in the store."""
     gone = [h for h in manifest.get("mapped_chunks", {}) if not store.has_chunk(h)]
     if gone:
         raise ProcessImageError(
@@ -146,15 +145,23 @@ def fetch(store, manifest: dict, image_dir: Path, progress=None) -> int:
                 total += len(buf)
                 if progress:
                     progress(len(buf))
-    prefetch_mapped(store, manifest)
     return total
+
+
+def image_total(manifest: dict) -> int | None:
+    """The image files' bytes, as the manifest says (None if it cannot)."""
+    try:
+        return sum(int(c["size"]) for f in manifest["files"] for c in f["chunks"])
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def prefetch_mapped(store, manifest: dict) -> threading.Thread | None:
     """Start reading the weights the restored process maps (its tier-A chunks, where the store
-    has them on a local disk) into the page cache: the disk is idle while ``runsc restore``
-    decompresses the image, and the worker's first pass over its weights (the repack) then
-    reads memory. 1.5B model, cold page cache: tier P's first token 8.9-9.3 -> 8.2-8.3 s."""
+    has them on a local disk) into the page cache, once ``runsc restore`` runs: the disk is
+    idle while runsc decompresses the image, and the worker's first pass over its weights
+    (the repack) then reads memory. 1.5B model, cold page cache: tier P's first token
+    8.9-9.3 -> 8.2-8.3 s. (Begun before runsc, it delays the launcher's own file reads.)"""
     paths = [store.local_chunk_path(h) for h in manifest.get("mapped_chunks", {})]
     if not paths or None in paths:
         return None

@@ -202,7 +202,7 @@ class Sandbox:
         )
         self.process = self._popen(cmd, cid)
         if timeout is not None:
-            self._wait_running(timeout)
+            self.wait_running(timeout)
         return self.process
 
     def kill(self) -> None:
@@ -291,7 +291,8 @@ class Sandbox:
                 pipe.close()
         self._delete(cid)
 
-    def _wait_running(self, timeout: float) -> None:
+    def wait_running(self, timeout: float) -> None:
+        """Until runsc reports the container running (a ``restore`` without its timeout)."""
         cid, proc = self.container_id, self.process
         assert cid is not None and proc is not None
         deadline = time.monotonic() + timeout
