@@ -35,6 +35,40 @@ def test_released_packed_weights_refuse_and_repack_to_the_same_tokens(tiny_model
     assert llm.engine.stats()["compile"]["graphs"] == 2, "repacking recompiled"
 
 
+@pytest.mark.parametrize("kernel", ["native", "onednn"])
+def test_stashed_packed_weights_are_mapped_from_the_store(tiny_model_dir, tmp_path, monkeypatch,
+                                                          kernel):  # fmt: skip
+    """Before a process checkpoint the packed weights move into the store and are mapped
+    from its chunk files (several a weight here), answering the same without a recompile;
+    oneDNN's opaque layout cannot be mapped: released, then repacked."""
+    from warmboot.kernels.step_ops import native_gemm
+    from warmboot.snapshot import stash
+    from warmboot.snapshot.store import LocalStore
+
+    monkeypatch.setattr(stash, "CHUNK_BYTES", 2 * 4096)
+    llm = LLM(str(tiny_model_dir("qwen2")), enforce_eager=False, max_model_len=64,
+              block_size=4, num_kv_blocks=64, dtype="bfloat16")  # fmt: skip
+    prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 3], VOCAB_SIZE, seed=5)]
+    table = llm.engine.runner.compiled.linears
+    table.use(kernel)
+    before = _greedy(llm, prompts)
+    packed = [w for row in table.layers for w, _ in row] + [table.head]
+    kept = [w for w in packed if stash.stashable(w)]
+    assert bool(kept) == (kernel == "native" and native_gemm(table.source(0, 0))), kept
+    store = LocalStore(tmp_path / "store")
+    refs = table.stash(store)
+    assert sum(refs.values()) == sum(w.numel() * w.element_size() for w in kept)
+    assert not kept or len(refs) > len(kept), "a weight spans several chunks"
+    maps = open("/proc/self/maps").read()
+    assert all(str(store.local_chunk_path(h)) in maps for h in refs), "mapped from the store"
+    if not kept:
+        with pytest.raises(RuntimeError, match="released"):
+            table.lookup(0, 0)
+    table.repack()
+    assert _greedy(llm, prompts) == before
+    assert llm.engine.stats()["compile"]["graphs"] == 2, "stashing recompiled"
+
+
 def test_thread_policy_leaves_the_host_a_core_and_pins_to_the_last_ones(monkeypatch):
     assert [threads.default_threads(n) for n in (1, 2, 4, 16)] == [1, 1, 3, 15]
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {4, 5, 6, 7})

@@ -351,7 +351,8 @@ def test_a_compiled_worker_restores_without_compiling(path, tmp_path):
     the compiled process; its restore runs those graphs (no compile phase in this start's
     phases) and answers as the cold start did."""
     store = tmp_path / "store"
-    engine = {"model": str(path), "max_model_len": 128, "snapshot_store": str(store)}
+    engine = {"model": str(path), "max_model_len": 128, "snapshot_store": str(store),
+              "dtype": "bfloat16"}  # fmt: skip
     cfg = LaunchConfig(engine=engine | {"enforce_eager": False}, store=str(store),
                        work_dir=tmp_path / "work")  # fmt: skip
     info, answer = _launch(cfg)
@@ -365,6 +366,21 @@ def test_a_compiled_worker_restores_without_compiling(path, tmp_path):
         assert _answer(client) == answer
     finally:
         client.shutdown()
+    tier_a, extra = _mapped_beyond_tier_a(open_store(str(store)))
+    native = stats["compile"]["step_choice"]["kernel"] == "native"  # NOTE: oneDNN's: repacked
+    assert tier_a and bool(extra) == native, "natively packed weights are mapped from the store"
+
+
+def _mapped_beyond_tier_a(store) -> tuple[set[str], set[str]]:
+    """(the tier-A weights' chunks, the other chunks the process image maps)."""
+    from warmboot.snapshot.image import Manifest
+
+    keys = store.list_keys()
+    (a_key,) = [k for k in keys if not process_image.is_process_key(k)]
+    (p_key,) = [k for k in keys if process_image.is_process_key(k)]
+    tier_a = set(Manifest.from_json(store.get_manifest(a_key)).chunk_refs())
+    mapped = set(json.loads(store.get_manifest(p_key))["mapped_chunks"])
+    return tier_a & mapped, mapped - tier_a
 
 
 def test_a_moe_model_restores_from_a_process_image(tiny_model_dir, tmp_path):

@@ -93,16 +93,38 @@ class PackedLinears:
         self.head = None
         return freed
 
+    def stash(self, store) -> dict[str, int]:
+        """Keep the packed weights in ``store``'s chunk files and map them from there (before
+        a process checkpoint: ``snapshot.stash``); what cannot be kept so (oneDNN's opaque
+        layout, the experts') is released for ``repack``. Returns the chunks: hash -> size."""
+        from warmboot.snapshot.stash import stash, stashable
+
+        refs: dict[str, int] = {}
+
+        def keep(weight: torch.Tensor | None) -> torch.Tensor | None:
+            if not stashable(weight):
+                return None
+            mapped, chunks = stash(store, weight)
+            refs.update(chunks)
+            return mapped
+
+        for table in (t for row in self.experts for t in row):
+            table.release()
+        self.layers = [[(keep(w), b) for w, b in row] for row in self.layers]
+        self.head = keep(self.head)
+        return refs
+
     def repack(self) -> None:
+        """Pack what is released (all of it after ``release``; after ``stash``, what it could
+        not keep)."""
         for table in (t for row in self.experts for t in row):
             table.repack(self.kernel)
-        if self.head is not None:
-            return
         self.layers = [
-            [(self.pack(w), b) for w, (_, b) in zip(src, row, strict=True)]
+            [(self.pack(s) if w is None else w, b) for s, (w, b) in zip(src, row, strict=True)]
             for src, row in zip(self._sources, self.layers, strict=True)
         ]
-        self.head = self.pack(self._head_source)
+        if self.head is None:
+            self.head = self.pack(self._head_source)
 
     def _sources_flat(self) -> list[torch.Tensor]:
         return [w for row in self._sources for w in row] + [self._head_source]

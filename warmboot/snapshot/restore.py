@@ -161,6 +161,14 @@ def _mmap_call(addr: int | None, length: int, flags: int, fd: int) -> int:
     return got
 
 
+def map_chunks(store: Store, chunks: list[tuple[str, int]], dtype: torch.dtype) -> torch.Tensor:
+    """A flat tensor of ``dtype`` over ``chunks`` (hash, size: every size but the last a
+    whole number of pages) of a local store, mapped back to back (unverified)."""
+    total = sum(size for _, size in chunks)
+    files = [(store.local_chunk_path(h), size) for h, size in chunks]
+    return torch.frombuffer(_map_files(files, total), dtype=dtype)  # NOTE: keeps the map alive
+
+
 def _map_files(files: list[tuple[Path, int]], total: int) -> ctypes.Array:
     """Map ``files`` back to back into one private, copy-on-write range of ``total`` bytes."""
     length = -(-total // PAGE_SIZE) * PAGE_SIZE
