@@ -147,8 +147,9 @@ class Worker:
         canary = self._canary()
         self.engine.resize_kv_cache(CHECKPOINT_KV_BLOCKS)
         compiled = self.engine.runner.compiled
-        if compiled is not None and mapped:  # NOTE: kept in the store, mapped like the weights
-            mapped = mapped | compiled.linears.stash(self.engine.startup.snapshot.store)
+        if compiled is not None and mapped:  # NOTE: kept in the store, mapped like the weights;
+            # listed first: the launcher reads them ahead first (a decode step reads only them)
+            mapped = compiled.linears.stash(self.engine.startup.snapshot.store) | mapped
         elif compiled is not None:  # NOTE: packed again from the weights after a restore
             log.info("packed weights released: %d bytes", compiled.linears.release())
         gc.collect()
