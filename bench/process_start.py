@@ -8,7 +8,8 @@
 - ``serve`` with that store three times more, the path chosen by the costs recorded so far
   (``$WARMBOOT_CACHE/start_costs.json`` is cleared first; the rows above force their path).
 
-Each start runs with a cold page cache (``echo 3 > /proc/sys/vm/drop_caches``; skipped with a
+warmboot's modules are compiled to bytecode first, as an installed package's are. Each start
+runs with a cold page cache (``echo 3 > /proc/sys/vm/drop_caches``; skipped with a
 note where that is not allowed). The first request has a 5-token prompt and 4 output tokens,
 so the figure measures the start, not the prefill. Also the floor: image + weight bytes over
 the ``dd`` read bandwidth measured in the same run, plus ``runsc``'s fixed cost (an empty
@@ -37,6 +38,14 @@ from warmboot.snapshot.start_costs import costs_path
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 PROMPT = "serverless replicas start cold"
+
+
+def compile_bytecode() -> None:
+    """warmboot's modules compiled to bytecode, as an installed package has them (and as
+    vLLM's are): with ``PYTHONDONTWRITEBYTECODE`` set, a checkout compiles every module it
+    imports again at every start, and a start that imports more pays more."""
+    root = Path(__file__).resolve().parent.parent / "warmboot"
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(root)], check=True)
 
 
 def drop_caches() -> bool:
@@ -276,6 +285,7 @@ def main() -> None:
     version, why = runsc_status()
     if version is None:
         sys.exit(f"this benchmark needs runsc: {why}")
+    compile_bytecode()
     work = Path(tempfile.mkdtemp(prefix="warmboot-pstart-", dir=os.environ.get("TMPDIR")))
     try:
         empty = measure_empty_process(work / "empty")
@@ -308,7 +318,8 @@ def write_report(args, results: list[dict], empty: dict, runsc: str) -> None:
         "# From `warmboot serve` to the first streamed token",
         "",
         f"{meta['date']} · {meta['machine']} · runsc {runsc} (ptrace platform) · bf16 weights "
-        "· cold page cache before every start · first request: 5-token prompt, 4 tokens · "
+        "· cold page cache before every start · warmboot's bytecode compiled (as installed) "
+        "· first request: 5-token prompt, 4 tokens · "
         "made by `python -m bench.process_start`.",
         "",
         "Every warmboot start has empty compiler caches (a new replica); a restore must "

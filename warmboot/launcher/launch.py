@@ -21,6 +21,7 @@ waits for them (``sandboxed_boot > worker load_weights``).
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -141,7 +142,7 @@ def _try_restore(cfg: LaunchConfig, store, key: str, spec, t0: float) -> RemoteL
                 _store_timeout(cfg),
                 progress=advance,
             )
-        prefetch = lambda: process_image.prefetch_mapped(store, manifest)  # noqa: E731
+        prefetch = functools.partial(process_image.prefetch_mapped, store, manifest)
         client = _restore_and_start(cfg, spec, work, image, manifest["canary"], phases, prefetch)
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
