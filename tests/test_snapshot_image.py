@@ -302,3 +302,35 @@ def test_the_weights_a_process_image_maps_are_read_ahead(store, tmp_path, monkey
     assert advised == [(2000, 0, 0, will_need)]
     monkeypatch.setattr(store, "local_chunk_path", lambda h: None)
     assert process_image.prefetch_mapped(store, manifest) is None
+
+
+def test_a_fetched_process_image_is_linked_when_it_can_be(store, tmp_path, monkeypatch):
+    """A one-chunk image file is hard-linked from a local store (no copy), then verified; a
+    file of several chunks, or a store without local files, is copied; a corrupt chunk is
+    refused either way."""
+    from warmboot.launcher import process_image
+
+    image = tmp_path / "image"
+    image.mkdir()
+    data = os.urandom(20000)
+    (image / "checkpoint.img").write_bytes(data)
+    process_image.publish(store, "one", image, {"canary": []})
+    one = process_image.lookup(store, "one")
+    monkeypatch.setattr(process_image, "CHUNK_BYTES", 8192)
+    process_image.publish(store, "three", image, {"canary": []})
+    three = process_image.lookup(store, "three")
+    assert [len(m["files"][0]["chunks"]) for m in (one, three)] == [1, 3]
+
+    for name, manifest, links in (("a", one, 2), ("b", three, 1)):
+        assert process_image.fetch(store, manifest, tmp_path / name) == len(data)
+        got = tmp_path / name / "checkpoint.img"
+        assert got.read_bytes() == data and got.stat().st_nlink == links, name
+    monkeypatch.setattr(store, "local_chunk_path", lambda h: None)
+    process_image.fetch(store, one, tmp_path / "c")
+    assert (tmp_path / "c" / "checkpoint.img").stat().st_nlink == 1, "copied"
+
+    monkeypatch.undo()
+    chunk = store.local_chunk_path(one["files"][0]["chunks"][0]["sha256"])
+    chunk.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    with pytest.raises(process_image.ProcessImageError, match="corrupt"):
+        process_image.fetch(store, one, tmp_path / "d")

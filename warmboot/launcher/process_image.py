@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -19,7 +20,8 @@ from warmboot.snapshot.store_api import HASH_RE, discard_chunks
 
 SCHEMA = 1
 KIND = "warmboot-process-snapshot"
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 256 << 20
+"""An image file up to this size is one chunk, which a fetch links rather than copies."""
 PREFIX = "process-"
 MAX_MAPPED_BYTES = 1 << 40
 
@@ -132,20 +134,47 @@ def fetch(store, manifest: dict, image_dir: Path, progress=None) -> int:
         )
     total = 0
     for entry in manifest["files"]:
-        name = entry["name"]
-        dest = image_dir / name
+        dest = image_dir / entry["name"]
         dest.parent.mkdir(parents=True, exist_ok=True)
-        with open(dest, "wb") as f:
-            for chunk in entry["chunks"]:
-                buf = bytearray(chunk["size"])
-                store.read_chunk(chunk["sha256"], memoryview(buf))
-                if hashlib.sha256(buf).hexdigest() != chunk["sha256"]:
-                    raise ProcessImageError(f"chunk {chunk['sha256'][:16]} of {name} is corrupt")
-                f.write(buf)
-                total += len(buf)
-                if progress:
-                    progress(len(buf))
+        if not _link(store, entry, dest, progress):
+            _copy(store, entry, dest, progress)
+        total += sum(c["size"] for c in entry["chunks"])
     return total
+
+
+def _link(store, entry: dict, dest: Path, progress) -> bool:
+    """A file of one chunk in a local store on this file system: hard-linked into place, then
+    verified (no copy: 0.1 s of a 117 MB image). The store is trusted as for the weights the
+    process maps: a chunk file changed in place after this check would reach the restore."""
+    chunk = entry["chunks"][0] if len(entry["chunks"]) == 1 else None
+    path = chunk and store.local_chunk_path(chunk["sha256"])
+    try:
+        if not path or not stat.S_ISREG(os.lstat(path).st_mode):
+            return False
+        os.link(path, dest, follow_symlinks=False)
+    except OSError:  # NOTE: another file system, or no links allowed there: copy
+        return False
+    with open(dest, "rb") as f:
+        digest, size = hashlib.file_digest(f, "sha256").hexdigest(), f.tell()
+    if digest != chunk["sha256"] or size != chunk["size"]:
+        raise ProcessImageError(f"chunk {chunk['sha256'][:16]} of {entry['name']} is corrupt")
+    if progress:
+        progress(size)
+    return True
+
+
+def _copy(store, entry: dict, dest: Path, progress) -> None:
+    with open(dest, "wb") as f:
+        for chunk in entry["chunks"]:
+            buf = bytearray(chunk["size"])
+            store.read_chunk(chunk["sha256"], memoryview(buf))
+            if hashlib.sha256(buf).hexdigest() != chunk["sha256"]:
+                raise ProcessImageError(
+                    f"chunk {chunk['sha256'][:16]} of {entry['name']} is corrupt"
+                )
+            f.write(buf)
+            if progress:
+                progress(len(buf))
 
 
 def image_total(manifest: dict) -> int | None:
