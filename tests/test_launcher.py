@@ -333,9 +333,10 @@ def test_a_stalled_store_never_holds_a_tier_p_start(published, faulty, monkeypat
 
     from warmboot.snapshot.store import LocalStore
 
-    release, real = threading.Event(), LocalStore.read_chunk
+    release, real, link = threading.Event(), LocalStore.read_chunk, process_image._link
     monkeypatch.setattr(LocalStore, "read_chunk",
                         lambda self, h, out: release.wait(120) and real(self, h, out))  # fmt: skip
+    monkeypatch.setattr(process_image, "_link", lambda *a: release.wait(120) and link(*a))
     cfg = replace(faulty, engine={**faulty.engine, "snapshot_timeout": 2.0})
     try:
         info, answer = _launch(cfg)

@@ -154,12 +154,15 @@ def _link(store, entry: dict, dest: Path, progress) -> bool:
         os.link(path, dest, follow_symlinks=False)
     except OSError:  # NOTE: another file system, or no links allowed there: copy
         return False
-    with open(dest, "rb") as f:
-        digest, size = hashlib.file_digest(f, "sha256").hexdigest(), f.tell()
-    if digest != chunk["sha256"] or size != chunk["size"]:
+    digest, size, buf = hashlib.sha256(), 0, bytearray(16 << 20)
+    with open(dest, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            digest.update(memoryview(buf)[:n])
+            size += n
+            if progress:  # NOTE: the store deadline watches it
+                progress(n)
+    if digest.hexdigest() != chunk["sha256"] or size != chunk["size"]:
         raise ProcessImageError(f"chunk {chunk['sha256'][:16]} of {entry['name']} is corrupt")
-    if progress:
-        progress(size)
     return True
 
 
