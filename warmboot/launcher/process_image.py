@@ -144,7 +144,7 @@ def fetch(store, manifest: dict, image_dir: Path, progress=None) -> int:
 
 def _link(store, entry: dict, dest: Path, progress) -> bool:
     """A file of one chunk in a local store on this file system: hard-linked into place, then
-    verified (no copy: 0.1 s of a 117 MB image). The store is trusted as for the weights the
+    verified (no copy, no buffer of its size). The store is trusted as for the weights the
     process maps: a chunk file changed in place after this check would reach the restore."""
     chunk = entry["chunks"][0] if len(entry["chunks"]) == 1 else None
     path = chunk and store.local_chunk_path(chunk["sha256"])
