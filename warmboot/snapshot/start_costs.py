@@ -12,7 +12,7 @@ The cost of a start is its phases up to the first step it can serve: what runs i
 background or only for publishing (``compile``, ``step_choice``, ``snapshot_publish``,
 ``autotune``, ``cuda_graphs``, ``native_build``: a publisher's wait for the native library's
 first build) is left out, so a publishing cold boot and a quick one count alike. Kept in
-``$WARMBOOT_CACHE/start_costs.json`` (the latest figure per path and key).
+``$WARMBOOT_CACHE/start_costs.json`` (the latest ``KEEP`` figures per path and key).
 ``$WARMBOOT_START_BY_COST=0`` restores whenever it can and records nothing (the test suite's
 default: its restore tests want the restore).
 
@@ -24,12 +24,19 @@ record and no local start yet, the next start is a local one, tried once, and th
 figures decide from then on: a bounded loss, once per key and host. (Nothing measured in the
 sandbox stands in for it: the engine's own boot in the worker that made a 1.5B model's image
 took 64 s, through gVisor's file I/O, against 8 s for a whole local start.)
+
+A path's cost is the median of its latest ``KEEP`` figures, not the latest one: on a 2-vCPU VM
+six demo starts of one path took 2.4 to 3.6 s to serve, so one slow start could send every
+later one down a slower path. A close call (medians within ``CLOSE`` of each other) is
+measured again until the path it would drop has ``TRIES`` figures: at most two more starts of
+that path, whose median was at most ``CLOSE`` slower.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import statistics
 from pathlib import Path
 
 from warmboot.config import cache_root, read_cache_dict, write_cache_dict
@@ -40,6 +47,12 @@ ENV = "WARMBOOT_START_BY_COST"
 OFF_PATH = ("compile", "compile_artifacts", "step_choice", "snapshot_publish", "autotune",
             "cuda_graphs", "native_build")  # fmt: skip
 """Phases that are not between a start and its first servable step."""
+KEEP = 5
+"""Figures kept per path and key (the latest ones)."""
+TRIES = 3
+CLOSE = 1.15
+"""A path whose median is within this factor of the quicker one's is tried again while it
+has fewer than ``TRIES`` figures."""
 
 
 def enabled() -> bool:
@@ -68,7 +81,9 @@ def _save(key: str, path: str, seconds: float) -> None:
     if not enabled():
         return
     costs = _load()
-    costs.setdefault(key, {})[path] = round(seconds, 4)
+    figures = costs.setdefault(key, {}).setdefault(path, [])
+    figures.append(round(seconds, 4))
+    del figures[:-KEEP]
     try:
         write_cache_dict(costs_path(), costs, indent=1)
     except OSError as e:
@@ -78,14 +93,12 @@ def _save(key: str, path: str, seconds: float) -> None:
 def cold_is_quicker(key: str, explore: bool = False) -> str | None:
     """Why a cold start beats restoring ``key`` here, or None (restore). ``explore``: with a
     restore on record and no cold start, a cold start is tried once, to measure it (where a
-    cold start is cheap to try: on the CPU its compile runs in the background)."""
+    cold start is cheap to try: on the CPU its compile runs in the background), and again
+    while it is a close call."""
     entry = _load().get(key, {}) if enabled() else {}
-    cold, restored = entry.get("cold"), entry.get("restored_image")
-    if restored is not None and cold is None and explore:
-        return f"a cold start tried once, to measure it (the restore took {restored:.2f}s)"
-    if cold is None or restored is None or restored <= cold:
-        return None
-    return f"a cold start measured quicker here ({cold:.2f}s to serve against {restored:.2f}s restored)"
+    figures = entry.get("restored_image"), entry.get("cold")
+    once, compare = "the restore took {r:.2f}s", "{o:.2f}s to serve against {r:.2f}s restored"
+    return _why(*figures, explore, "a cold start", once, compare)
 
 
 def record_launch(key: str, path: str, seconds: float) -> None:
@@ -97,20 +110,42 @@ def record_launch(key: str, path: str, seconds: float) -> None:
 def local_is_quicker(key: str) -> str | None:
     """Why a start outside gVisor beats restoring the process image ``key`` here, or None."""
     entry = _load().get(f"process:{key}", {}) if enabled() else {}
-    restored = entry.get("restored_process")
-    local = entry.get("local")
+    figures = entry.get("restored_process"), entry.get("local")
+    once = "the process image's restore took {r:.2f}s"
+    compare = "{o:.2f}s against {r:.2f}s for the process image"
+    return _why(*figures, True, "a start outside gVisor", once, compare)
+
+
+def _why(restored, other, explore: bool, what: str, once: str, compare: str) -> str | None:
+    """Why to take the ``other`` path over the restore, by the paths' median figures (lists
+    of seconds or None), or None (restore): ``what`` tried once (no figure of its own yet;
+    where ``explore``), tried again (a close call it has too few figures for; where
+    ``explore``) or measured quicker (unless it is a close call the restore has too few
+    figures for). ``once`` and ``compare`` are formatted with the medians ``r`` and ``o``."""
     if restored is None:
         return None
-    if local is None:
-        return f"a start outside gVisor tried once, to measure it (the process image's restore took {restored:.2f}s)"
-    if local >= restored:
-        return None
-    return f"a start outside gVisor measured quicker here ({local:.2f}s against {restored:.2f}s for the process image)"
+    r = statistics.median(restored)
+    if other is None:
+        return f"{what} tried once, to measure it ({once.format(r=r)})" if explore else None
+    o = statistics.median(other)
+    if o < r and not (len(restored) < TRIES and r <= CLOSE * o):
+        return f"{what} measured quicker here ({compare.format(r=r, o=o)})"
+    if r <= o and explore and len(other) < TRIES and o <= CLOSE * r:
+        return f"{what} tried again, a close call ({compare.format(r=r, o=o)})"
+    return None
 
 
-def _load() -> dict:
-    return {
-        k: {p: v for p, v in e.items() if isinstance(v, (int, float))}
-        for k, e in read_cache_dict(costs_path()).items()
-        if isinstance(e, dict)
-    }
+def _load() -> dict[str, dict[str, list[float]]]:
+    costs = {}
+    for key, entry in read_cache_dict(costs_path()).items():
+        if isinstance(entry, dict):
+            costs[key] = {p: f for p, v in entry.items() if (f := _figures(v))}
+    return costs
+
+
+def _figures(value: object) -> list[float]:
+    """A path's recorded seconds (data, never trusted): a list of numbers, or one number as
+    files written before the median was kept have."""
+    values = value if isinstance(value, list) else [value]
+    ok = [float(v) for v in values if type(v) in (int, float) and v >= 0]
+    return ok[-KEEP:]
