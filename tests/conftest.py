@@ -33,6 +33,22 @@ def compiled_default(monkeypatch):
     monkeypatch.setenv(EAGER_ENV, "0")
 
 
+@pytest.fixture
+def own_cache(monkeypatch, tmp_path) -> Path:
+    """A fresh ``$WARMBOOT_CACHE`` that shares the suite's native library (``native/``): an
+    engine that finds no library builds one on a thread of its own, and the compilers it
+    starts outlive a test run that ends first (minutes of both cores)."""
+    from warmboot.config import cache_root
+
+    native = cache_root() / "native"
+    native.mkdir(parents=True, exist_ok=True)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "native").symlink_to(native, target_is_directory=True)
+    monkeypatch.setenv("WARMBOOT_CACHE", str(cache))
+    return cache
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """Return a function kind -> directory of a tiny random model (built once per session)."""

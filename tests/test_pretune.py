@@ -61,10 +61,9 @@ def test_nothing_to_tune_off_the_gpu():
     assert TorchAttentionBackend().pretune(*args) == 0
 
 
-def test_tuning_runs_before_the_publish(path, tmp_path, monkeypatch):
+def test_tuning_runs_before_the_publish(path, tmp_path, monkeypatch, own_cache):
     """With tuning due (as on a GPU), start-up tunes every shape for the model's windows,
     then publishes: the snapshot carries what the tuning measured."""
-    monkeypatch.setenv("WARMBOOT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(tuning, "TUNER", tuning.Tuner())
     calls = []
 

@@ -222,12 +222,13 @@ def test_crash_during_publish_then_cold_boot_publishes(path, golden, tmp_path, m
     assert outputs(third) == golden[2]
 
 
-def test_the_snapshot_carries_the_attention_autotune_results(path, tmp_path, monkeypatch):
+def test_the_snapshot_carries_the_attention_autotune_results(
+    path, tmp_path, monkeypatch, own_cache
+):
     """Configs the Triton tuner measured before the publish travel in the manifest and are
     adopted by a restore (which then skips their tuning); malformed ones are ignored."""
     from warmboot.kernels import tuning
 
-    monkeypatch.setenv("WARMBOOT_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(tuning, "TUNER", tuning.Tuner())
     measured = {"fwd|cuda:H200|d128": {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8}}
     tuning.import_autotune_cache(measured, persist=False)

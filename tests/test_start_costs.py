@@ -19,9 +19,8 @@ PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture
-def by_cost(monkeypatch, tmp_path):
+def by_cost(monkeypatch, own_cache):
     monkeypatch.setenv(start_costs.ENV, "1")
-    monkeypatch.setenv("WARMBOOT_CACHE", str(tmp_path / "cache"))
 
 
 def _start(path, store) -> tuple[str, str, list]:
