@@ -21,10 +21,12 @@ process restored). Writes ``docs/benchmarks/process_start.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
+import collections
 import datetime
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -278,7 +280,13 @@ def main() -> None:
     parser.add_argument("--no-vllm", action="store_true", help="leave the vLLM rows out")
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument("--keep-work", action="store_true", help="keep the stores and logs")
+    parser.add_argument("--from-json", type=Path, help="rewrite the report from a run's JSON")
     args = parser.parse_args()
+    if args.from_json:
+        doc = json.loads(args.from_json.read_text())
+        meta = doc["meta"]
+        write_report(args, doc["results"], meta["empty_process"], meta["runsc"], meta)
+        return
     from warmboot.launcher.probe import measure_empty_process
     from warmboot.launcher.sandbox import runsc_status
 
@@ -301,19 +309,21 @@ def main() -> None:
     write_report(args, results, empty, version)
 
 
-def write_report(args, results: list[dict], empty: dict, runsc: str) -> None:
+def write_report(args, results: list[dict], empty: dict, runsc: str, meta=None) -> None:
     from bench.decode import machine
 
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {
+    meta = meta or {
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
         "runsc": runsc,
         "empty_process": empty,
+        "repeats": args.repeats,
     }
     doc = {"meta": meta, "results": results}
     (args.out / "process_start.json").write_text(json.dumps(doc, indent=2))
     fixed = empty.get("restore_to_response_s", 0.0)
+    chosen = sum(label in CHOSEN for label in results[0]["runs"])
     lines = [
         "# From `warmboot serve` to the first streamed token",
         "",
@@ -325,10 +335,14 @@ def write_report(args, results: list[dict], empty: dict, runsc: str) -> None:
         "Every warmboot start has empty compiler caches (a new replica); a restore must "
         "compile nothing (asserted: tier A every step graph an inductor cache hit from the "
         "image's artifacts, tier P no compile phase). Those rows force their path; the last "
-        f"{len(CHOSEN)} let `serve` choose by the costs recorded on this machine (the 1st may "
+        f"{chosen} let `serve` choose by the costs recorded on this machine (the 1st may "
         "try a start outside gVisor once, the 2nd a cold start once; then the medians of "
         "the figures decide, a close call measured again). Goals: the chosen path never "
         "slower than the eager cold boot; tier P <= 3% of vLLM's default start.",
+        "",
+        f"Each warmboot row: the median of {_rounds(results)} round(s), all rows of one round "
+        "before the next (first token: median [min-max]; the path each round took, counted "
+        "where they differ); vLLM's rows ran once.",
         "",
         "| model | start | path reported | healthy s | first token s | vs eager cold boot "
         "| vs vLLM default | compile phases (s) |",
@@ -344,9 +358,9 @@ def write_report(args, results: list[dict], empty: dict, runsc: str) -> None:
             phases = rows[0].get("phases", {})
             comp = ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if "compile" in k) or "-"
             lines.append(
-                f"| {res['model']} | {label} | {rows[0]['path']} | "
-                f"{_median(rows, 'healthy_s'):.2f} | {ft:.2f} | {ft / eager:.1%} | {vs_vllm} "
-                f"| {comp} |"
+                f"| {res['model']} | {label} | {_paths(rows)} | "
+                f"{_median(rows, 'healthy_s'):.2f} | {_spread(rows)} | {ft / eager:.1%} | "
+                f"{vs_vllm} | {comp} |"
             )
     lines += [
         "",
@@ -377,8 +391,26 @@ def _color(label: str) -> str:
 
 
 def _median(rows: list[dict], key: str) -> float:
-    values = sorted(r[key] for r in rows)
-    return values[len(values) // 2]
+    return statistics.median(r[key] for r in rows)
+
+
+def _rounds(results: list[dict]) -> int:
+    return max(len(rows) for res in results for rows in res["runs"].values())
+
+
+def _spread(rows: list[dict]) -> str:
+    """The first token's median, with its range over the rounds where there were several."""
+    ft = [r["first_token_s"] for r in rows]
+    mid = f"{statistics.median(ft):.2f}"
+    return mid if len(ft) == 1 else f"{mid} [{min(ft):.2f}-{max(ft):.2f}]"
+
+
+def _paths(rows: list[dict]) -> str:
+    """The path each round reported, counted where they differ."""
+    counts = collections.Counter(r["path"] for r in rows)
+    if len(counts) == 1:
+        return rows[0]["path"]
+    return ", ".join(f"{p} ×{n}" for p, n in counts.most_common())
 
 
 def plot(args, results: list[dict]) -> None:
