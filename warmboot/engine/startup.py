@@ -219,7 +219,8 @@ class Startup(GraphPhases):
 
     def _restore_pays(self) -> bool:
         """False where a cold start measured quicker for this key (``start_costs``), or is
-        tried once to measure it: on the CPU only (on CUDA a cold start compiles first)."""
+        tried to measure it (once, and again while a close call): on the CPU only (on CUDA a
+        cold start compiles first)."""
         snap = self.snapshot
         why = snap and start_costs.cold_is_quicker(snap.key, explore=snap.device.type == "cpu")
         if why:
