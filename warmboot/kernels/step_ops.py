@@ -26,7 +26,7 @@ same ``StepContext`` directly as its attention, after the model sets ``StepConte
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -93,26 +93,15 @@ class PackedLinears:
         self.head = None
         return freed
 
-    def stash(self, store) -> dict[str, int]:
-        """Keep the packed weights in ``store``'s chunk files and map them from there (before
-        a process checkpoint: ``snapshot.stash``); what cannot be kept so (oneDNN's opaque
-        layout, the experts') is released for ``repack``. Returns the chunks: hash -> size."""
-        from warmboot.snapshot.stash import stash, stashable
-
-        refs: dict[str, int] = {}
-
-        def keep(weight: torch.Tensor | None) -> torch.Tensor | None:
-            if not stashable(weight):
-                return None
-            mapped, chunks = stash(store, weight)
-            refs.update(chunks)
-            return mapped
-
+    def stash(self, keep: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+        """Hand each packed weight to ``keep`` before a process checkpoint, which returns it
+        kept elsewhere (``snapshot.stash.keeper``: in the store's chunk files, mapped from
+        there) or None; what it does not keep (oneDNN's opaque layout) and the experts' tables
+        are released for ``repack``."""
         for table in (t for row in self.experts for t in row):
             table.release()
-        self.layers = [[(keep(w), b) for w, b in row] for row in self.layers]
-        self.head = keep(self.head)
-        return refs
+        self.layers = [[(w if w is None else keep(w), b) for w, b in row] for row in self.layers]
+        self.head = None if self.head is None else keep(self.head)
 
     def repack(self) -> None:
         """Pack what is released (all of it after ``release``; after ``stash``, what it could

@@ -149,7 +149,11 @@ class Worker:
         compiled = self.engine.runner.compiled
         if compiled is not None and mapped:  # NOTE: kept in the store, mapped like the weights;
             # listed first: the launcher reads them ahead first (a decode step reads only them)
-            mapped = compiled.linears.stash(self.engine.startup.snapshot.store) | mapped
+            from warmboot.snapshot.stash import keeper
+
+            keep, kept = keeper(self.engine.startup.snapshot.store)
+            compiled.linears.stash(keep)
+            mapped = kept | mapped
         elif compiled is not None:  # NOTE: packed again from the weights after a restore
             log.info("packed weights released: %d bytes", compiled.linears.release())
         gc.collect()

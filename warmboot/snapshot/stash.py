@@ -13,6 +13,7 @@ them while the image exists and the launcher reads them ahead while runsc restor
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
@@ -46,3 +47,18 @@ def stash(store: Store, tensor: torch.Tensor) -> tuple[torch.Tensor, dict[str, i
         chunks.append((h, len(data)))
     mapped = map_chunks(store, chunks, tensor.dtype).view(tensor.shape)
     return mapped, dict(chunks)
+
+
+def keeper(store: Store) -> tuple[Callable[[torch.Tensor], torch.Tensor | None], dict[str, int]]:
+    """(a ``keep`` for ``PackedLinears.stash``: each tensor it can keep is stashed in ``store``
+    and returned mapped from there, others None; the chunks it stashed: hash -> size)."""
+    refs: dict[str, int] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor | None:
+        if not stashable(tensor):
+            return None
+        mapped, chunks = stash(store, tensor)
+        refs.update(chunks)
+        return mapped
+
+    return keep, refs
