@@ -162,7 +162,7 @@ def _link(store, entry: dict, dest: Path, progress) -> bool:
             if progress:  # NOTE: the store deadline watches it
                 progress(n)
     if digest.hexdigest() != chunk["sha256"] or size != chunk["size"]:
-        raise ProcessImageError(f"chunk {chunk['sha256'][:16]} of {entry['name']} is corrupt")
+        raise _corrupt(chunk, entry)
     return True
 
 
@@ -172,12 +172,14 @@ def _copy(store, entry: dict, dest: Path, progress) -> None:
             buf = bytearray(chunk["size"])
             store.read_chunk(chunk["sha256"], memoryview(buf))
             if hashlib.sha256(buf).hexdigest() != chunk["sha256"]:
-                raise ProcessImageError(
-                    f"chunk {chunk['sha256'][:16]} of {entry['name']} is corrupt"
-                )
+                raise _corrupt(chunk, entry)
             f.write(buf)
             if progress:
                 progress(len(buf))
+
+
+def _corrupt(chunk: dict, entry: dict) -> ProcessImageError:
+    return ProcessImageError(f"chunk {chunk['sha256'][:16]} of {entry['name']} is corrupt")
 
 
 def image_total(manifest: dict) -> int | None:
