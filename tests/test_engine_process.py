@@ -21,7 +21,8 @@ import pytest
 from tests.server_harness import MODEL_NAME
 from warmboot import LLM, SamplingParams
 from warmboot.launcher import engine_process
-from warmboot.launcher.launch import LaunchConfig, _wants_gpu, launch
+from warmboot.launcher.launch import LaunchConfig, launch
+from warmboot.launcher.local import wants_gpu
 
 MAX_LEN = 512
 USAGE = {"stream_options": {"include_usage": True}}
@@ -63,7 +64,7 @@ class Server:
     def child(self) -> int:
         """The engine process's pid (named in /health), checked to be this server's child."""
         reason = self.healthy()["start_reason"]
-        pid = int(re.search(r"engine process \(pid (\d+)\)", reason).group(1))
+        pid = int(re.search(r"engine process \(pid (\d+)", reason).group(1))
         assert _ppid(pid) == self.proc.pid
         return pid
 
@@ -158,6 +159,8 @@ def test_the_front_end_keeps_off_the_engine_compute_cores(server):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("one core: nothing to split")
     child = server.child()
+    reason = server.healthy()["start_reason"]
+    assert "started ahead" in reason, "serve starts its engine process before it picks a path"
     front = _allowed(server.proc.pid)
     engine = _allowed(child)
     pinned = [cpus for cpus in engine if cpus < max(engine, key=len)]
@@ -191,6 +194,7 @@ def test_a_killed_engine_process_is_reported_and_replaced(server, reference):
         assert health.json()["status"] == "restarting", health.text
         assert "killed by SIGKILL" in health.json()["engine_died"]
     assert server.healthy() and server.child() != old and not _alive(old)
+    assert "started ahead" not in server.healthy()["start_reason"], "the spare serves once"
     again = httpx.post(server.url + "/v1/completions", json=_body("hello there", 12), timeout=30)
     assert again.json()["choices"][0]["text"] == reference
     assert "warmboot_engine_restarts_total 1.0" in httpx.get(server.url + "/metrics").text
@@ -206,7 +210,7 @@ def test_a_killed_server_takes_its_engine_process_along(server):
 def test_sigterm_drains_the_streams_then_stops_the_engine_process(path, tmp_path):
     """A group SIGTERM (a service manager's, a Ctrl-C's SIGINT alike) reaches the child too:
     it keeps serving until the server has drained its streams, then stops."""
-    on_gpu = _wants_gpu(LaunchConfig(engine={}))
+    on_gpu = wants_gpu({})
     # NOTE: the default (auto) runs an engine process on the CPU
     srv = Server(path, tmp_path / "serve.log", *(["--engine-process", "on"] if on_gpu else []))
     try:
@@ -223,6 +227,28 @@ def test_sigterm_drains_the_streams_then_stops_the_engine_process(path, tmp_path
         assert _gone_within(child, 10), "the engine process outlived its server"
     finally:
         srv.stop()
+
+
+def test_a_spare_engine_process_serves_only_the_start_it_was_made_for(path):
+    """``serve`` starts an engine process before it knows the settings; a start on other
+    CPUs or threads (or one that runs elsewhere: ``drop_spare``) ends it, never uses it."""
+    engine = {"model": str(path), "max_model_len": 64, "num_kv_blocks": 32, "cpu_threads": 1,
+              "enforce_eager": True}  # fmt: skip
+    cfg = LaunchConfig(engine=engine, sandbox="none", engine_process="on")
+    for threads, used in ((2, False), (1, True)):
+        engine_process.prestart(None, threads)
+        spare = engine_process._spare[-1][1].proc.pid
+        client = launch(cfg)
+        try:
+            assert ("started ahead" in client.start_info.reason) is used, client.start_info
+            assert f"(pid {spare}" in client.start_info.reason or _gone_within(spare, 10)
+            assert client.stats()["kv_blocks_total"] == 32, "booted with these settings"
+        finally:
+            client.shutdown()
+    engine_process.prestart(None, 1)
+    spare = engine_process._spare[-1][1].proc.pid
+    engine_process.drop_spare()
+    assert _gone_within(spare, 10) and not engine_process._spare
 
 
 def test_settings_the_engine_refuses_fail_without_an_in_process_retry(path):

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from warmboot.config import resolve_eager
+from warmboot.launcher import engine_process, process_image
 from warmboot.launcher import launch as launch_mod
-from warmboot.launcher import process_image
 from warmboot.launcher.launch import LaunchConfig, launch
 from warmboot.launcher.sandbox import runsc_status
 from warmboot.sampling_params import SamplingParams
@@ -80,10 +80,13 @@ def test_restore_answers_like_the_cold_boot(published, monkeypatch):
     monkeypatch.setattr(
         process_image, "prefetch_mapped", lambda *a: read_ahead.append(prefetch(*a))
     )
+    engine_process.prestart(None, None)  # NOTE: as serve does; a restore has no use for it
+    spare = engine_process._spare[-1][1].proc
     info, again = _launch(cfg)
     assert info.path == "restored_process" and "canary ok" in info.reason
+    assert spare.wait(10) is not None and not engine_process._spare, "the spare was ended"
     assert read_ahead and read_ahead[0] is not None, "the mapped weights are read ahead"
-    assert set(info.phase_times) >= {"runsc_restore", "start_and_canary"}
+    assert set(info.phase_times) >= {"runsc_restore", "verify_image", "start_and_canary"}
     assert again == answer
 
 

@@ -334,3 +334,8 @@ def test_a_fetched_process_image_is_linked_when_it_can_be(store, tmp_path, monke
     chunk.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(process_image.ProcessImageError, match="corrupt"):
         process_image.fetch(store, one, tmp_path / "d")
+    # NOTE: placed, a linked file is checked apart (the launcher: while runsc restores it)
+    nbytes, linked = process_image.place(store, one, tmp_path / "e")
+    assert nbytes == len(data) and [f.path for f in linked] == [tmp_path / "e/checkpoint.img"]
+    with pytest.raises(process_image.ProcessImageError, match="corrupt"):
+        process_image.verify(linked)

@@ -274,7 +274,8 @@ def test_http_server_in_front_of_a_worker(worker):
 def test_launch_keeps_tier_p_off_where_it_cannot_work(path):
     """A remote store (no network in the sandbox) or a GPU host (this runsc has no GPU
     support): the engine boots in-process and says why."""
-    from warmboot.launcher.launch import LaunchConfig, _wants_gpu, launch
+    from warmboot.launcher.launch import LaunchConfig, launch
+    from warmboot.launcher.local import wants_gpu
 
     engine = {"model": str(path), "max_model_len": 64, "num_kv_blocks": 32}
     client = launch(LaunchConfig(engine=engine, store="s3://bucket/prefix"))
@@ -283,8 +284,8 @@ def test_launch_keeps_tier_p_off_where_it_cannot_work(path):
         assert "need a local store" in client.start_info.reason
     finally:
         client.shutdown()
-    assert _wants_gpu(LaunchConfig(engine={**engine, "device": "cuda:0"}))
-    assert not _wants_gpu(LaunchConfig(engine={**engine, "device": "cpu"}))
+    assert wants_gpu({**engine, "device": "cuda:0"})
+    assert not wants_gpu({**engine, "device": "cpu"})
 
 
 def test_a_dead_worker_is_replaced(path):

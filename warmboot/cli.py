@@ -124,17 +124,12 @@ def _limits(args):
     from warmboot.server.http_server import HttpLimits
 
     admission = AdmissionLimits(
-        max_num_seqs=args.max_num_seqs,
-        max_queued_requests=args.max_queued_requests,
+        max_num_seqs=args.max_num_seqs, max_queued_requests=args.max_queued_requests,
         max_queued_tokens=args.max_queued_tokens,
-        max_prompts_per_request=args.max_prompts_per_request,
-    )
+        max_prompts_per_request=args.max_prompts_per_request)  # fmt: skip
     http = HttpLimits(
-        max_header_bytes=args.max_header_bytes,
-        header_timeout_s=args.header_timeout,
-        body_timeout_s=args.body_timeout,
-        max_connections=args.max_connections,
-    )
+        max_header_bytes=args.max_header_bytes, header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout, max_connections=args.max_connections)  # fmt: skip
     return admission, http
 
 
@@ -282,6 +277,11 @@ def _generate(args) -> int:
 
 def _serve(args) -> int:
     from warmboot.device.threads import usable_cpus
+    from warmboot.launcher import engine_process, local
+
+    cpus = tuple(usable_cpus())
+    if local.in_child(args.engine_process, {"device": args.device}):
+        engine_process.prestart(cpus, args.cpu_threads)  # NOTE: it imports torch meanwhile
     from warmboot.server.engine_holder import EngineHolder, process_age
 
     started_at = time.monotonic() - process_age()
@@ -295,7 +295,7 @@ def _serve(args) -> int:
         return 2
     chat_template = _read_chat_template(args.chat_template)
     # NOTE: the engine starts (or a restore runs) while the HTTP stack below is imported.
-    boot = functools.partial(_boot, args, tuple(usable_cpus()))
+    boot = functools.partial(_boot, args, cpus)
     holder = EngineHolder(boot, started_at=started_at, freeze_gc=True)
     holder.start()
     from warmboot.server.app import ServerConfig

@@ -34,10 +34,13 @@ from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from warmboot.device.threads import compute_cpus, default_threads, pin_this_thread, usable_cpus
 from warmboot.engine import progress
-from warmboot.launcher.remote import Channel, LaunchInfo, RemoteLLM
+
+if TYPE_CHECKING:
+    from warmboot.launcher.remote import RemoteLLM
 
 log = logging.getLogger("warmboot.startup")
 PARENT_ENV = "WARMBOOT_ENGINE_PARENT"
@@ -51,12 +54,17 @@ def start(cfg, reason: str, t0: float, fallbacks: tuple[str, ...] = (),
     """A started engine process for ``cfg`` (a ``LaunchConfig``): booted and seeded.
     Raises ``WorkerError`` (``WorkerSettingsError``, a ``ValueError``, for settings
     the engine refuses: booting them in-process would fail the same way)."""
+    from warmboot.launcher.remote import Channel, LaunchInfo, RemoteLLM
+
     phases: dict[str, float] = {}
     threads = cfg.engine.get("cpu_threads")
     with _timed(phases, "engine_process_boot"):
-        child = Child(_argv(cfg.engine), _env(), cfg.engine_cpus, threads)
+        spare = _take_spare((_env(), cfg.engine_cpus, threads))
+        child = spare or Child(_argv(cfg.engine), _env(), cfg.engine_cpus, threads)
         try:
             channel = Channel(child.proc.stdin, child.proc.stdout, "engine process")
+            if spare is not None:
+                channel.send({"t": "boot", "engine": _settings(cfg.engine)})
             from warmboot.tokenizer import Tokenizer  # NOTE: while the child boots
 
             tokenizer = Tokenizer.from_dir(cfg.engine["model"])
@@ -67,7 +75,8 @@ def start(cfg, reason: str, t0: float, fallbacks: tuple[str, ...] = (),
         except BaseException:
             child.reap(timeout=0)
             raise
-    why = f"{reason}; engine process (pid {child.proc.pid}): {started['start_reason']}"
+    ahead = ", started ahead" if spare is not None else ""
+    why = f"{reason}; engine process (pid {child.proc.pid}{ahead}): {started['start_reason']}"
     info = LaunchInfo(started["start_path"], why, time.monotonic() - t0, phases, fallbacks)
     client = RemoteLLM(channel, tokenizer, started, info, gone=child.why_gone)
     client.on_exit(child.reap)
@@ -138,11 +147,48 @@ class Child:
             pass
 
 
-def _argv(engine: dict) -> list[str]:
-    engine = dict(engine)
-    engine["model"] = str(Path(engine["model"]).resolve())
+def prestart(cpus: tuple[int, ...] | None, threads: int | None) -> None:
+    """Start an engine process before its settings are known (``serve``, first thing): it
+    imports torch and the engine (about 1.3 s for the demo model on 2 cores) while this
+    process imports its own modules, checks the model and picks the start path. ``start``
+    takes it when its environment, CPUs and threads still match; ``drop_spare`` ends it when
+    the engine runs elsewhere (a restored sandbox)."""
+    child = Child(_argv(None), _env(), cpus, threads)
+    with _spare_lock:
+        _spare.append(((_env(), cpus, threads), child))
+
+
+def drop_spare() -> None:
+    """End a spare engine process that no start took (it exits at the end of its stdin)."""
+    _take_spare(None)
+
+
+_spare: list[tuple[tuple, Child]] = []
+_spare_lock = threading.Lock()
+
+
+def _take_spare(match: tuple | None) -> Child | None:
+    """The spare engine process started for ``match`` (taken once), else None."""
+    with _spare_lock:
+        spares, _spare[:] = list(_spare), []
+    taken = None
+    for made_for, child in spares:
+        if taken is None and made_for == match and child.proc.poll() is None:
+            taken = child
+        else:
+            child.proc.kill()
+            child.reap(timeout=0)
+    return taken
+
+
+def _argv(engine: dict | None) -> list[str]:
     # NOTE: -P: a module in the working directory cannot shadow the standard library's
-    return [sys.executable, "-P", "-m", "warmboot.launcher.worker", json.dumps(engine)]
+    argv = [sys.executable, "-P", "-m", "warmboot.launcher.worker"]
+    return argv if engine is None else [*argv, json.dumps(_settings(engine))]
+
+
+def _settings(engine: dict) -> dict:
+    return {**engine, "model": str(Path(engine["model"]).resolve())}
 
 
 def _env() -> dict[str, str]:

@@ -25,15 +25,17 @@ import functools
 import logging
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from warmboot.engine import progress
-from warmboot.launcher import process_image
+from warmboot.launcher import engine_process, local, process_image
 from warmboot.launcher import spec as spec_mod
 from warmboot.launcher.remote import Channel, LaunchInfo, RemoteLLM, WorkerError
 from warmboot.snapshot import start_costs
@@ -73,25 +75,25 @@ class LaunchConfig:
 
 def launch(cfg: LaunchConfig):
     """An ``EngineClient``: a restored or fresh sandboxed worker, or a local engine (in a
-    child process or in this one: ``_local``)."""
+    child process or in this one: ``local``)."""
     t0 = time.monotonic()
     if swept := spec_mod.sweep_leftovers(cfg.work_dir):
         log.info("swept %d work dirs left by launchers that are gone", swept)
     if cfg.sandbox == "none":
-        return _local(cfg, "sandbox disabled (--sandbox none)", t0)
+        return local.start(cfg, "sandbox disabled (--sandbox none)", t0)
     if cfg.store is None:
-        return _local(cfg, "no snapshot store: nothing to restore from", t0)
+        return local.start(cfg, "no snapshot store: nothing to restore from", t0)
     if "://" in str(cfg.store) and not str(cfg.store).startswith("file://"):
         why = "process snapshots need a local store (the sandbox has no network)"
-        return _local(cfg, f"{why}; tier A from {cfg.store}", t0)
-    if _wants_gpu(cfg):
+        return local.start(cfg, f"{why}; tier A from {cfg.store}", t0)
+    if local.wants_gpu(cfg.engine):
         why = "this host's runsc cannot run GPU workloads"
-        return _local(cfg, f"{why}; tier A on the GPU", t0, ("gpu_host",))
+        return local.start(cfg, f"{why}; tier A on the GPU", t0, ("gpu_host",))
     from warmboot.launcher.sandbox import runsc_status
 
     version, why = runsc_status()
     if version is None:
-        return _local(cfg, f"runsc unavailable: {why}", t0, ("runsc_unavailable",))
+        return local.start(cfg, f"runsc unavailable: {why}", t0, ("runsc_unavailable",))
     from warmboot.snapshot.store import open_store
 
     store = open_store(cfg.store)
@@ -99,7 +101,8 @@ def launch(cfg: LaunchConfig):
     fields = spec_mod.process_key_fields(cfg.engine, version, spec)
     key = spec_mod.process_key(fields)
     if why := start_costs.local_is_quicker(key):
-        return _timed_local(cfg, why, t0, key)
+        return local.timed(cfg, why, t0, key)
+    engine_process.drop_spare()  # NOTE: the engine runs in gVisor (or, failing that, anew)
     try:
         client = _try_restore(cfg, store, key, spec, t0)
         if client is not None:
@@ -120,7 +123,7 @@ def launch(cfg: LaunchConfig):
     except Exception as e:  # noqa: BLE001 - the in-process boot is the last resort
         log.warning("sandboxed boot failed (%s); booting in-process", e)
         fallbacks += ("sandboxed_boot_failed",)
-        return _local(cfg, f"{reason}; sandboxed boot failed: {e}", t0, fallbacks)
+        return local.start(cfg, f"{reason}; sandboxed boot failed: {e}", t0, fallbacks)
     client.start_info = replace(client.start_info, fallbacks=fallbacks)
     return client
 
@@ -136,14 +139,17 @@ def _try_restore(cfg: LaunchConfig, store, key: str, spec, t0: float) -> RemoteL
     try:
         image = work / "image"
         with _phase(phases, "fetch_image", process_image.image_total(manifest)) as advance:
-            nbytes = run_with_deadline(
+            nbytes, linked = run_with_deadline(
                 "process image fetch",
-                lambda p: process_image.fetch(store, manifest, image, p),
+                lambda p: process_image.place(store, manifest, image, p),
                 _store_timeout(cfg),
                 progress=advance,
             )
+        verify = functools.partial(_verify, cfg, linked, phases)
         prefetch = functools.partial(process_image.prefetch_mapped, store, manifest)
-        client = _restore_and_start(cfg, spec, work, image, manifest["canary"], phases, prefetch)
+        client = _restore_and_start(
+            cfg, spec, work, image, manifest["canary"], phases, verify, prefetch
+        )
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
@@ -189,6 +195,7 @@ def _boot(cfg, spec, work: Path, phases: dict) -> RemoteLLM:
     """Run a worker and serve it as it booted (no checkpoint)."""
     sandbox, proc, channel = _run_worker(cfg, spec, work, phases)
     try:
+        channel.send({"t": "start", "seed": cfg.seed})
         return _start(cfg, sandbox, proc, channel, work, None, phases)
     except BaseException:
         sandbox.delete()
@@ -243,9 +250,12 @@ def _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, ph
 
 
 def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases: dict,
-                       prefetch=lambda: None):  # fmt: skip
+                       verify=lambda: None, prefetch=lambda: None):  # fmt: skip
     """``runsc restore`` the image, send the fresh settings, check the canary. While runsc
-    restores, ``prefetch()`` runs and the tokenizer loads (neither delays runsc's start)."""
+    restores, ``verify()`` (the image's chunks) and ``prefetch()`` run and the tokenizer
+    loads (none delays runsc's start); the worker is told to start once ``verify`` passed.
+    The restore is done when the worker first speaks (``runsc state`` is not polled: each
+    call costs 13 ms of CPU while runsc restores)."""
     from warmboot.launcher.sandbox import Sandbox
     from warmboot.tokenizer import Tokenizer
 
@@ -253,24 +263,31 @@ def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases:
     try:
         with _phase(phases, "runsc_restore"):
             proc = sandbox.restore(image)
+            verified = _on_thread(verify)
             prefetch()
             tokenizer = Tokenizer.from_dir(cfg.engine["model"])
-            sandbox.wait_running(cfg.restore_timeout)
+            verified.result()
             channel = Channel(proc.stdin, proc.stdout, "restored worker")
+            channel.send({"t": "start", "seed": cfg.seed})
+            if not channel.spoke.wait(cfg.restore_timeout):
+                raise WorkerError(f"restore not running after {cfg.restore_timeout:g} s")
         return _start(cfg, sandbox, proc, channel, work, canary, phases, tokenizer)
-    except BaseException:
+    except BaseException as e:
+        why = sandbox.exited()
         sandbox.delete()
+        if why and isinstance(e, WorkerError):
+            raise WorkerError(f"{e}; {why}") from e
         raise
 
 
 def _start(cfg, sandbox, proc, channel, work: Path, canary: list | None, phases: dict,
            tokenizer=None):  # fmt: skip
-    """Send the fresh settings, check the canary against ``canary`` (None: nothing to check
-    against, a fresh boot), and wrap the worker in a client that reaps it on exit."""
+    """Wait for the worker's ``started`` (its ``start`` frame sent), check the canary against
+    ``canary`` (None: nothing to check against, a fresh boot), and wrap the worker in a
+    client that reaps it on exit."""
     from warmboot.tokenizer import Tokenizer
 
     with _phase(phases, "start_and_canary"):
-        channel.send({"t": "start", "seed": cfg.seed})
         started = channel.expect("started", cfg.restore_timeout)
     phases["canary"] = started["canary_s"]
     why = None if canary is None else canary_mismatch(canary, started["canary"])
@@ -280,6 +297,28 @@ def _start(cfg, sandbox, proc, channel, work: Path, canary: list | None, phases:
     client = RemoteLLM(channel, tokenizer, started, LaunchInfo("pending", ""))
     client.on_exit(lambda: _reap(sandbox, proc, work))
     return client
+
+
+def _verify(cfg: LaunchConfig, linked: list, phases: dict) -> None:
+    """Check the image files linked from the store (beside ``runsc restore``, which reads
+    them too: one read from disk) under the store deadline."""
+    t = time.monotonic()
+    step = functools.partial(process_image.verify, linked)
+    run_with_deadline("process image verify", step, _store_timeout(cfg))
+    phases["verify_image"] = time.monotonic() - t
+
+
+def _on_thread(fn) -> Future:
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="beside-restore", daemon=True).start()
+    return future
 
 
 @contextmanager
@@ -321,53 +360,6 @@ def _finish(client: RemoteLLM, path: str, reason: str, phases: dict, t0: float):
     return client
 
 
-def _local(cfg: LaunchConfig, reason: str, t0: float, fallbacks: tuple[str, ...] = ()):
-    """The engine outside gVisor: in a plain child process when ``cfg.engine_process`` says
-    so, else (or when that process fails to start) in this one."""
-    on_gpu = _wants_gpu(cfg)
-    if cfg.engine_process == "off" or (cfg.engine_process == "auto" and on_gpu):
-        return _in_process(cfg, reason, t0, fallbacks)
-    from warmboot.launcher import engine_process
-
-    try:
-        return engine_process.start(cfg, reason, t0, fallbacks, cfg.place_front and not on_gpu)
-    except ValueError:  # NOTE: the settings or model are wrong: in-process would fail alike
-        raise
-    except Exception as e:  # noqa: BLE001 - the in-process boot is the last resort
-        log.warning("the engine process failed to start (%s); booting in-process", e)
-        why = f"{reason}; engine process failed: {e}"
-        return _in_process(cfg, why, t0, (*fallbacks, "engine_process_failed"))
-
-
-def _timed_local(cfg: LaunchConfig, reason: str, t0: float, key: str):
-    """A local start chosen by recorded cost: its own time is recorded in turn, so a slower
-    one sends the next start back to the process image."""
-    client = _local(cfg, reason, t0)
-    # NOTE: less what ran before serving only once (a publishing boot's compile, step choice
-    # and publish): the next local start restores the image it made
-    once = start_costs.one_time(client.stats().get("startup_times", {}))
-    start_costs.record_launch(key, "local", max(client.start_info.ready_s - once, 0.0))
-    return client
-
-
-def _in_process(cfg: LaunchConfig, reason: str, t0: float, fallbacks: tuple[str, ...] = ()):
-    from warmboot import LLM
-    from warmboot.engine.async_llm import AsyncLLM
-
-    log.info("start-up: the engine runs in this process: %s", reason)
-    engine = LLM(**cfg.engine).engine
-    info = engine.start_info
-    front = AsyncLLM(engine, owns_engine=True)
-    front.start_info_override = LaunchInfo(
-        info.path,
-        f"{reason}; in-process: {info.reason}",
-        time.monotonic() - t0,
-        info.phase_times,
-        fallbacks,
-    )
-    return front
-
-
 def _reap(sandbox, proc, work: Path) -> None:
     """The worker is told to stop: wait for it, delete its container, drop the image copy."""
     try:
@@ -381,15 +373,6 @@ def _reap(sandbox, proc, work: Path) -> None:
 # -- the worker and its key ------------------------------------------------------------------
 def worker_spec(cfg: LaunchConfig):
     return spec_mod.worker_spec(cfg.engine, Path(cfg.work_dir))
-
-
-def _wants_gpu(cfg: LaunchConfig) -> bool:
-    """The engine would run on a GPU: asked for, or ``auto`` on a host with an NVIDIA driver.
-    (Checked without importing torch.)"""
-    device = str(cfg.engine.get("device", "auto"))
-    if device.startswith("cuda"):
-        return True
-    return device == "auto" and Path("/proc/driver/nvidia/version").exists()
 
 
 def _work_dir(cfg: LaunchConfig) -> Path:

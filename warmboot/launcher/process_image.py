@@ -2,7 +2,8 @@
 dir, cut into content-addressed chunks, plus a JSON manifest under ``process-<key>``.
 
 Published chunks first, each verified; the manifest last (so a crash leaves no visible half
-image). Fetching verifies every chunk before the image is used.
+image). Every chunk of a fetched image is verified before the restored process is started
+(a file linked from a local store while ``runsc restore`` reads it: ``place``, ``verify``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import stat
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from warmboot.snapshot.image import SnapshotError
@@ -124,28 +126,47 @@ def chunk_refs(manifest: dict) -> dict[str, int]:
     return refs | dict(manifest.get("mapped_chunks", {}))
 
 
+@dataclass(frozen=True)
+class Linked:
+    """An image file hard-linked from a local store, not yet verified."""
+
+    path: Path
+    chunk: dict
+    name: str
+
+
 def fetch(store, manifest: dict, image_dir: Path, progress=None) -> int:
-    """Write the image files into ``image_dir`` (verifying every chunk); returns bytes. The
-    tier-A chunks the process maps must all be in the store."""
+    """Write the image files into ``image_dir``, every chunk verified; returns bytes."""
+    total, linked = place(store, manifest, image_dir, progress)
+    verify(linked, progress)
+    return total
+
+
+def place(store, manifest: dict, image_dir: Path, progress=None) -> tuple[int, list[Linked]]:
+    """Write the image files into ``image_dir``: (bytes, the files hard-linked from a local
+    store, still to be checked with ``verify``: runsc can restore meanwhile). A copied chunk
+    is verified as it comes. The tier-A chunks the process maps must all be in the store."""
     gone = [h for h in manifest.get("mapped_chunks", {}) if not store.has_chunk(h)]
     if gone:
         raise ProcessImageError(
             f"{len(gone)} chunks of the weights it maps are gone from the store"
         )
-    total = 0
+    total, linked = 0, []
     for entry in manifest["files"]:
         dest = image_dir / entry["name"]
         dest.parent.mkdir(parents=True, exist_ok=True)
-        if not _link(store, entry, dest, progress):
+        if _link(store, entry, dest):
+            linked.append(Linked(dest, entry["chunks"][0], entry["name"]))
+        else:
             _copy(store, entry, dest, progress)
         total += sum(c["size"] for c in entry["chunks"])
-    return total
+    return total, linked
 
 
-def _link(store, entry: dict, dest: Path, progress) -> bool:
-    """A file of one chunk in a local store on this file system: hard-linked into place, then
-    verified (no copy, no buffer of its size). The store is trusted as for the weights the
-    process maps: a chunk file changed in place after this check would reach the restore."""
+def _link(store, entry: dict, dest: Path) -> bool:
+    """A file of one chunk in a local store on this file system: hard-linked into place (no
+    copy, no buffer of its size). The store is trusted as for the weights the process maps:
+    a chunk file changed in place after ``verify`` would reach the restore."""
     chunk = entry["chunks"][0] if len(entry["chunks"]) == 1 else None
     path = chunk and store.local_chunk_path(chunk["sha256"])
     try:
@@ -154,16 +175,22 @@ def _link(store, entry: dict, dest: Path, progress) -> bool:
         os.link(path, dest, follow_symlinks=False)
     except OSError:  # NOTE: another file system, or no links allowed there: copy
         return False
-    digest, size, buf = hashlib.sha256(), 0, bytearray(16 << 20)
-    with open(dest, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            digest.update(memoryview(buf)[:n])
-            size += n
-            if progress:  # NOTE: the store deadline watches it
-                progress(n)
-    if digest.hexdigest() != chunk["sha256"] or size != chunk["size"]:
-        raise _corrupt(chunk, entry)
     return True
+
+
+def verify(linked: list[Linked], progress=None) -> None:
+    """``ProcessImageError`` unless every linked file hashes to its chunk's name."""
+    buf = bytearray(16 << 20)
+    for file in linked:
+        digest, size = hashlib.sha256(), 0
+        with open(file.path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                digest.update(memoryview(buf)[:n])
+                size += n
+                if progress:  # NOTE: the store deadline watches it
+                    progress(n)
+        if digest.hexdigest() != file.chunk["sha256"] or size != file.chunk["size"]:
+            raise _corrupt(file.chunk, file.name)
 
 
 def _copy(store, entry: dict, dest: Path, progress) -> None:
@@ -172,14 +199,14 @@ def _copy(store, entry: dict, dest: Path, progress) -> None:
             buf = bytearray(chunk["size"])
             store.read_chunk(chunk["sha256"], memoryview(buf))
             if hashlib.sha256(buf).hexdigest() != chunk["sha256"]:
-                raise _corrupt(chunk, entry)
+                raise _corrupt(chunk, entry["name"])
             f.write(buf)
             if progress:
                 progress(len(buf))
 
 
-def _corrupt(chunk: dict, entry: dict) -> ProcessImageError:
-    return ProcessImageError(f"chunk {chunk['sha256'][:16]} of {entry['name']} is corrupt")
+def _corrupt(chunk: dict, name: str) -> ProcessImageError:
+    return ProcessImageError(f"chunk {chunk['sha256'][:16]} of {name} is corrupt")
 
 
 def image_total(manifest: dict) -> int | None:

@@ -39,6 +39,8 @@ class Channel:
         self._writer = FrameWriter(stdin)
         self._stdin = stdin
         self.frames: queue.Queue = queue.Queue()
+        self.spoke = threading.Event()
+        """Set once the first frame (or the end of the stream) has come."""
         self._thread = threading.Thread(target=self._read, args=(stdout,), daemon=True)
         self._thread.start()
 
@@ -46,9 +48,11 @@ class Channel:
         try:
             while (frame := read_frame(stdout)) is not None:
                 self.frames.put(frame)
+                self.spoke.set()
         except Exception as e:  # noqa: BLE001 - the consumer hears about it as EOF
             log.warning("%s: bad frame stream: %s", self.name, e)
         self.frames.put(None)
+        self.spoke.set()
 
     def send(self, frame: dict) -> None:
         try:

@@ -237,6 +237,16 @@ class Sandbox:
     def __exit__(self, *exc: object) -> None:
         self.delete()
 
+    def exited(self, wait: float = 0.5) -> str:
+        """Why the sandboxed process ended (runsc's exit status and log), or "" if it still
+        runs after ``wait`` seconds."""
+        proc = self.process
+        try:
+            code = None if proc is None else proc.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            return ""
+        return "" if code is None else f"runsc exited with {code}" + self._tail()
+
     @property
     def log_path(self) -> Path | None:
         """The current container's log (runsc's messages and the process's stderr)."""

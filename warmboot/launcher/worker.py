@@ -1,6 +1,7 @@
 """The worker process: holds the engine and serves frames on stdin/stdout.
 
     python -m warmboot.launcher.worker '{"model": DIR, ...LLM kwargs}'
+    python -m warmboot.launcher.worker   (a spare: the settings come as a ``boot`` frame)
 
 Life: boot the engine -> ``booted`` -> (``prepare_checkpoint`` -> shrink the KV pool ->
 ``quiescent``, and the launcher checkpoints the process here) -> ``start`` with the
@@ -254,7 +255,10 @@ def _serve(argv: list[str], writer: FrameWriter, stdin) -> int:
     try:
         from warmboot import LLM
 
-        engine = LLM(**json.loads(argv[0])).engine
+        settings = json.loads(argv[0]) if argv else _boot_frame(stdin)
+        if settings is None:
+            return 0
+        engine = LLM(**settings).engine
     except Exception as e:  # noqa: BLE001 - reported to the launcher, which falls back
         writer.send({"t": "fatal", "message": f"{type(e).__name__}: {e}", "error": str(e),
                      "user_error": _user_error(e)})  # fmt: skip
@@ -273,6 +277,17 @@ def _serve(argv: list[str], writer: FrameWriter, stdin) -> int:
     finally:  # NOTE: a background compile ends first, so the exit below is clean
         engine.startup.close()
     return 0
+
+
+def _boot_frame(stdin) -> dict | None:
+    """A spare engine process (``engine_process.prestart``: started without settings, it
+    imports torch and the engine meanwhile) gets them in its first frame; None: not needed."""
+    frame = read_frame(stdin)
+    if frame is None:
+        return None
+    if frame.get("t") != "boot" or not isinstance(frame.get("engine"), dict):
+        raise ValueError(f"a spare engine process expects a boot frame, got {frame.get('t')!r}")
+    return frame["engine"]
 
 
 if __name__ == "__main__":
