@@ -20,6 +20,7 @@ import pytest
 
 from tests.server_harness import MODEL_NAME
 from warmboot import LLM, SamplingParams
+from warmboot.config import EAGER_ENV
 from warmboot.launcher import engine_process
 from warmboot.launcher.launch import LaunchConfig, launch
 from warmboot.launcher.local import wants_gpu
@@ -249,6 +250,21 @@ def test_a_spare_engine_process_serves_only_the_start_it_was_made_for(path):
     spare = engine_process._spare[-1][1].proc.pid
     engine_process.drop_spare()
     assert _gone_within(spare, 10) and not engine_process._spare
+
+
+def test_an_engine_process_told_to_stop_while_it_compiles_stops_at_once(
+    path, tmp_path, monkeypatch
+):
+    """The default mode's compile runs in the background for tens of seconds after a cold
+    start; a server stopped meanwhile used to wait 10 s for its engine process, then kill it."""
+    monkeypatch.delenv(EAGER_ENV)  # NOTE: the mode unsaid, as outside the suite
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # NOTE: no hits
+    engine = {"model": str(path), "max_model_len": 64, "num_kv_blocks": 32}
+    client = launch(LaunchConfig(engine=engine, sandbox="none", engine_process="on"))
+    assert client.stats()["compile"].get("state") == "compiling", client.stats()["compile"]
+    t0 = time.monotonic()
+    client.shutdown()
+    assert time.monotonic() - t0 < 5.0
 
 
 def test_settings_the_engine_refuses_fail_without_an_in_process_retry(path):

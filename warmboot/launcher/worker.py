@@ -268,14 +268,26 @@ def _serve(argv: list[str], writer: FrameWriter, stdin) -> int:
     worker = Worker(engine, writer)
     writer.send({"t": "booted", "boot_s": time.perf_counter() - t0})
     threading.Thread(target=worker.reader, args=(stdin,), daemon=True).start()
+    code = _run(worker, writer)
+    if not engine.startup.wait_compiled(0):
+        # NOTE: a background compile still under way (tens of seconds) is abandoned: the
+        # interpreter's teardown would wait for its thread (and the launcher kills a worker
+        # that has not stopped within 10 s), or abort around a thread inside torch's C++.
+        # os._exit skips that teardown. (A publishing boot compiles in the foreground.)
+        log.info("stopping with the background compile under way: abandoned")
+        logging.shutdown()
+        os._exit(code)
+    engine.startup.close()
+    return code
+
+
+def _run(worker: Worker, writer: FrameWriter) -> int:
     try:
         worker.run()
     except Exception as e:  # noqa: BLE001
         log.exception("worker failed")
         writer.send({"t": "fatal", "message": f"{type(e).__name__}: {e}"})
         return 1
-    finally:  # NOTE: a background compile ends first, so the exit below is clean
-        engine.startup.close()
     return 0
 
 
