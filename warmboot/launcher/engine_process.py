@@ -176,8 +176,8 @@ def _take_spare(match: tuple | None) -> Child | None:
         if taken is None and made_for == match and child.proc.poll() is None:
             taken = child
         else:
-            child.proc.kill()
-            child.reap(timeout=0)
+            child.proc.kill()  # NOTE: then reaped at once, without the warning of a child
+            child.reap()  # that does not stop when told to
     return taken
 
 

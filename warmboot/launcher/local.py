@@ -11,10 +11,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from warmboot.launcher.remote import LaunchInfo
-from warmboot.snapshot import start_costs
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # NOTE: light to import: ``serve`` asks ``in_child`` before anything else
     from warmboot.launcher.launch import LaunchConfig
 
 log = logging.getLogger("warmboot.startup")
@@ -41,6 +38,8 @@ def start(cfg: LaunchConfig, reason: str, t0: float, fallbacks: tuple[str, ...] 
 def timed(cfg: LaunchConfig, reason: str, t0: float, key: str):
     """A local start chosen by recorded cost: its own time is recorded in turn, so a slower
     one sends the next start back to the process image."""
+    from warmboot.snapshot import start_costs
+
     client = start(cfg, reason, t0)
     # NOTE: less what ran before serving only once (a publishing boot's compile, step choice
     # and publish): the next local start restores the image it made
@@ -52,6 +51,7 @@ def timed(cfg: LaunchConfig, reason: str, t0: float, key: str):
 def _in_process(cfg: LaunchConfig, reason: str, t0: float, fallbacks: tuple[str, ...] = ()):
     from warmboot import LLM
     from warmboot.engine.async_llm import AsyncLLM
+    from warmboot.launcher.remote import LaunchInfo
 
     log.info("start-up: the engine runs in this process: %s", reason)
     engine = LLM(**cfg.engine).engine
