@@ -147,11 +147,13 @@ def _wait_healthy(proc: subprocess.Popen, url: str, t0: float) -> float:
 
 
 def _first_token(url: str) -> float:
-    body = {"model": "m", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    # NOTE: with logprobs a chunk goes out for every token, even one whose text is held back:
+    # a random model's tokens may decode to no text (without them, the 1.5B model's first
+    # chunk came with its last token, 1.3 s later)
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True,
+            "logprobs": 1}  # fmt: skip
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as resp:
         for line in resp.iter_lines():
-            # NOTE: any chunk with a choice carries a token: a random model's token may decode
-            # to no text (ids past its small tokenizer's vocabulary)
             if line.startswith("data: {") and json.loads(line[6:])["choices"]:
                 return time.monotonic()
     raise RuntimeError("no token streamed")
