@@ -149,7 +149,7 @@ class Child:
 
 def prestart(cpus: tuple[int, ...] | None, threads: int | None) -> None:
     """Start an engine process before its settings are known (``serve``, first thing): it
-    imports torch and the engine (about 1.3 s for the demo model on 2 cores) while this
+    imports torch and the engine (1.4-1.9 s from a cold page cache on 2 cores) while this
     process imports its own modules, checks the model and picks the start path. ``start``
     takes it when its environment, CPUs and threads still match; ``drop_spare`` ends it when
     the engine runs elsewhere (a restored sandbox)."""
@@ -159,7 +159,7 @@ def prestart(cpus: tuple[int, ...] | None, threads: int | None) -> None:
 
 
 def drop_spare() -> None:
-    """End a spare engine process that no start took (it exits at the end of its stdin)."""
+    """Kill a spare engine process that no start took (the engine runs in gVisor)."""
     _take_spare(None)
 
 

@@ -273,7 +273,7 @@ def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases:
                 raise WorkerError(f"restore not running after {cfg.restore_timeout:g} s")
         return _start(cfg, sandbox, proc, channel, work, canary, phases, tokenizer)
     except BaseException as e:
-        why = sandbox.exited()
+        why = sandbox.exited() if isinstance(e, WorkerError) else ""
         sandbox.delete()
         if why and isinstance(e, WorkerError):
             raise WorkerError(f"{e}; {why}") from e
