@@ -1,7 +1,8 @@
 """The engine outside gVisor: in a plain child process (``engine_process``) or in this one.
 
 ``launch`` comes here when there is no sandbox, no store or no runsc, when a sandboxed boot
-failed, and when the recorded costs say a local start is the quicker (``timed``).
+failed, and when the recorded costs say a local start is the quicker (``timed``). ``cfg`` is
+a ``launch.LaunchConfig``. Light to import: ``serve`` asks ``in_child`` before anything else.
 """
 
 from __future__ import annotations
@@ -9,15 +10,11 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # NOTE: light to import: ``serve`` asks ``in_child`` before anything else
-    from warmboot.launcher.launch import LaunchConfig
 
 log = logging.getLogger("warmboot.startup")
 
 
-def start(cfg: LaunchConfig, reason: str, t0: float, fallbacks: tuple[str, ...] = ()):
+def start(cfg, reason: str, t0: float, fallbacks: tuple[str, ...] = ()):
     """In a plain child process when ``cfg.engine_process`` says so, else (or when that
     process fails to start) in this one."""
     if not in_child(cfg.engine_process, cfg.engine):
@@ -35,7 +32,7 @@ def start(cfg: LaunchConfig, reason: str, t0: float, fallbacks: tuple[str, ...] 
         return _in_process(cfg, why, t0, (*fallbacks, "engine_process_failed"))
 
 
-def timed(cfg: LaunchConfig, reason: str, t0: float, key: str):
+def timed(cfg, reason: str, t0: float, key: str):
     """A local start chosen by recorded cost: its own time is recorded in turn, so a slower
     one sends the next start back to the process image."""
     from warmboot.snapshot import start_costs
@@ -48,7 +45,7 @@ def timed(cfg: LaunchConfig, reason: str, t0: float, key: str):
     return client
 
 
-def _in_process(cfg: LaunchConfig, reason: str, t0: float, fallbacks: tuple[str, ...] = ()):
+def _in_process(cfg, reason: str, t0: float, fallbacks: tuple[str, ...] = ()):
     from warmboot import LLM
     from warmboot.engine.async_llm import AsyncLLM
     from warmboot.launcher.remote import LaunchInfo
