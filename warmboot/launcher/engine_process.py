@@ -59,8 +59,9 @@ def start(cfg, reason: str, t0: float, fallbacks: tuple[str, ...] = (),
     phases: dict[str, float] = {}
     threads = cfg.engine.get("cpu_threads")
     with _timed(phases, "engine_process_boot"):
-        spare = _take_spare((_env(), cfg.engine_cpus, threads))
-        child = spare or Child(_argv(cfg.engine), _env(), cfg.engine_cpus, threads)
+        env = _env()
+        spare = _take_spare((env, cfg.engine_cpus, threads))
+        child = spare or Child(_argv(cfg.engine), env, cfg.engine_cpus, threads)
         try:
             channel = Channel(child.proc.stdin, child.proc.stdout, "engine process")
             if spare is not None:
@@ -153,9 +154,10 @@ def prestart(cpus: tuple[int, ...] | None, threads: int | None) -> None:
     process imports its own modules, checks the model and picks the start path. ``start``
     takes it when its environment, CPUs and threads still match; ``drop_spare`` ends it when
     the engine runs elsewhere (a restored sandbox)."""
-    child = Child(_argv(None), _env(), cpus, threads)
+    env = _env()
+    child = Child(_argv(None), env, cpus, threads)
     with _spare_lock:
-        _spare.append(((_env(), cpus, threads), child))
+        _spare.append(((env, cpus, threads), child))
 
 
 def drop_spare() -> None:

@@ -275,7 +275,7 @@ def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases:
     except BaseException as e:
         why = sandbox.exited() if isinstance(e, WorkerError) else ""
         sandbox.delete()
-        if why and isinstance(e, WorkerError):
+        if why:
             raise WorkerError(f"{e}; {why}") from e
         raise
 
