@@ -133,3 +133,11 @@ def test_store_refuses_bytes_that_do_not_match_their_hash(s3):
     with pytest.raises(IntegrityError, match="do not match"):
         s3.put_chunk("0" * 64, b"payload")
     assert s3.list_chunks() == {}
+
+
+def test_records_round_trip(s3):
+    """Hosts share small records (``start_costs``) through the bucket too."""
+    assert s3.get_record("start-costs-x") is None
+    s3.put_record("start-costs-x", b'{"k": {"cold": [1.0]}}')
+    assert s3.get_record("start-costs-x") == b'{"k": {"cold": [1.0]}}'
+    assert s3.list_keys() == [], "a record is no snapshot"

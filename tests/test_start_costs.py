@@ -4,6 +4,7 @@ that measured slower than a cold start is skipped, with the reason, and nothing 
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -109,6 +110,7 @@ def test_a_restore_alone_on_record_tries_a_cold_start_once(by_cost, path, tmp_pa
     first = _start(path, store)
     (key,) = LocalStore(store).list_keys()
     start_costs.costs_path().write_text(json.dumps({key: {"restored_image": 0.5}}))
+    shutil.rmtree(store / "records")  # NOTE: nor in the store (a sandboxed worker shares none)
     assert start_costs.cold_is_quicker(key) is None, "only where the caller explores"
     manifests = sorted(p.stat().st_mtime_ns for p in (store / "manifests").iterdir())
     tried = _start(path, store)
@@ -137,9 +139,13 @@ def test_launch_costs_are_compared(by_cost):
     assert "measured quicker here (6.00s against 7.50s" in start_costs.local_is_quicker("p")
 
 
-def test_the_launcher_skips_a_slower_process_image(by_cost, path, tmp_path, monkeypatch):
+@pytest.mark.parametrize("recorded_by", ["this host", "another host"])
+def test_the_launcher_skips_a_slower_process_image(
+    by_cost, own_cache, path, tmp_path, monkeypatch, recorded_by
+):
     """With a process image on record as slower than a start outside gVisor, the launcher
-    starts locally without trying tier P, and records what that start cost."""
+    starts locally without trying tier P, and records what that start cost. A new replica
+    (an empty cache) decides by what another host of its kind recorded in the store."""
     from warmboot.launcher import launch as launch_mod
     from warmboot.launcher import sandbox
     from warmboot.launcher import spec as spec_mod
@@ -149,7 +155,13 @@ def test_the_launcher_skips_a_slower_process_image(by_cost, path, tmp_path, monk
     cfg = launch_mod.LaunchConfig(engine, str(tmp_path / "store"), work_dir=tmp_path / "work")
     fields = spec_mod.process_key_fields(engine, "runsc-test", launch_mod.worker_spec(cfg))
     key = spec_mod.process_key(fields)
-    start_costs.record_launch(key, "restored_process", 50.0)  # NOTE: no local figure: tried once
+    store = LocalStore(tmp_path / "store")
+    if recorded_by == "another host":
+        monkeypatch.setenv("WARMBOOT_CACHE", str(tmp_path / "other-host"))
+        start_costs.record_launch(key, "local", 3.0, store)
+    start_costs.record_launch(key, "restored_process", 50.0, store)  # NOTE: tried once, or:
+    monkeypatch.setenv("WARMBOOT_CACHE", str(own_cache))  # measured quicker elsewhere
+    expected = {"this host": "tried once", "another host": "measured quicker here (3.00s"}
 
     def no_restore(*args):
         raise AssertionError("tier P was tried")
@@ -158,10 +170,68 @@ def test_the_launcher_skips_a_slower_process_image(by_cost, path, tmp_path, monk
     client = launch_mod.launch(cfg)
     try:
         info = client.start_info
-        assert "a start outside gVisor tried once" in info.reason, info.reason
+        assert f"a start outside gVisor {expected[recorded_by]}" in info.reason, info.reason
         recorded = json.loads(start_costs.costs_path().read_text())[f"process:{key}"]
         once = start_costs.one_time(client.stats()["startup_times"])  # NOTE: e.g. a publish
         assert recorded["local"] == [round(info.ready_s - once, 4)] and 0 < info.ready_s < 50
+        shared = _shared(store)[f"process:{key}"]["local"]
+        assert shared[-1] == recorded["local"][0] and len(shared) == 1 + (
+            recorded_by != "this host"
+        )
     finally:
         client.shutdown()
-    assert "measured quicker" in start_costs.local_is_quicker(key), "from now on by measurement"
+    assert "measured quicker" in start_costs.local_is_quicker(key, store), "by measurement"
+
+
+def _shared(store: LocalStore) -> dict:
+    return json.loads(store.get_record(f"start-costs-{start_costs.host_class()}"))
+
+
+def test_hosts_of_a_kind_share_their_costs_through_the_store(by_cost, tmp_path, monkeypatch):
+    """A host with no figures of its own for a path reads those of the hosts of its kind in
+    the store's record; its own figures, where it has some, decide."""
+    store = LocalStore(tmp_path / "store")
+    monkeypatch.setenv("WARMBOOT_CACHE", str(tmp_path / "first-host"))
+    for seconds in (3.0, 3.2, 3.1):
+        start_costs.record_launch("p", "restored_process", seconds, store)
+    for seconds in (2.0, 2.2):
+        start_costs.record_launch("p", "local", seconds, store)
+    start_costs.record("k", "restored_image", {"restore_weights": 1.0}, store)
+    monkeypatch.setenv("WARMBOOT_CACHE", str(tmp_path / "new-replica"))
+    assert start_costs.local_is_quicker("p") is None, "without the store: nothing on record"
+    assert "measured quicker here (2.10s against 3.10s" in start_costs.local_is_quicker("p", store)
+    assert "cold start tried once" in start_costs.cold_is_quicker("k", True, store)
+    start_costs.record_launch("p", "local", 4.0, store)  # NOTE: this host's own figure decides
+    assert start_costs.local_is_quicker("p", store) is None
+    assert _shared(store)["process:p"]["local"] == [2.0, 2.2, 4.0]
+    monkeypatch.setattr(start_costs, "host_class", lambda: "another-kind")
+    monkeypatch.setenv("WARMBOOT_CACHE", str(tmp_path / "third-host"))
+    assert start_costs.local_is_quicker("p", store) is None, "another kind of host: not shared"
+
+
+def test_a_bad_record_or_store_shares_nothing(by_cost, tmp_path, monkeypatch, caplog):
+    """The record is data: junk, figures that are no seconds and an oversized record are
+    read as nothing; a store that cannot be written keeps the figure here; a sandboxed
+    worker neither reads nor writes the record."""
+    store = LocalStore(tmp_path / "store")
+    name = f"start-costs-{start_costs.host_class()}"
+    for junk in (b"[1, 2]", b"{not json", b'{"process:p": {"local": ["x", -1, true]}}'):
+        store.put_record(name, junk)
+        assert start_costs.local_is_quicker("p", store) is None
+    store.put_record(name, json.dumps({"process:p": {"restored_process": [1.0]}}).encode())
+    assert "tried once" in start_costs.local_is_quicker("p", store)
+    store.put_record(name, b" " * (1 << 20) + b'{"process:p": {"restored_process": [1.0]}}')
+    assert store.get_record(name) is None and start_costs.local_is_quicker("p", store) is None
+    monkeypatch.setenv("WARMBOOT_HOST_NATIVE", "/host/native")  # NOTE: a sandboxed worker
+    start_costs.record_launch("p", "local", 2.0, store)
+    assert store.get_record(name) is None and start_costs.local_is_quicker("p", store) is None
+    monkeypatch.delenv("WARMBOOT_HOST_NATIVE")
+
+    def refuse(*args):
+        raise OSError("read-only file system")
+
+    monkeypatch.setattr(store, "put_record", refuse)
+    with caplog.at_level("INFO", logger="warmboot.snapshot.start_costs"):
+        start_costs.record_launch("q", "local", 2.0, store)
+    assert "not shared through" in caplog.text and "read-only" in caplog.text
+    assert json.loads(start_costs.costs_path().read_text())["process:q"] == {"local": [2.0]}

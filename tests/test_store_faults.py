@@ -20,10 +20,10 @@ from warmboot import LLM
 from warmboot.launcher import process_image
 from warmboot.snapshot import publish as publish_mod
 from warmboot.snapshot import s3_store
-from warmboot.snapshot.image import Manifest
+from warmboot.snapshot.image import IntegrityError, Manifest, SnapshotError
 from warmboot.snapshot.lease import try_lease
 from warmboot.snapshot.ops import remove_snapshot
-from warmboot.snapshot.store import LocalStore, S3Store, open_store
+from warmboot.snapshot.store import LocalStore, S3Store, StoreError, open_store
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 TIMEOUT_S = 2.0
@@ -105,6 +105,28 @@ def test_links_inside_an_empty_store_are_never_written_through(path, golden, tmp
     healthy(path, root, golden)  # a cold boot whose publish is refused (or not possible)
     assert tree(outside) == before
     assert LocalStore(root).list_keys() == []
+
+
+def test_records_are_never_written_or_read_through_links(tmp_path, outside):
+    """A store's records (``start_costs``) keep the rules of its other files."""
+    root = tmp_path / "fresh"
+    (root / "records").mkdir(parents=True)
+    store = LocalStore(root)
+    store.put_record("start-costs-x", b"{}")
+    assert store.get_record("start-costs-x") == b"{}" and store.get_record("none") is None
+    with pytest.raises(SnapshotError, match="is not a key"):
+        store.put_record("../escape", b"{}")
+    shutil.rmtree(root / "records")
+    (root / "records").symlink_to(outside, target_is_directory=True)
+    before = tree(outside)
+    with pytest.raises(StoreError, match="not a plain directory"):
+        store.put_record("start-costs-x", b"{}")
+    assert tree(outside) == before
+    (root / "records").unlink()
+    (root / "records").mkdir()
+    (root / "records" / "start-costs-x.json").symlink_to(outside / "precious.bin")
+    with pytest.raises(IntegrityError, match="outside the store"):
+        store.get_record("start-costs-x")
 
 
 def test_gc_never_deletes_through_a_linked_chunk_directory(golden, store, outside):

@@ -222,7 +222,8 @@ class Startup(GraphPhases):
         tried to measure it (once, and again while a close call): on the CPU only (on CUDA a
         cold start compiles first)."""
         snap = self.snapshot
-        why = snap and start_costs.cold_is_quicker(snap.key, explore=snap.device.type == "cpu")
+        explore = bool(snap) and snap.device.type == "cpu"
+        why = snap and start_costs.cold_is_quicker(snap.key, explore, snap.store)
         if why:
             self.snapshot.reason, self.snapshot.publish_skipped = why, True
         return not why
@@ -372,7 +373,7 @@ class Startup(GraphPhases):
             phase_times=dict(self.times),
         )
         if self.snapshot:
-            start_costs.record(self.snapshot.key, info.path, self.times)
+            start_costs.record(self.snapshot.key, info.path, self.times, self.snapshot.store)
         phases = ", ".join(f"{k} {v:.2f}s" for k, v in self.times.items())
         log.info("engine ready in %.2fs via %s (%s): %s", info.ready_s, info.path, reason, phases)
         return info

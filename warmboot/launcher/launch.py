@@ -100,13 +100,13 @@ def launch(cfg: LaunchConfig):
     spec = worker_spec(cfg)
     fields = spec_mod.process_key_fields(cfg.engine, version, spec)
     key = spec_mod.process_key(fields)
-    if why := start_costs.local_is_quicker(key):
-        return local.timed(cfg, why, t0, key)
+    if why := start_costs.local_is_quicker(key, store):
+        return local.timed(cfg, why, t0, key, store)
     engine_process.drop_spare()  # NOTE: the engine runs in gVisor (or, failing that, anew)
     try:
         client = _try_restore(cfg, store, key, spec, t0)
         if client is not None:
-            start_costs.record_launch(key, "restored_process", client.start_info.ready_s)
+            start_costs.record_launch(key, "restored_process", client.start_info.ready_s, store)
             return client
         reason = f"no process snapshot for key {key[:12]}"
         fallbacks: tuple[str, ...] = ()

@@ -32,7 +32,7 @@ def start(cfg, reason: str, t0: float, fallbacks: tuple[str, ...] = ()):
         return _in_process(cfg, why, t0, (*fallbacks, "engine_process_failed"))
 
 
-def timed(cfg, reason: str, t0: float, key: str):
+def timed(cfg, reason: str, t0: float, key: str, store=None):
     """A local start chosen by recorded cost: its own time is recorded in turn, so a slower
     one sends the next start back to the process image."""
     from warmboot.snapshot import start_costs
@@ -41,7 +41,7 @@ def timed(cfg, reason: str, t0: float, key: str):
     # NOTE: less what ran before serving only once (a publishing boot's compile, step choice
     # and publish): the next local start restores the image it made
     once = start_costs.one_time(client.stats().get("startup_times", {}))
-    start_costs.record_launch(key, "local", max(client.start_info.ready_s - once, 0.0))
+    start_costs.record_launch(key, "local", max(client.start_info.ready_s - once, 0.0), store)
     return client
 
 

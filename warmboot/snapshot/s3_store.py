@@ -7,7 +7,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 
 from warmboot.snapshot.image import IntegrityError, chunk_hash
-from warmboot.snapshot.store_api import MAX_LEASE_BYTES, Store, StoreError
+from warmboot.snapshot.store_api import MAX_LEASE_BYTES, MAX_RECORD_BYTES, Store, StoreError
 
 S3_RANGE_BYTES = 8 << 20
 S3_CONNECT_TIMEOUT_S = 5.0
@@ -148,6 +148,20 @@ class S3Store(Store):
         self._call(
             "DELETE manifest", self.client.delete_object, Key=self._key("manifests", f"{key}.json")
         )
+
+    def put_record(self, name: str, data: bytes) -> None:
+        self._call("PUT record", self.client.put_object, Key=self._key("records", f"{name}.json"),
+                   Body=data)  # fmt: skip
+
+    def get_record(self, name: str) -> bytes | None:
+        try:
+            resp = self._call(
+                "GET record", self.client.get_object, Key=self._key("records", f"{name}.json")
+            )
+        except FileNotFoundError:
+            return None
+        data = resp["Body"].read(MAX_RECORD_BYTES + 1)
+        return data if len(data) <= MAX_RECORD_BYTES else None
 
     def _lease_key(self, name: str) -> str:
         return self._key("leases", f"{name}.lease")

@@ -30,16 +30,30 @@ six demo starts of one path took 2.4 to 3.6 s to serve, so one slow start could 
 later one down a slower path. A close call (medians within ``CLOSE`` of each other) is
 measured again until the path it would drop has ``TRIES`` figures: at most two more starts of
 that path, whose median was at most ``CLOSE`` slower.
+
+Hosts that share a snapshot store share their figures too: a start with a store keeps them in
+the store's record for its kind of host (``host_class``: CPU model and flags, usable CPUs,
+memory), and reads a path's figures from there where this host has none of its own. A new
+replica of a serverless fleet has an empty cache: without the store's record every replica
+would restore a process image first and try a local start once, whichever had measured
+quicker on the replicas before it. The record is data (figures that are no seconds are
+dropped, a record past ``MAX_RECORD_BYTES`` or unreadable is none); two hosts writing at once
+may lose one figure (the last writer wins), which the next start measures again. A sandboxed
+worker shares nothing: its figures are gVisor's, not a path the launcher picks.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import statistics
+from functools import cache
 from pathlib import Path
 
 from warmboot.config import cache_root, read_cache_dict, write_cache_dict
+from warmboot.snapshot.key import HOST_NATIVE_ENV, host_cpu_features
 
 log = logging.getLogger(__name__)
 ENV = "WARMBOOT_START_BY_COST"
@@ -72,44 +86,56 @@ def one_time(times: dict[str, float]) -> float:
     return sum(v for k, v in times.items() if k.rsplit(".", 1)[-1] in OFF_PATH)
 
 
-def record(key: str, path: str, times: dict[str, float]) -> None:
-    """Keep this start's cost (``path``: ``cold`` or ``restored_image``) under ``key``."""
-    _save(key, path, cost(times))
+def record(key: str, path: str, times: dict[str, float], store=None) -> None:
+    """Keep this start's cost (``path``: ``cold`` or ``restored_image``) under ``key``, here
+    and in ``store``'s record for this kind of host (a ``Store``; None: here only)."""
+    _save(key, path, cost(times), store)
 
 
-def _save(key: str, path: str, seconds: float) -> None:
+def _save(key: str, path: str, seconds: float, store=None) -> None:
     if not enabled():
         return
-    costs = _load()
+    here = _read_local()
+    _add(here, key, path, seconds)
+    try:
+        write_cache_dict(costs_path(), here, indent=1)
+    except OSError as e:
+        log.warning("start costs not recorded: %s", e)
+    if (name := _record_name(store)) is not None:
+        shared = _read_shared(store, name)
+        _add(shared, key, path, seconds)
+        try:
+            store.put_record(name, json.dumps(shared, indent=1).encode())
+        except Exception as e:  # noqa: BLE001 - a read-only or unreachable store: kept here
+            log.info("start costs not shared through %s: %s", store.url, e)
+
+
+def _add(costs: dict, key: str, path: str, seconds: float) -> None:
     figures = costs.setdefault(key, {}).setdefault(path, [])
     figures.append(round(seconds, 4))
     del figures[:-KEEP]
-    try:
-        write_cache_dict(costs_path(), costs, indent=1)
-    except OSError as e:
-        log.warning("start costs not recorded: %s", e)
 
 
-def cold_is_quicker(key: str, explore: bool = False) -> str | None:
+def cold_is_quicker(key: str, explore: bool = False, store=None) -> str | None:
     """Why a cold start beats restoring ``key`` here, or None (restore). ``explore``: with a
     restore on record and no cold start, a cold start is tried once, to measure it (where a
     cold start is cheap to try: on the CPU its compile runs in the background), and again
     while it is a close call."""
-    entry = _load().get(key, {}) if enabled() else {}
+    entry = _load(store).get(key, {}) if enabled() else {}
     figures = entry.get("restored_image"), entry.get("cold")
     once, compare = "the restore took {r:.2f}s", "{o:.2f}s to serve against {r:.2f}s restored"
     return _why(*figures, explore, "a cold start", once, compare)
 
 
-def record_launch(key: str, path: str, seconds: float) -> None:
+def record_launch(key: str, path: str, seconds: float, store=None) -> None:
     """Keep a launch's seconds to serving (``restored_process`` or ``local``) under the
     process key."""
-    _save(f"process:{key}", path, seconds)
+    _save(f"process:{key}", path, seconds, store)
 
 
-def local_is_quicker(key: str) -> str | None:
+def local_is_quicker(key: str, store=None) -> str | None:
     """Why a start outside gVisor beats restoring the process image ``key`` here, or None."""
-    entry = _load().get(f"process:{key}", {}) if enabled() else {}
+    entry = _load(store).get(f"process:{key}", {}) if enabled() else {}
     figures = entry.get("restored_process"), entry.get("local")
     once = "the process image's restore took {r:.2f}s"
     compare = "{o:.2f}s against {r:.2f}s for the process image"
@@ -135,12 +161,57 @@ def _why(restored, other, explore: bool, what: str, once: str, compare: str) -> 
     return None
 
 
-def _load() -> dict[str, dict[str, list[float]]]:
+def _load(store=None) -> dict[str, dict[str, list[float]]]:
+    """Every key's figures per path: this host's, else those in ``store``'s record."""
+    costs = _read_local()
+    name = _record_name(store)
+    for key, entry in (_read_shared(store, name) if name else {}).items():
+        mine = costs.setdefault(key, {})
+        mine |= {p: f for p, f in entry.items() if p not in mine}
+    return costs
+
+
+def _read_local() -> dict[str, dict[str, list[float]]]:
+    return _valid(read_cache_dict(costs_path()))
+
+
+def _read_shared(store, name: str) -> dict[str, dict[str, list[float]]]:
+    try:
+        data = json.loads(store.get_record(name) or b"{}")
+    except Exception as e:  # noqa: BLE001 - unreadable or no JSON: no figures to share
+        log.info("no start costs read from %s: %s", store.url, e)
+        return {}
+    return _valid(data) if isinstance(data, dict) else {}
+
+
+def _valid(data: dict) -> dict[str, dict[str, list[float]]]:
     costs = {}
-    for key, entry in read_cache_dict(costs_path()).items():
-        if isinstance(entry, dict):
+    for key, entry in data.items():
+        if isinstance(key, str) and isinstance(entry, dict):
             costs[key] = {p: f for p, v in entry.items() if (f := _figures(v))}
     return costs
+
+
+def _record_name(store) -> str | None:
+    """The store's record for this kind of host, or None: no store, or a sandboxed worker
+    (the launcher hands it the host's native library: ``HOST_NATIVE_ENV``)."""
+    if store is None or os.environ.get(HOST_NATIVE_ENV):
+        return None
+    return f"start-costs-{host_class()}"
+
+
+@cache
+def host_class() -> str:
+    """This kind of host, as far as a start's cost goes: CPU model and flags, CPU count and
+    memory in GiB (a digest; the machine's, not this process's affinity, which ``serve``
+    narrows for its front end once the engine runs)."""
+    cpus = os.cpu_count()
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") >> 30
+    except (ValueError, OSError):
+        memory = 0
+    what = f"{host_cpu_features()} | {cpus} cpus | {memory} GiB"
+    return hashlib.sha256(what.encode()).hexdigest()[:16]
 
 
 def _figures(value: object) -> list[float]:

@@ -2,6 +2,7 @@
 
     <root>/chunks/<hash[:2]>/<hash>     raw chunk bytes, named by their SHA-256
     <root>/manifests/<key>.json         one manifest per compatibility key
+    <root>/records/<name>.json          small records hosts share (start costs)
 
 Publishing is atomic: chunks first (each one's bytes are hashed by the store before they are
 written), the manifest last. A local write goes to ``<root>/tmp`` and is renamed into place; an
@@ -26,6 +27,7 @@ from warmboot.snapshot.store_api import (
     KEY_RE,
     MAX_LEASE_BYTES,
     MAX_MANIFEST_BYTES,
+    MAX_RECORD_BYTES,
     STALE_TMP_SECONDS,
     Store,
     StoreError,
@@ -177,6 +179,19 @@ class LocalStore(Store):
 
     def delete_manifest(self, key: str) -> None:
         self._unlink(("manifests",), self._manifest_path(key).name)
+
+    def put_record(self, name: str, data: bytes) -> None:
+        self._write_atomic(("records",), self._manifest_path(name).name, data)
+
+    def get_record(self, name: str) -> bytes | None:
+        path = self.root / "records" / self._manifest_path(name).name  # NOTE: checks the name
+        try:
+            fd = open_regular(path, self.root)
+        except FileNotFoundError:
+            return None
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_RECORD_BYTES + 1)
+        return data if len(data) <= MAX_RECORD_BYTES else None
 
     def _lease_name(self, name: str) -> str:
         return self._manifest_path(name).with_suffix(".lease").name  # NOTE: checks the name

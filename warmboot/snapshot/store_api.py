@@ -15,6 +15,8 @@ STALE_TMP_SECONDS = 3600
 MAX_MANIFEST_BYTES = 16 << 20
 """A manifest larger than this is refused unread (a real one is tens of kilobytes)."""
 MAX_LEASE_BYTES = 4096
+MAX_RECORD_BYTES = 1 << 20
+"""A record larger than this is read as none (``Store.get_record``)."""
 HASH_RE = re.compile(r"[0-9a-f]{64}")
 KEY_RE = re.compile(r"[0-9A-Za-z_.-]{1,128}")
 
@@ -96,6 +98,15 @@ class Store(ABC):
 
     @abstractmethod
     def delete_lease(self, name: str) -> None: ...
+
+    @abstractmethod
+    def put_record(self, name: str, data: bytes) -> None:
+        """Write small record ``name`` whole (the last writer wins): figures the hosts that
+        share this store keep in it (``start_costs``)."""
+
+    @abstractmethod
+    def get_record(self, name: str) -> bytes | None:
+        """Record ``name``'s bytes (data, never trusted), or None."""
 
     def stored_bytes(self) -> int:
         """Bytes held in chunks (manifests excluded)."""
