@@ -88,7 +88,8 @@ class EngineHolder:
         """Boot the engine. With ``freeze_gc`` everything alive once it is ready moves to
         the collector's permanent generation: a full collection over the booted engine's
         ~170k objects stalled every thread for ~70 ms (measured on the demo model)."""
-        if self._freeze_gc:
+        thawed = self._freeze_gc and gc.get_freeze_count() > 0
+        if thawed:
             gc.unfreeze()  # NOTE: a replaced engine's objects must stay collectable
         t0, self.phase = time.monotonic(), self.phase or "launching"
         try:
@@ -100,7 +101,7 @@ class EngineHolder:
         with self._lock:
             closed = self._closed
             if not closed:
-                self._ready(client, time.monotonic() - t0)
+                self._ready(client, time.monotonic() - t0, thawed)
         if closed:  # NOTE: shut down while it booted: it must not outlive the server
             _quietly_shut(client)
 
@@ -120,7 +121,7 @@ class EngineHolder:
         if self.on_fatal is not None:
             self.on_fatal(self.fatal)
 
-    def _ready(self, client: EngineClient, boot_s: float) -> None:
+    def _ready(self, client: EngineClient, boot_s: float, thawed: bool = False) -> None:
         """Serve ``client`` and say how long the start took: the first from process start
         (interpreter and imports included), a restart from when it began."""
         if self.restarts:
@@ -129,7 +130,10 @@ class EngineHolder:
             self.time_to_ready, since = time.monotonic() - self.started_at, self._since
         self.llm, self.phase = client, None
         if self._freeze_gc:  # NOTE: after the old client is dropped: it must not be frozen
-            gc.collect()
+            # NOTE: the young generations only (a full collection is the stall freezing
+            # avoids, and finds little), but a full one where a replaced engine was thawed:
+            # its cycles must not be frozen
+            gc.collect(2 if thawed else 1)
             gc.freeze()
         log.info(
             "engine ready after %.1fs (%s): %s", self.time_to_ready, since, self.start_path()[0]
