@@ -236,6 +236,7 @@ def _trim_heap() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    gc.disable()  # NOTE: until torch and the engine are imported (``_freeze_imports``)
     follow_parent()
     argv = sys.argv[1:] if argv is None else argv
     frames_out = sys.stdout.buffer
@@ -255,6 +256,7 @@ def _serve(argv: list[str], writer: FrameWriter, stdin) -> int:
     try:
         from warmboot import LLM
 
+        _freeze_imports()
         settings = json.loads(argv[0]) if argv else _boot_frame(stdin)
         if settings is None:
             return 0
@@ -282,6 +284,15 @@ def _serve(argv: list[str], writer: FrameWriter, stdin) -> int:
         os._exit(code)
     engine.startup.close()
     return code
+
+
+def _freeze_imports() -> None:
+    """Move what the imports made (~185k objects, torch's and the engine's modules) to the
+    collector's permanent generation and resume collecting. Collected as they were made, the
+    imports ran three full collections (0.08-0.11 s of a demo start) and each collection of
+    the boot traversed them again (0.06 s); their garbage (~7k objects, under 1 MB) stays."""
+    gc.freeze()
+    gc.enable()
 
 
 def _run(worker: Worker, writer: FrameWriter) -> int:
