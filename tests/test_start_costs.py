@@ -235,3 +235,23 @@ def test_a_bad_record_or_store_shares_nothing(by_cost, tmp_path, monkeypatch, ca
         start_costs.record_launch("q", "local", 2.0, store)
     assert "not shared through" in caplog.text and "read-only" in caplog.text
     assert json.loads(start_costs.costs_path().read_text())["process:q"] == {"local": [2.0]}
+
+
+def test_a_stalled_store_holds_no_start(by_cost, tmp_path, monkeypatch):
+    """A store that never answers for its record costs a start ``RECORD_TIMEOUT_S``, then the
+    start goes on with this host's figures (and keeps its own here)."""
+    import threading
+    import time
+
+    store = LocalStore(tmp_path / "store")
+    start_costs.record_launch("p", "restored_process", 3.0, store)
+    never = threading.Event()
+    monkeypatch.setattr(start_costs, "RECORD_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(store, "get_record", lambda name: never.wait())
+    monkeypatch.setattr(store, "put_record", lambda name, data: never.wait())
+    t0 = time.monotonic()
+    assert "tried once" in start_costs.local_is_quicker("p", store)
+    start_costs.record_launch("p", "local", 2.0, store)
+    assert time.monotonic() - t0 < 2.0
+    assert json.loads(start_costs.costs_path().read_text())["process:p"]["local"] == [2.0]
+    never.set()

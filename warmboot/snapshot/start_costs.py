@@ -32,13 +32,14 @@ measured again until the path it would drop has ``TRIES`` figures: at most two m
 that path, whose median was at most ``CLOSE`` slower.
 
 Hosts that share a snapshot store share their figures too: a start with a store keeps them in
-the store's record for its kind of host (``host_class``: CPU model and flags, usable CPUs,
+the store's record for its kind of host (``host_class``: CPU model and flags, CPU count,
 memory), and reads a path's figures from there where this host has none of its own. A new
 replica of a serverless fleet has an empty cache: without the store's record every replica
 would restore a process image first and try a local start once, whichever had measured
 quicker on the replicas before it. The record is data (figures that are no seconds are
 dropped, a record past ``MAX_RECORD_BYTES`` or unreadable is none); two hosts writing at once
-may lose one figure (the last writer wins), which the next start measures again. A sandboxed
+may lose one figure (the last writer wins), which the next start measures again; a store
+that does not answer within ``RECORD_TIMEOUT_S`` shares nothing this start. A sandboxed
 worker shares nothing: its figures are gVisor's, not a path the launcher picks.
 """
 
@@ -53,6 +54,7 @@ from functools import cache
 from pathlib import Path
 
 from warmboot.config import cache_root, read_cache_dict, write_cache_dict
+from warmboot.snapshot.deadline import run_with_deadline
 from warmboot.snapshot.key import HOST_NATIVE_ENV, host_cpu_features
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,8 @@ TRIES = 3
 CLOSE = 1.15
 """A path whose median is within this factor of the quicker one's is tried again while it
 has fewer than ``TRIES`` figures."""
+RECORD_TIMEOUT_S = 5.0
+"""How long a start waits for the store's record (read or written) before it goes on without."""
 
 
 def enabled() -> bool:
@@ -104,9 +108,12 @@ def _save(key: str, path: str, seconds: float, store=None) -> None:
     if (name := _record_name(store)) is not None:
         shared = _read_shared(store, name)
         _add(shared, key, path, seconds)
+        data = json.dumps(shared, indent=1).encode()
         try:
-            store.put_record(name, json.dumps(shared, indent=1).encode())
-        except Exception as e:  # noqa: BLE001 - a read-only or unreachable store: kept here
+            run_with_deadline(
+                "start costs", lambda _: store.put_record(name, data), RECORD_TIMEOUT_S
+            )
+        except Exception as e:  # noqa: BLE001 - a read-only or stalled store: kept here
             log.info("start costs not shared through %s: %s", store.url, e)
 
 
@@ -177,8 +184,9 @@ def _read_local() -> dict[str, dict[str, list[float]]]:
 
 def _read_shared(store, name: str) -> dict[str, dict[str, list[float]]]:
     try:
-        data = json.loads(store.get_record(name) or b"{}")
-    except Exception as e:  # noqa: BLE001 - unreadable or no JSON: no figures to share
+        raw = run_with_deadline("start costs", lambda _: store.get_record(name), RECORD_TIMEOUT_S)
+        data = json.loads(raw or b"{}")
+    except Exception as e:  # noqa: BLE001 - unreadable, stalled or no JSON: nothing shared
         log.info("no start costs read from %s: %s", store.url, e)
         return {}
     return _valid(data) if isinstance(data, dict) else {}
