@@ -214,12 +214,12 @@ def vllm_rows(model: Path, work: Path) -> dict[str, list[dict]]:
 
 EAGER = "native cold boot, --enforce-eager"
 CHOSEN = tuple(f"chosen by recorded cost, {n} start" for n in ("1st", "2nd", "3rd", "4th", "5th"))
-NEW_REPLICA = "chosen by recorded cost, new replica"
-"""This host's costs deleted: only the store's record for this kind of host decides."""
 """``serve`` with a store as a user runs it: after the publishing boot and one tier-P restore
 are on record, the 1st start may try a local start once (which restores tier A), the 2nd a
 cold start once (only a restore of that key is on record here); from then on the figures
 decide, a close call measured again until each path has three (``snapshot.start_costs``)."""
+NEW_REPLICA = "chosen by recorded cost, new replica"
+"""This host's costs deleted: only the store's record for this kind of host decides."""
 
 
 def bench_model(name: str, model: Path, work: Path, repeats: int, peers: bool) -> dict:
