@@ -131,14 +131,16 @@ class S3Store(Store):
             ChecksumSHA256=digest,
         )
 
-    def get_manifest(self, key: str) -> bytes | None:
+    def _get(self, what: str, key: str, limit: int | None = None) -> bytes | None:
+        """Object ``key``'s bytes (at most ``limit``), or None where there is none."""
         try:
-            resp = self._call(
-                "GET manifest", self.client.get_object, Key=self._key("manifests", f"{key}.json")
-            )
+            resp = self._call(f"GET {what}", self.client.get_object, Key=key)
         except FileNotFoundError:
             return None
-        return resp["Body"].read()
+        return resp["Body"].read(limit)
+
+    def get_manifest(self, key: str) -> bytes | None:
+        return self._get("manifest", self._key("manifests", f"{key}.json"))
 
     def list_keys(self) -> list[str]:
         names = [k.rpartition("/")[2] for k, _ in self._list(self._key("manifests") + "/")]
@@ -154,14 +156,8 @@ class S3Store(Store):
                    Body=data)  # fmt: skip
 
     def get_record(self, name: str) -> bytes | None:
-        try:
-            resp = self._call(
-                "GET record", self.client.get_object, Key=self._key("records", f"{name}.json")
-            )
-        except FileNotFoundError:
-            return None
-        data = resp["Body"].read(MAX_RECORD_BYTES + 1)
-        return data if len(data) <= MAX_RECORD_BYTES else None
+        data = self._get("record", self._key("records", f"{name}.json"), MAX_RECORD_BYTES + 1)
+        return data if data is not None and len(data) <= MAX_RECORD_BYTES else None
 
     def _lease_key(self, name: str) -> str:
         return self._key("leases", f"{name}.lease")
@@ -184,11 +180,7 @@ class S3Store(Store):
         return self.get_lease(name) == data
 
     def get_lease(self, name: str) -> bytes | None:
-        try:
-            resp = self._call("GET lease", self.client.get_object, Key=self._lease_key(name))
-        except FileNotFoundError:
-            return None
-        return resp["Body"].read(MAX_LEASE_BYTES)
+        return self._get("lease", self._lease_key(name), MAX_LEASE_BYTES)
 
     def delete_lease(self, name: str) -> None:
         self._call("DELETE lease", self.client.delete_object, Key=self._lease_key(name))

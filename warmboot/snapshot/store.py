@@ -160,14 +160,18 @@ class LocalStore(Store):
     def put_manifest(self, key: str, data: bytes) -> None:
         self._write_atomic(("manifests",), self._manifest_path(key).name, data)
 
-    def get_manifest(self, key: str) -> bytes | None:
+    def _read(self, path: Path, limit: int) -> bytes | None:
+        """At most ``limit`` bytes of store file ``path`` (``open_regular``), or None."""
         try:
-            fd = open_regular(self._manifest_path(key), self.root)
+            fd = open_regular(path, self.root)
         except FileNotFoundError:
             return None
         with os.fdopen(fd, "rb") as f:
-            data = f.read(MAX_MANIFEST_BYTES + 1)
-        if len(data) > MAX_MANIFEST_BYTES:
+            return f.read(limit)
+
+    def get_manifest(self, key: str) -> bytes | None:
+        data = self._read(self._manifest_path(key), MAX_MANIFEST_BYTES + 1)
+        if data is not None and len(data) > MAX_MANIFEST_BYTES:
             raise SnapshotError(f"manifest {key} exceeds {MAX_MANIFEST_BYTES} bytes")
         return data
 
@@ -185,13 +189,8 @@ class LocalStore(Store):
 
     def get_record(self, name: str) -> bytes | None:
         path = self.root / "records" / self._manifest_path(name).name  # NOTE: checks the name
-        try:
-            fd = open_regular(path, self.root)
-        except FileNotFoundError:
-            return None
-        with os.fdopen(fd, "rb") as f:
-            data = f.read(MAX_RECORD_BYTES + 1)
-        return data if len(data) <= MAX_RECORD_BYTES else None
+        data = self._read(path, MAX_RECORD_BYTES + 1)
+        return data if data is not None and len(data) <= MAX_RECORD_BYTES else None
 
     def _lease_name(self, name: str) -> str:
         return self._manifest_path(name).with_suffix(".lease").name  # NOTE: checks the name
@@ -210,13 +209,7 @@ class LocalStore(Store):
             os.close(tmp_fd)
 
     def get_lease(self, name: str) -> bytes | None:
-        path = self.root / "leases" / self._lease_name(name)
-        try:
-            fd = open_regular(path, self.root)
-        except FileNotFoundError:
-            return None
-        with os.fdopen(fd, "rb") as f:
-            return f.read(MAX_LEASE_BYTES)
+        return self._read(self.root / "leases" / self._lease_name(name), MAX_LEASE_BYTES)
 
     def delete_lease(self, name: str) -> None:
         self._unlink(("leases",), self._lease_name(name))
