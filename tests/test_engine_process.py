@@ -5,6 +5,7 @@ it), drains on SIGTERM, and never outlives the server."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -271,6 +272,18 @@ def test_settings_the_engine_refuses_fail_without_an_in_process_retry(path):
     engine = {"model": str(path), "max_model_len": 100_000}
     with pytest.raises(ValueError, match="exceeds the model's context"):
         launch(LaunchConfig(engine=engine, sandbox="none", engine_process="on"))
+
+
+def test_the_launcher_says_its_path_is_chosen_before_the_engine_boots(path):
+    """``serve`` imports its HTTP stack once the path is chosen (``LaunchConfig.on_path``),
+    not beside the launcher's key and lookup: told before the boot (which fails here)."""
+    chosen = []
+    engine = {"model": str(path), "max_model_len": 100_000}
+    told = functools.partial(chosen.append, "chosen")
+    cfg = LaunchConfig(engine=engine, sandbox="none", engine_process="on", on_path=told)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        launch(cfg)
+    assert chosen == ["chosen"]
 
 
 def test_an_engine_process_that_cannot_start_falls_back_in_process(path, monkeypatch):

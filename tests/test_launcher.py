@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from warmboot.config import resolve_eager
-from warmboot.launcher import engine_process, process_image
+from warmboot.launcher import engine_process, process_image, runsc_image
 from warmboot.launcher import launch as launch_mod
 from warmboot.launcher.launch import LaunchConfig, launch
 from warmboot.launcher.sandbox import runsc_status
@@ -51,6 +51,7 @@ def published(path, tmp_path_factory):
     info, answer = _launch(cfg)
     assert info.path == "cold" and "published" in info.reason, info
     assert "no process snapshot" in info.reason, info
+    assert "unpack_image" in info.phase_times, info
     return cfg, answer
 
 
@@ -73,6 +74,12 @@ def _image_chunk(cfg: LaunchConfig):
     return store, key, manifest
 
 
+def _image_hash(manifest: dict) -> str:
+    (entry,) = manifest["files"]
+    assert entry["name"] == "checkpoint.img" and len(entry["chunks"]) == 1, entry
+    return entry["chunks"][0]["sha256"]
+
+
 def test_restore_answers_like_the_cold_boot(published, monkeypatch):
     cfg, answer = published
     read_ahead = []
@@ -82,12 +89,17 @@ def test_restore_answers_like_the_cold_boot(published, monkeypatch):
     )
     engine_process.prestart(None, None)  # NOTE: as serve does; a restore has no use for it
     spare = engine_process._spare[-1][1].proc
-    info, again = _launch(cfg)
+    chosen = []
+    info, again = _launch(replace(cfg, on_path=lambda: chosen.append("chosen")))
+    assert len(chosen) == 1, "told once, as runsc restore started"
     assert info.path == "restored_process" and "canary ok" in info.reason
     assert spare.wait(10) is not None and not engine_process._spare, "the spare was ended"
     assert read_ahead and read_ahead[0] is not None, "the mapped weights are read ahead"
     assert set(info.phase_times) >= {"runsc_restore", "verify_image", "start_and_canary"}
     assert again == answer
+    store, _, manifest = _image_chunk(cfg)
+    stored, deflated = runsc_image.chunk_kinds(store.local_chunk_path(_image_hash(manifest)))
+    assert stored > deflated > 0, "runsc inflates only the chunks deflate shrank well"
 
 
 def test_flipped_byte_in_the_image_falls_back(published, faulty):

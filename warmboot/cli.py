@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -82,6 +83,9 @@ def _setup_logging(args) -> None:
     elif args.command == "serve":
         logging.getLogger("warmboot.startup").setLevel(logging.INFO)
 
+
+CHOOSE_WAIT_S = 1.0
+"""How long ``serve`` holds its HTTP imports back for the launcher to choose the start path."""
 
 DEFAULT_MAX_STEP_MS = 250.0
 """``serve``'s step time cap. On two CPU cores it costs a fifth of a batch's prefill throughput
@@ -282,38 +286,28 @@ def _serve(args) -> int:
     cpus = tuple(usable_cpus())
     if local.in_child(args.engine_process, {"device": args.device}):
         engine_process.prestart(cpus, args.cpu_threads)  # NOTE: it imports torch meanwhile
-    from warmboot.server.engine_holder import EngineHolder, process_age
+    from warmboot.server.engine_holder import EngineHolder, process_age, unservable
 
     started_at = time.monotonic() - process_age()
     if args.model is None:
         from warmboot.models.demo import ensure_default_model
 
         args.model = str(ensure_default_model())
-    reason = _unservable(args.model)
+    reason = unservable(args.model)
     if reason is not None:
         print(f"error: cannot serve {args.model}: {reason}", file=sys.stderr)
         return 2
     chat_template = _read_chat_template(args.chat_template)
-    # NOTE: the engine starts (or a restore runs) while the HTTP stack below is imported.
-    boot = functools.partial(_boot, args, cpus)
+    # NOTE: the engine starts (or a restore runs) while the HTTP stack below is imported,
+    # once its path is chosen: its imports slowed the launcher's key and lookup (GIL)
+    chosen = threading.Event()
+    boot = functools.partial(_boot, args, cpus, chosen)
     holder = EngineHolder(boot, started_at=started_at, freeze_gc=True)
     holder.start()
-    from warmboot.server.app import ServerConfig
-    from warmboot.server.serve import default_model_name, serve
+    chosen.wait(CHOOSE_WAIT_S)
+    from warmboot.server.serve import serve
 
-    admission, http_limits = _limits(args)
-
-    config = ServerConfig(
-        served_model_name=args.served_model_name or default_model_name(args.model),
-        api_key=args.api_key or os.environ.get("WARMBOOT_API_KEY") or None,
-        tool_call_parser=args.tool_call_parser,
-        max_body_bytes=args.max_body_bytes,
-        enable_debug=args.debug_endpoints,
-        chat_template=chat_template,
-        trust_request_chat_template=args.trust_request_chat_template,
-        admission=admission,
-        client_id_header=args.client_id_header,
-    )
+    config, http_limits = _server_config(args, chat_template)
 
     def listening(url: str) -> None:
         name = config.served_model_name
@@ -328,46 +322,45 @@ def _serve(args) -> int:
     except SystemExit as e:  # uvicorn's, when it cannot bind
         code = e.code if isinstance(e.code, int) else 1
     if holder.booting():
-        _abandon_boot(holder, code or 1)
+        holder.abandon(code or 1)
     if holder.fatal is not None:
         print(f"error: cannot serve {args.model}: {holder.fatal}", file=sys.stderr)
         return 2
     return code
 
 
-def _boot(args, cpus: tuple[int, ...]):
+def _server_config(args, chat_template: str | None):
+    """(``ServerConfig``, HTTP limits) from the command line."""
+    from warmboot.server.app import ServerConfig
+    from warmboot.server.serve import default_model_name
+
+    admission, http_limits = _limits(args)
+    config = ServerConfig(
+        served_model_name=args.served_model_name or default_model_name(args.model),
+        api_key=args.api_key or os.environ.get("WARMBOOT_API_KEY") or None,
+        tool_call_parser=args.tool_call_parser,
+        max_body_bytes=args.max_body_bytes,
+        enable_debug=args.debug_endpoints,
+        chat_template=chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
+        admission=admission,
+        client_id_header=args.client_id_header,
+    )
+    return config, http_limits
+
+
+def _boot(args, cpus: tuple[int, ...], chosen: threading.Event):
     """``serve``'s engine (again for a restart); ``cpus``: this process's at start, before
-    an engine process moved it off some."""
+    an engine process moved it off some; ``chosen`` is set once its start path is."""
     from warmboot.launcher.launch import LaunchConfig, launch
 
     cfg = LaunchConfig(engine=_engine_kwargs(args, args.model), store=args.snapshot_store,
                        sandbox=args.sandbox, engine_process=args.engine_process,
-                       engine_cpus=cpus, place_front=True)  # fmt: skip
-    return launch(cfg)
-
-
-def _abandon_boot(holder, code: int) -> None:
-    """Exit now, leaving the boot under way: its thread cannot be stopped, and an
-    interpreter teardown around a thread inside torch's C++ aborts the process (or waits a
-    whole compile). Nothing is lost: the engine never served. (A worker sandbox it started
-    loses its pipes and exits; the next start sweeps its work directory.)"""
-    print(f"exiting during start-up ({holder.phase}); the boot is abandoned", file=sys.stderr)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
-def _unservable(model: str) -> str | None:
-    """Why ``model`` cannot be served, found without reading weights (``preflight``)."""
-    from warmboot.config import ModelFilesError
-    from warmboot.models.checkpoint import preflight
-    from warmboot.models.registry import UnsupportedModelError
-
+                       engine_cpus=cpus, place_front=True, on_path=chosen.set)  # fmt: skip
     try:
-        preflight(model)
-    except (UnsupportedModelError, ModelFilesError, ValueError) as e:
-        return str(e)
-    return None
+        return launch(cfg)
+    finally:
+        chosen.set()
 
 
 def _read_chat_template(value: str | None) -> str | None:

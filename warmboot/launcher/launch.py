@@ -28,14 +28,14 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from warmboot.engine import progress
-from warmboot.launcher import engine_process, local, process_image
+from warmboot.launcher import engine_process, local, process_image, runsc_image
 from warmboot.launcher import spec as spec_mod
 from warmboot.launcher.remote import Channel, LaunchInfo, RemoteLLM, WorkerError
 from warmboot.snapshot import start_costs
@@ -71,6 +71,9 @@ class LaunchConfig:
     place_front: bool = False
     """With an engine process on the CPU, move this process's threads off the cores the
     engine computes on (``serve``: this process is then only the HTTP front end)."""
+    on_path: Callable[[], None] | None = None
+    """Called once the start path is under way (a restore or boot launched), maybe again on a
+    fallback: ``serve`` imports its HTTP stack only then, not beside the launcher's choice."""
 
 
 def launch(cfg: LaunchConfig):
@@ -160,6 +163,7 @@ def _try_restore(cfg: LaunchConfig, store, key: str, spec, t0: float) -> RemoteL
 def _create(cfg: LaunchConfig, store, key: str, fields: dict, spec, reason: str, t0: float):
     """Boot a sandboxed worker; checkpoint, restore and publish it when this start holds the
     key's publish lease, else serve it as booted (another server is publishing)."""
+    local.path_under_way(cfg)
     lease, why = _publish_lease(cfg, store, key)
     work = _work_dir(cfg)
     phases: dict[str, float] = {}
@@ -229,6 +233,8 @@ def _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, ph
             sandbox.checkpoint(image)
     finally:
         sandbox.delete()
+    with _phase(phases, "unpack_image"):
+        runsc_image.unpack_or_keep(image / "checkpoint.img")
     canary = quiescent["canary"]
     client = _restore_and_start(cfg, spec, work, image, canary, phases)
     meta = {"fields": fields, "canary": canary, "image_bytes": process_image.image_bytes(image),
@@ -263,6 +269,7 @@ def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases:
     try:
         with _phase(phases, "runsc_restore"):
             proc = sandbox.restore(image)
+            local.path_under_way(cfg)
             verified = _on_thread(verify)
             prefetch()
             tokenizer = Tokenizer.from_dir(cfg.engine["model"])

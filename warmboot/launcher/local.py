@@ -17,6 +17,7 @@ log = logging.getLogger("warmboot.startup")
 def start(cfg, reason: str, t0: float, fallbacks: tuple[str, ...] = ()):
     """In a plain child process when ``cfg.engine_process`` says so, else (or when that
     process fails to start) in this one."""
+    path_under_way(cfg)
     if not in_child(cfg.engine_process, cfg.engine):
         return _in_process(cfg, reason, t0, fallbacks)
     from warmboot.launcher import engine_process
@@ -30,6 +31,12 @@ def start(cfg, reason: str, t0: float, fallbacks: tuple[str, ...] = ()):
         log.warning("the engine process failed to start (%s); booting in-process", e)
         why = f"{reason}; engine process failed: {e}"
         return _in_process(cfg, why, t0, (*fallbacks, "engine_process_failed"))
+
+
+def path_under_way(cfg) -> None:
+    """Tell the launcher's caller that the start path is chosen (``LaunchConfig.on_path``)."""
+    if cfg.on_path is not None:
+        cfg.on_path()
 
 
 def timed(cfg, reason: str, t0: float, key: str, store=None):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -190,6 +191,16 @@ class EngineHolder:
         stats["engine_restarts"] = self.restarts
         return stats
 
+    def abandon(self, code: int) -> None:
+        """Exit the process now, leaving the boot under way: its thread cannot be stopped,
+        and an interpreter teardown around a thread inside torch's C++ aborts the process (or
+        waits a whole compile). Nothing is lost: the engine never served. (A worker sandbox it
+        started loses its pipes and exits; the next start sweeps its work directory.)"""
+        print(f"exiting during start-up ({self.phase}); the boot is abandoned", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
     def shutdown(self) -> None:
         """Stop the engine. A boot under way is not waited for (it may be a minute's
         compile): what it brings up is shut down as soon as it is ready."""
@@ -206,6 +217,17 @@ def _quietly_shut(client: EngineClient) -> None:
         client.shutdown()
     except Exception:  # noqa: BLE001 - it is dead already
         log.debug("shutting down a dead engine failed", exc_info=True)
+
+
+def unservable(model: str) -> str | None:
+    """Why ``model`` cannot be served, found without reading weights (``preflight``)."""
+    from warmboot.models.checkpoint import preflight
+
+    try:
+        preflight(model)
+    except (UnsupportedModelError, ModelFilesError, ValueError) as e:
+        return str(e)
+    return None
 
 
 def process_age() -> float:
