@@ -24,7 +24,7 @@ SCHEMA = 1
 KIND = "warmboot-process-snapshot"
 CHUNK_BYTES = 1 << 30
 """An image file up to this size is one chunk, which a fetch links rather than copies (an
-image ``runsc_image`` rewrote is 3x runsc's: 354 MB on the demo model)."""
+image ``runsc_image`` rewrote is 3x runsc's: 346 MB on the demo model)."""
 PREFIX = "process-"
 MAX_MAPPED_BYTES = 1 << 40
 

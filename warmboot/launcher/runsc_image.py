@@ -4,8 +4,8 @@ This runsc (Debian's 2022-12-19 release) saves the process's memory as 1 MiB chu
 deflated at best speed, and its restore inflates every chunk before the process runs: on
 the demo model 538 MB from 120 MB, most of the restore's 2.0 s. Deflate also has stored
 blocks, which the same reader only copies. ``unpack`` rewrites each chunk that deflate
-shrinks less than ``STORE_RATIO`` into stored blocks and keeps the rest (mostly zero pages,
-cheap to inflate) as they are. Demo, cold page cache, 5 rounds: the image 120 -> 346 MB,
+shrinks less than ``STORE_RATIO`` into stored blocks and keeps the rest (mostly zero bytes,
+cheap to inflate) as they are. Demo, cold page cache, 5 rounds: the image 116 -> 346 MB,
 ``runsc restore`` 2.06 -> 1.44 s, tier P's first token 2.90 -> 2.35 s (all chunks stored:
 532 MB, 2.54 s; the reads and the image's hashing then cost what the inflating saved).
 
