@@ -334,6 +334,10 @@ def test_a_fetched_process_image_is_linked_when_it_can_be(store, tmp_path, monke
     chunk.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
     with pytest.raises(process_image.ProcessImageError, match="corrupt"):
         process_image.fetch(store, one, tmp_path / "d")
+    with monkeypatch.context() as m:  # NOTE: copied, it is hashed in the file it went to
+        m.setattr(store, "local_chunk_path", lambda h: None)
+        with pytest.raises(process_image.ProcessImageError, match="corrupt"):
+            process_image.fetch(store, one, tmp_path / "d2")
     # NOTE: placed, a linked file is checked apart (the launcher: while runsc restores it)
     nbytes, linked = process_image.place(store, one, tmp_path / "e")
     assert nbytes == len(data) and [f.path for f in linked] == [tmp_path / "e/checkpoint.img"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import stat
 import threading
@@ -24,7 +25,8 @@ SCHEMA = 1
 KIND = "warmboot-process-snapshot"
 CHUNK_BYTES = 1 << 30
 """An image file up to this size is one chunk, which a fetch links rather than copies (an
-image ``runsc_image`` rewrote is 3x runsc's: 346 MB on the demo model)."""
+image ``runsc_image`` rewrote is 3x runsc's: 346 MB on the demo model). A chunk is read into
+memory whole only when it is published."""
 PREFIX = "process-"
 MAX_MAPPED_BYTES = 1 << 40
 
@@ -98,8 +100,8 @@ def parse(data: bytes) -> dict:
 
 
 def _is_ref(h: object, size: object, limit: int = MAX_MAPPED_BYTES) -> bool:
-    """A SHA-256 name and a size in [0, limit] (a fetched chunk is read into memory whole, so
-    an image's own chunks are at most ``CHUNK_BYTES``, what ``publish`` writes)."""
+    """A SHA-256 name and a size in [0, limit] (an image's own chunks are at most
+    ``CHUNK_BYTES``, what ``publish`` writes: a manifest cannot make a fetch reserve more)."""
     ok_size = type(size) is int and 0 <= size <= limit
     return isinstance(h, str) and HASH_RE.fullmatch(h) is not None and ok_size
 
@@ -195,15 +197,24 @@ def verify(linked: list[Linked], progress=None) -> None:
 
 
 def _copy(store, entry: dict, dest: Path, progress) -> None:
-    with open(dest, "wb") as f:
-        for chunk in entry["chunks"]:
-            buf = bytearray(chunk["size"])
-            store.read_chunk(chunk["sha256"], memoryview(buf))
-            if hashlib.sha256(buf).hexdigest() != chunk["sha256"]:
-                raise _corrupt(chunk, entry["name"])
-            f.write(buf)
-            if progress:
-                progress(len(buf))
+    """Each chunk read straight into the file's pages and hashed there: no buffer of a
+    chunk's size (up to ``CHUNK_BYTES``). The space is reserved first, so a full disk is an
+    ``OSError``, not a fault on a mapped page."""
+    total = sum(c["size"] for c in entry["chunks"])
+    with open(dest, "w+b") as f:
+        if total == 0:
+            return
+        os.posix_fallocate(f.fileno(), 0, total)
+        with mmap.mmap(f.fileno(), total) as mapped, memoryview(mapped) as view:
+            pos = 0
+            for chunk in entry["chunks"]:
+                with view[pos : pos + chunk["size"]] as part:
+                    store.read_chunk(chunk["sha256"], part)
+                    if hashlib.sha256(part).hexdigest() != chunk["sha256"]:
+                        raise _corrupt(chunk, entry["name"])
+                pos += chunk["size"]
+                if progress:
+                    progress(chunk["size"])
 
 
 def _corrupt(chunk: dict, name: str) -> ProcessImageError:
