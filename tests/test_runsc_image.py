@@ -80,10 +80,20 @@ def test_chunks_deflate_barely_shrinks_are_stored_and_the_rest_kept(tmp_path):
         (_image()[:-7], "do not run to the end"),
         (_image(tail=b"\0\0\0\1x"), "do not run to the end"),
         (_image(raws=[NOISE + b"x"]), "past the chunk size"),
+        (_image(raws=[NOISE]) + (1 << 30).to_bytes(4, "big"), "bytes deflated"),
         (_flipped(_image(raws=[TEXT])), "inflate|one deflate stream|chunk size"),
         (b"not an image at all", "not a gVisor state file"),
     ],
-    ids=["uncompressed", "keyed", "truncated", "trailing", "oversized", "garbage", "foreign"],
+    ids=[
+        "uncompressed",
+        "keyed",
+        "truncated",
+        "trailing",
+        "oversized",
+        "huge",
+        "garbage",
+        "foreign",
+    ],
 )
 def test_an_image_in_another_layout_is_left_as_runsc_wrote_it(tmp_path, image, why):
     path = tmp_path / "checkpoint.img"

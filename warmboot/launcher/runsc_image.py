@@ -124,6 +124,8 @@ def _chunks(src: BinaryIO, chunk_size: int):
     last = False
     while length := src.read(4):
         n = int.from_bytes(length, "big")
+        if n > 2 * chunk_size:  # NOTE: deflate grows incompressible data by a few bytes only
+            raise ImageLayoutError(f"a chunk of {n} bytes deflated")
         data = src.read(n)
         if last or len(length) < 4 or len(data) < n or n == 0:
             raise ImageLayoutError("its chunks do not run to the end of the file")
