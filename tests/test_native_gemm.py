@@ -275,7 +275,7 @@ def test_dense_linear_shares_row_blocks_with_the_helper_and_keeps_its_bits():
         native.use_helpers(0, [])
     assert alone.shape == (10, 100, 200)
     _check(alone.view(1000, 200), _reference(x, w, b))
-    few = x[:255]
+    few = x[:511]
     assert torch.equal(
         torch.ops.warmboot_cpu.dense_linear(few, w, None), torch.nn.functional.linear(few, w)
     )
