@@ -353,3 +353,100 @@ def test_write_kv_writes_what_index_copy_writes(dtype):
         attention.write_kv(k, v, *caches, torch.tensor([1, 2, 3, 4, 64]))
     assert not attention.write_kv(k, k, caches[0], caches[0], slots)
     assert not attention.write_kv(k.half(), v.half(), *caches, slots)
+
+
+def _fresh_batch(lens: list[int], dtype, seed: int):
+    """A step's q (N, 9, 64), k and v (N, 3, 64) for fresh prefills of ``lens`` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lens)
+    q, k, v = (torch.randn(n, h, 64, generator=g).to(dtype) for h in (9, 3, 3))
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    return q, k, v, starts
+
+
+def _sdpa_rows(q, k, v, start: int, n: int) -> torch.Tensor:
+    rows = slice(start, start + n)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        *(t[rows].transpose(0, 1)[None] for t in (q, k, v)),
+        is_causal=True,
+        scale=0.125,
+        enable_gqa=True,
+    )
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_causal_prefill_gives_sdpa_bits_lent_a_helper_or_not(dtype):
+    """``csrc/causal_prefill.cpp``: a call per sequence and KV head gives the bits of one SDPA
+    call per sequence over all heads, whichever thread runs it; rows of sequences not named
+    (here the last) are left as they were."""
+    from tests.helpers import until_a_helper_shares
+
+    lens = [70, 5, 130, 9]
+    q, k, v, starts = _fresh_batch(lens, dtype, seed=len(lens))
+    refs = [_sdpa_rows(q, k, v, s, n) for s, n in zip(starts, lens, strict=True)]
+
+    def run() -> torch.Tensor:
+        out = torch.full_like(q, 7.0)
+        attention.causal_prefill(q, k, v, out, starts[:3], lens[:3], 0.125)
+        return out
+
+    def check(out: torch.Tensor) -> None:
+        for s, n, ref in zip(starts[:3], lens[:3], refs, strict=False):
+            assert torch.equal(out[s : s + n], ref)
+        assert (out[starts[3] :] == 7.0).all()
+
+    check(run())
+    threads = torch.get_num_threads()
+    native.use_helpers(1, [])
+    torch.set_num_threads(1)  # NOTE: the helpers serve only a caller on one torch thread
+    try:
+        until_a_helper_shares(lambda: check(run()))
+    finally:
+        torch.set_num_threads(threads)
+        native.use_helpers(0, [])
+
+
+def test_causal_prefill_refuses_rows_outside_the_step():
+    q, k, v, _ = _fresh_batch([10], torch.float32, seed=1)
+    with pytest.raises(RuntimeError, match="outside the 10 tokens"):
+        attention.causal_prefill(q, k, v, torch.empty_like(q), [4], [7], 0.125)
+    with pytest.raises(RuntimeError, match="query heads over"):
+        attention.causal_prefill(q[:, :8], k, v, torch.empty_like(q[:, :8]), [0], [10], 0.125)
+
+
+def test_backend_runs_fresh_tiled_prefills_in_one_call(monkeypatch):
+    """On AMX (faked here: the op runs on any CPU) the step's fresh bfloat16 prefills of
+    ``TILED_PREFILL_ROWS`` rows or more go through one ``causal_prefill`` call; a shorter one
+    and one over cached context take the per-sequence path; every row as that path gives."""
+    from warmboot.kernels.backend import AttentionMetadata, PrefillSeq
+    from warmboot.kernels.torch_attention import TILED_PREFILL_ROWS, TorchAttentionBackend
+
+    monkeypatch.setattr(native, "amx", lambda: True)
+    lens, ctx = [TILED_PREFILL_ROWS, 20, 100, 70], [TILED_PREFILL_ROWS, 20, 100, 90]
+    q, k, v, starts = _fresh_batch(lens, torch.bfloat16, seed=2)
+    kc, vc, tables = _paged(ctx, 3, 64, 16, torch.bfloat16, seed=3)
+    kc, vc = kc.nan_to_num(), vc.nan_to_num()
+    seqs = [
+        PrefillSeq(s, n, c, tables[i, : -(-c // 16)])
+        for i, (s, n, c) in enumerate(zip(starts, lens, ctx, strict=True))
+    ]
+    calls = []
+    real = attention.causal_prefill
+    monkeypatch.setattr(attention, "causal_prefill", lambda *a: calls.append(a[4:6]) or real(*a))
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(sum(lens), dtype=torch.long),
+        num_decode_tokens=0,
+        decode_block_tables=None,
+        decode_seq_lens=None,
+        prefills=seqs,
+        block_size=16,
+    )
+    backend = TorchAttentionBackend(native_kernels=True)
+    monkeypatch.setattr(attention, "write_kv", lambda *a: True)  # NOTE: the caches as built
+    out = backend.forward(q, k, v, kc, vc, meta, 0.125, None)
+    assert calls == [([starts[0], starts[2]], [lens[0], lens[2]])]
+    for seq in seqs:
+        rows = slice(seq.query_start, seq.query_start + seq.query_len)
+        one = backend._prefill(q[rows], k[rows], v[rows], kc, vc, seq, 0.125, None, None, None)
+        assert torch.equal(out[rows], one)

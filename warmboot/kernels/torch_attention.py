@@ -60,7 +60,12 @@ class TorchAttentionBackend(AttentionBackend):
             out[:nd] = self._decode(
                 q[:nd], k_cache, v_cache, meta, scale, sliding_window, softcap, sinks
             )
-        for seq in meta.prefills:
+        prefills = meta.prefills
+        if native and prefills:
+            prefills = self._fresh_prefills(
+                q, k, v, out, prefills, scale, sliding_window, softcap, sinks
+            )
+        for seq in prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             out[rows] = self._prefill(
                 q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale, sliding_window, softcap,
@@ -102,6 +107,21 @@ class TorchAttentionBackend(AttentionBackend):
             additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
             meta.cache[key] = additive.masked_fill_(~mask, float("-inf"))[:, None, None, :]
         return meta.cache[key]
+
+    def _fresh_prefills(self, q, k, v, out, seqs, scale, window, softcap, sinks):
+        """The step's fresh prefills that take SDPA (no cached context, tiled: see
+        ``_native_prefill``) into ``out`` in one native call, shared with the helper thread
+        (``native_attention.causal_prefill``); returns the other prefills."""
+        plain = window is None and softcap is None and sinks is None and scale is not None
+        plain = plain and k.shape == v.shape
+        if not (plain and q.dtype == torch.bfloat16 and native.amx()):
+            return seqs
+        fresh = [s.context_len == s.query_len >= TILED_PREFILL_ROWS for s in seqs]
+        if any(fresh):
+            starts = [s.query_start for s, f in zip(seqs, fresh, strict=True) if f]
+            lens = [s.query_len for s, f in zip(seqs, fresh, strict=True) if f]
+            native_attention.causal_prefill(q, k, v, out, starts, lens, scale)
+        return [s for s, f in zip(seqs, fresh, strict=True) if not f]
 
     def _native_prefill(self, q: torch.Tensor, softcap, sinks) -> bool:
         """Whether a prefill chunk runs the native kernel (else SDPA: ``TILED_PREFILL_ROWS``)."""

@@ -34,6 +34,13 @@ def write_kv(k, v, k_cache, v_cache, slots: torch.Tensor) -> bool:
     return True
 
 
+def causal_prefill(q, k, v, out, starts: list[int], lens: list[int], scale: float) -> None:
+    """Fresh prefills (no cached context: causal over their own K/V, the rows ``starts[i]``
+    .. ``+ lens[i]`` of q, k, v) through torch's SDPA into the same rows of ``out``: a call
+    per sequence and KV head, shared with the helper threads (``csrc/causal_prefill.cpp``)."""
+    torch.ops.warmboot_cpu.causal_prefill(q, k, v, out, starts, lens, scale)
+
+
 def _rows(x: torch.Tensor, cache: torch.Tensor) -> bool:
     return (
         x.dim() == 3 and x.dtype == cache.dtype and x.stride(2) == 1 and x.stride(1) == x.shape[2]
