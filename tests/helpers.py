@@ -148,3 +148,21 @@ def until_a_helper_shares(round_, rounds: int = 10, limit_s: float = 20.0) -> No
         assert time.monotonic() < deadline, f"the helper took no chunk in {done} rounds"
         round_()
         done += 1
+
+
+def lent_a_helper(round_) -> None:
+    """``until_a_helper_shares`` with one helper thread started and one torch thread (the
+    helpers serve only such a caller), in inference mode; both set back afterwards."""
+    import torch
+
+    from warmboot.kernels import native
+
+    threads = torch.get_num_threads()
+    native.use_helpers(1, [])
+    torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            until_a_helper_shares(round_)
+    finally:
+        torch.set_num_threads(threads)
+        native.use_helpers(0, [])

@@ -380,7 +380,7 @@ def test_causal_prefill_gives_sdpa_bits_lent_a_helper_or_not(dtype):
     """``csrc/causal_prefill.cpp``: a call per sequence and KV head gives the bits of one SDPA
     call per sequence over all heads, whichever thread runs it; rows of sequences not named
     (here the last) are left as they were."""
-    from tests.helpers import until_a_helper_shares
+    from tests.helpers import lent_a_helper
 
     lens = [70, 5, 130, 9]
     q, k, v, starts = _fresh_batch(lens, dtype, seed=len(lens))
@@ -397,14 +397,7 @@ def test_causal_prefill_gives_sdpa_bits_lent_a_helper_or_not(dtype):
         assert (out[starts[3] :] == 7.0).all()
 
     check(run())
-    threads = torch.get_num_threads()
-    native.use_helpers(1, [])
-    torch.set_num_threads(1)  # NOTE: the helpers serve only a caller on one torch thread
-    try:
-        until_a_helper_shares(lambda: check(run()))
-    finally:
-        torch.set_num_threads(threads)
-        native.use_helpers(0, [])
+    lent_a_helper(lambda: check(run()))
 
 
 def test_causal_prefill_refuses_rows_outside_the_step():

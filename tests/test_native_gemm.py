@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import until_a_helper_shares
+from tests.helpers import lent_a_helper, until_a_helper_shares
 from warmboot.kernels import native
 from warmboot.kernels.step_ops import native_gemm, pack_weight, packed_gemm
 
@@ -260,19 +260,11 @@ def test_dense_linear_shares_row_blocks_with_the_helper_and_keeps_its_bits():
     x, w, b = _case(1000, 200, 192, bias=True)
     x3 = x.view(10, 100, 192)
     alone = torch.ops.warmboot_cpu.dense_linear(x3, w, b)
-    threads = torch.get_num_threads()
-    native.use_helpers(1, [])
-    torch.set_num_threads(1)  # NOTE: the helpers serve only a caller on one torch thread
-    try:
 
-        def round_() -> None:
-            with torch.inference_mode():
-                assert torch.equal(torch.ops.warmboot_cpu.dense_linear(x3, w, b), alone)
+    def round_() -> None:  # NOTE: in inference mode (lent_a_helper's)
+        assert torch.equal(torch.ops.warmboot_cpu.dense_linear(x3, w, b), alone)
 
-        until_a_helper_shares(round_)
-    finally:
-        torch.set_num_threads(threads)
-        native.use_helpers(0, [])
+    lent_a_helper(round_)
     assert alone.shape == (10, 100, 200)
     _check(alone.view(1000, 200), _reference(x, w, b))
     few = x[:511]

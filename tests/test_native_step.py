@@ -14,6 +14,8 @@ from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM, SamplingParams
 from warmboot.device import guard_gate
 from warmboot.kernels import native
+from warmboot.kernels.step_ops import native_silu
+from warmboot.models.layers.activation import GatedMLP
 
 
 def _engine(path, dtype: str, eager: bool) -> LLM:
@@ -38,12 +40,16 @@ def _greedy(llm: LLM, prompts) -> list[list[int]]:
 
 @pytest.mark.skipif(native.library() is None, reason=f"{native.unavailable_reason()}")
 def test_bf16_compiled_step_runs_the_native_gemm_within_bf16_error(tiny_model_dir):
+    """The GEMMs on native panels, the gated MLP's activation fused (``packed_gated``) where
+    the kernels run AVX-512 BF16."""
     path = tiny_model_dir("llama")
     prompts = [{"prompt_token_ids": p} for p in random_prompts([9, 5, 12], VOCAB_SIZE, seed=3)]
     compiled = _engine(path, "bfloat16", eager=False)
     table = compiled.engine.runner.compiled.linears
     table.use("native")  # NOTE: whichever kernel the start measured faster
     assert all(w.dim() == 4 for w, _ in table.layers[0]) and table.head.dim() == 4
+    mlps = [m for m in compiled.engine.runner.compiled.model.modules() if isinstance(m, GatedMLP)]
+    assert mlps and all(m.fused_silu == native_silu(torch.bfloat16) for m in mlps)
     got = _prompt_logprobs(compiled, prompts)
     want = _prompt_logprobs(_engine(path, "float32", eager=True), prompts)
     eager_bf16 = _prompt_logprobs(_engine(path, "bfloat16", eager=True), prompts)

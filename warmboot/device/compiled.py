@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from warmboot.device import guard_gate
 from warmboot.device.threads import torch_threads
@@ -47,8 +48,10 @@ from warmboot.kernels.step_ops import (
     StepContext,
     bound,
     can_pack,
+    native_silu,
 )
 from warmboot.models.base import CausalLM
+from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.linear import Linear, PackedMethod
 from warmboot.models.layers.moe import FusedExperts, OpExperts
 
@@ -254,6 +257,8 @@ def packed_view(model: CausalLM, table: PackedLinears, pack: bool = True) -> Cau
             table.add_layer(linears)
             for slot, linear in enumerate(linears):
                 linear.method = PackedMethod(slot)
+            for mlp in (m for m in layer.modules() if isinstance(m, GatedMLP)):
+                mlp.fused_silu = mlp.act is F.silu and native_silu(mlp.gate_up_proj.weight.dtype)
     if pack:
         table.set_head(view.lm_head.weight, view.lm_head.bias)
         view.lm_head.method = PackedMethod(HEAD_SLOT)

@@ -1,4 +1,4 @@
-"""The two ops a compiled model step keeps out of its graph, and the per-step state they read.
+"""The ops a compiled model step keeps out of its graph, and the per-step state they read.
 
 A compiled step (``device.compiled``) traces the decoder with ``torch.compile``. The paged KV
 cache, the step's metadata (a Python list of prefills, block tables of any width), the
@@ -12,6 +12,10 @@ and two engines of one model trace the same graph (inductor's caches hit).
   ``slot`` (``ExpertTable``) over the routed tokens: one GEMM pair per active expert, on
   packed weights where the CPU packs them (a ``FusedExperts`` reaches it through its
   ``OpExperts`` method).
+- ``warmboot::packed_gated(x, layer, slot, out_features)``: a gated MLP's ``silu(gate) * up``
+  of the stacked gate/up linear ``slot``, the activation in native code shared with the
+  helper thread, and fused into a prefill's row-blocked GEMM (``csrc/gated.cpp``). A
+  ``GatedMLP`` of a packed view reaches it where ``native_silu`` holds (``fused_silu``).
 - ``warmboot::packed_linear(x, layer, slot, out_features)``: ``x @ W.T + b`` with W the
   layer's linear number ``slot`` prepacked (``PackedLinears``): bf16 in the native GEMM's
   panels (``kernels.native``: 1.75-1.8x oneDNN at 1-8 rows), else in oneDNN's blocked layout
@@ -284,6 +288,7 @@ def _context(op: str) -> StepContext:
 _LIB = torch.library.Library("warmboot", "FRAGMENT")
 _LIB.define("paged_attention(Tensor q, Tensor k, Tensor v, Tensor layer) -> Tensor")
 _LIB.define("packed_linear(Tensor x, Tensor layer, int slot, int out_features) -> Tensor")
+_LIB.define("packed_gated(Tensor x, Tensor layer, int slot, int out_features) -> Tensor")
 
 STEP_INDEX = "step_index"
 """The buffer (0-d int64, the layer's number) that a packed view's layers and their linears
@@ -302,8 +307,27 @@ def packed_linear(x: torch.Tensor, layer: torch.Tensor, slot: int, out_features:
     return packed_gemm(x, weight, bias, out_features)
 
 
+def packed_gated(x: torch.Tensor, layer: torch.Tensor, slot: int, out_features: int):
+    table, i = _context("packed_gated").linears, int(layer)
+    weight, bias = table.lookup(i, slot)
+    if dense(x, weight, table.dense_rows):
+        return torch.ops.warmboot_cpu.dense_gated(x, table.source(i, slot), bias)
+    return torch.ops.warmboot_cpu.silu_mul(packed_gemm(x, weight, bias, out_features))
+
+
+def native_silu(dtype: torch.dtype) -> bool:
+    """Whether a packed view's gated MLPs of ``dtype`` with SiLU run ``packed_gated``: bf16
+    where the native kernels run AVX-512 BF16 (elsewhere its exp is the C library's, slower
+    than inductor's vectorised kernel). Its bits are inductor's fused kernel's (float32
+    arithmetic, one rounding) but for exp's last bit."""
+    return (
+        dtype == torch.bfloat16 and native.library() is not None and native.isa() == "avx512_bf16"
+    )
+
+
 _LIB.impl("paged_attention", paged_attention, "CompositeExplicitAutograd")
 _LIB.impl("packed_linear", packed_linear, "CompositeExplicitAutograd")
+_LIB.impl("packed_gated", packed_gated, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("warmboot::paged_attention")
@@ -314,6 +338,11 @@ def _(q, k, v, layer):
 @torch.library.register_fake("warmboot::packed_linear")
 def _(x, layer, slot, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.register_fake("warmboot::packed_gated")
+def _(x, layer, slot, out_features):
+    return x.new_empty((*x.shape[:-1], out_features // 2))
 
 
 @torch.library.custom_op("warmboot::fused_experts", mutates_args=())

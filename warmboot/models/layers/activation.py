@@ -35,6 +35,10 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 class GatedMLP(nn.Module):
     """``down(act(gate(x)) * up(x))``, gate and up as one stacked projection."""
 
+    fused_silu = False
+    """A packed view's (``device.compiled.packed_view``): SiLU and the product in one op with
+    the projection (``PackedMethod.gated``)."""
+
     def __init__(self, hidden: int, intermediate: int, act: str, bias: bool = False):
         super().__init__()
         self.gate_up_proj = Linear(hidden, [intermediate, intermediate], bias=bias)
@@ -42,6 +46,8 @@ class GatedMLP(nn.Module):
         self.act = activation(act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_silu:
+            return self.down_proj(self.gate_up_proj.method.gated(self.gate_up_proj, x))
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

@@ -47,6 +47,10 @@ class PackedMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.warmboot.packed_linear(x, layer.step_index, self.slot, layer.out_features)
 
+    def gated(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of this stacked gate/up projection (``packed_gated``)."""
+        return torch.ops.warmboot.packed_gated(x, layer.step_index, self.slot, layer.out_features)
+
 
 class Linear(nn.Module):
     """``y = x @ W.T + b`` through ``method``. ``shards``: the output sizes of checkpoint

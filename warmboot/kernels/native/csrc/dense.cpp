@@ -8,23 +8,11 @@
 #include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
-#include <algorithm>
-
+#include "dense.h"
 #include "pool.h"
 
 namespace warmboot {
 namespace {
-
-// Blocks of at least kMinBlockRows, about kBlockRows where there are rows for 2-4 blocks:
-// oneDNN's AMX GEMM on a 2-core Xeon (the model's shapes, one thread) ran 750 GFLOP/s on
-// 128-row blocks, 1100 on 256 and 1350 on 512, so 128-row blocks lent the helper were no
-// faster than one call alone.
-constexpr int64_t kMinBlockRows = 256, kBlockRows = 512, kMaxBlocks = 4;
-
-int64_t block_rows(int64_t m) {
-  const int64_t blocks = std::clamp<int64_t>(m / kBlockRows, 2, kMaxBlocks);
-  return ((m + blocks - 1) / blocks + 15) / 16 * 16;
-}
 
 at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
                         const std::optional<at::Tensor>& bias) {
@@ -37,7 +25,7 @@ at::Tensor dense_linear(const at::Tensor& x, const at::Tensor& weight,
   auto y = at::empty({m, n}, x.options());
   const auto wt = weight.t();
   const bool inference = c10::InferenceMode::is_enabled();
-  parallel_chunks(m, block_rows(m), [&](int64_t r0, int64_t r1) {
+  parallel_chunks(m, dense_block_rows(m), [&](int64_t r0, int64_t r1) {
     c10::InferenceMode mode(inference);  // NOTE: thread-local: a helper takes the caller's
     auto out = y.narrow(0, r0, r1 - r0);
     const auto rows = x2.narrow(0, r0, r1 - r0);
