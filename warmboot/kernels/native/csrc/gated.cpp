@@ -5,8 +5,9 @@
 // inductor's fused kernel for it ran alone: 3.3 ms a layer for a 2048-token step.
 //
 // Both compute in float32 and round once to the output's dtype, as inductor's kernel does.
-// exp: Cephes' single-precision polynomial after range reduction (about 1 ulp in float32),
-// AVX-512 where the set in use has BF16 dot products, else the C library's.
+// bf16 rows where the set in use has AVX-512 BF16: 16 lanes a step, exp by Cephes'
+// single-precision polynomial after range reduction (about 1 ulp in float32); other dtypes
+// and sets: a scalar loop on the C library's exp.
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 #include <immintrin.h>
