@@ -238,7 +238,9 @@ def test_a_background_compile_keeps_a_frozen_heap_frozen():
         gc.freeze()
         before, made = gc.get_freeze_count(), []
         _compile_in_background(made)
-        assert gc.get_freeze_count() >= before + 5000
+        # NOTE: not + 5000 exactly: frozen objects of earlier tests may die meanwhile (22 did
+        # in one CI run); without the freeze the count would not grow at all
+        assert gc.get_freeze_count() >= before + 4000
         assert made[-1]() is None, "the compile's garbage was frozen, not collected"
     finally:
         gc.unfreeze()
