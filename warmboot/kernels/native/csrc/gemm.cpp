@@ -15,6 +15,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx.h"
 #include "isa.h"
 #include "pool.h"
 
@@ -115,10 +116,7 @@ void store_panel_bf16(const float* acc, int64_t m, void* y, bool y_bf16, int64_t
 }
 #pragma GCC pop_options
 
-// NOTE: the AMX intrinsics need GCC 11 (the build's compiler is the system's); an older one
-// builds the library without the tiles
-#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11
-#define WB_AMX 1
+#if WB_AMX
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
 // AMX: where the rows make the GEMM compute-bound (a few rows on a Xeon: the dot products
@@ -126,22 +124,6 @@ void store_panel_bf16(const float* acc, int64_t m, void* y, bool y_bf16, int64_t
 // x 16 columns an instruction. B tiles read the panels in place: a panel's k pair rows are
 // 32 columns x 2 = 128 bytes, so a tile of 16 pairs x 16 columns is a 64-byte-wide window
 // with a 128-byte stride. C tiles 0-3, A tiles 4-5, B tiles 6-7.
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Every thread loads it before a call's tiles (another library's kernels, oneDNN's, may
-// have loaded their own on this thread since).
-void amx_configure() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-  // NOTE: not GCC 12's _tile_loadconfig: its asm names 8 bytes of the config as read, so
-  // the stores of the rest were dropped as dead (the tiles then raised #UD)
-  asm volatile("ldtilecfg %0" ::"m"(cfg));
-}
-
 // acc (m16, 32) fp32 = x (m16 rows of k bf16, ldx apart) @ one panel; m16 a multiple of 16
 // and k of 32. Two 16-row blocks share each pair of B tiles where there are two.
 // pf: the next panel, fetched into cache during the first block (tile loads stall on memory).
@@ -186,13 +168,8 @@ void panel_amx(const uint16_t* x, int64_t m16, int64_t ldx, const uint16_t* w, i
   }
 }
 
-// Back to the tiles' initial state after a call: a context switch then saves no tile data.
-void amx_release() { _tile_release(); }
 #pragma GCC pop_options
 #else
-#define WB_AMX 0
-void amx_configure() {}
-void amx_release() {}
 void panel_amx(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, float*,
                const uint16_t*) {}
 #endif
