@@ -11,7 +11,8 @@ GEMM and oneDNN's, the native paged decode attention and the torch path it repla
   bytes read / time.
 - Prefill attention: one layer's chunk of n query tokens over a context of ctx (n = ctx: no
   cached context), bf16, the native op against SDPA as the backend runs it (K/V gathered
-  where there is cached context); the backend's pick (``TILED_PREFILL_ROWS``) named.
+  where there is cached context), and for a fresh prefill the flash kernel on AMX tiles
+  (``causal_prefill``, one thread and with the helper); the backend's pick named.
 
 Writes ``docs/benchmarks/kernels.{json,md,png}``. ``python bench/kernels.py [--quick]``.
 """
@@ -166,9 +167,26 @@ def prefill_rows(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
         )
         pick = "native" if both._native_prefill(q, None, None) else "SDPA"
         row = {"n": n, "context": ctx, "native_ms": native_s * 1e3, "sdpa_ms": sdpa_s * 1e3}
+        if n == ctx and attention.flash_prefill(q):
+            row |= flash_ms(q, *new, repeats)
+            pick = "flash"
         out.append(row | {"backend_runs": pick})
         print(out[-1], flush=True)
     return out
+
+
+def flash_ms(q, k, v, repeats: int) -> dict:
+    """A fresh prefill through ``causal_prefill``'s flash kernel: one thread, and lent the
+    helper (as the engine runs it)."""
+    from warmboot.kernels.native import attention
+
+    out = torch.empty_like(q)
+    run = partial(attention.causal_prefill, q, k.contiguous(), v.contiguous(), out, [0],
+                  [q.shape[0]], 0.125)  # fmt: skip
+    alone = best_of(run, repeats)
+    with lent("flash+helper"):
+        shared = best_of(run, repeats)
+    return {"flash_ms": alone * 1e3, "flash_helper_ms": shared * 1e3}
 
 
 def main() -> None:
@@ -240,13 +258,20 @@ def write(out: Path, meta: dict, gemm: list[dict], attn: list[dict], prefill: li
             "",
             "## Prefill attention: one layer's chunk (9 q / 3 KV heads, dim 64, bf16)",
             "",
-            "| query tokens | context | native ms | SDPA ms | native / SDPA | the backend runs |",
-            "| ---: | ---: | ---: | ---: | ---: | :--- |",
+            "| query tokens | context | native ms | SDPA ms | native / SDPA | flash ms | "
+            "flash / SDPA | flash+helper ms | the backend runs |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | :--- |",
         ]
         for r in prefill:
+            flash = (
+                f"{r['flash_ms']:.3f} | {r['flash_ms'] / r['sdpa_ms']:.2f}x | "
+                f"{r['flash_helper_ms']:.3f}"
+                if "flash_ms" in r
+                else "- | - | -"
+            )
             lines.append(
                 f"| {r['n']} | {r['context']} | {r['native_ms']:.3f} | {r['sdpa_ms']:.3f} | "
-                f"{r['native_ms'] / r['sdpa_ms']:.2f}x | {r['backend_runs']} |"
+                f"{r['native_ms'] / r['sdpa_ms']:.2f}x | {flash} | {r['backend_runs']} |"
             )
     plt = pyplot()
     fig, ax = plt.subplots(1, 2 if attn else 1, figsize=(11 if attn else 6, 4), squeeze=False)

@@ -375,11 +375,20 @@ def _sdpa_rows(q, k, v, start: int, n: int) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
+@pytest.fixture
+def no_tiles():
+    """AMX off for the native ops (``use_amx``): ``causal_prefill`` runs its SDPA calls."""
+    torch.ops.warmboot_cpu.use_amx(False)
+    yield
+    torch.ops.warmboot_cpu.use_amx(native.amx())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_causal_prefill_gives_sdpa_bits_lent_a_helper_or_not(dtype):
-    """``csrc/causal_prefill.cpp``: a call per sequence and KV head gives the bits of one SDPA
-    call per sequence over all heads, whichever thread runs it; rows of sequences not named
-    (here the last) are left as they were."""
+def test_causal_prefill_gives_sdpa_bits_lent_a_helper_or_not(dtype, no_tiles):
+    """``csrc/causal_prefill.cpp`` without its flash kernel (no AMX tiles): a call per
+    sequence and KV head gives the bits of one SDPA call per sequence over all heads,
+    whichever thread runs it; rows of sequences not named (here the last) are left as they
+    were. (The flash kernel: ``test_native_flash_prefill.py``.)"""
     from tests.helpers import lent_a_helper
 
     lens = [70, 5, 130, 9]
@@ -408,14 +417,16 @@ def test_causal_prefill_refuses_rows_outside_the_step():
         attention.causal_prefill(q[:, :8], k, v, torch.empty_like(q[:, :8]), [0], [10], 0.125)
 
 
-def test_backend_runs_fresh_tiled_prefills_in_one_call(monkeypatch):
-    """On AMX (faked here: the op runs on any CPU) the step's fresh bfloat16 prefills of
-    ``TILED_PREFILL_ROWS`` rows or more go through one ``causal_prefill`` call; a shorter one
-    and one over cached context take the per-sequence path; every row as that path gives."""
+def test_backend_runs_fresh_tiled_prefills_in_one_call(monkeypatch, no_tiles):
+    """On AMX (faked here: the op runs on any CPU) where the flash kernel does not run, the
+    step's fresh bfloat16 prefills of ``TILED_PREFILL_ROWS`` rows or more go through one
+    ``causal_prefill`` call; a shorter one and one over cached context take the per-sequence
+    path; every row as that path gives."""
     from warmboot.kernels.backend import AttentionMetadata, PrefillSeq
     from warmboot.kernels.torch_attention import TILED_PREFILL_ROWS, TorchAttentionBackend
 
     monkeypatch.setattr(native, "amx", lambda: True)
+    monkeypatch.setattr(attention, "flash_prefill", lambda q: False)
     lens, ctx = [TILED_PREFILL_ROWS, 20, 100, 70], [TILED_PREFILL_ROWS, 20, 100, 90]
     q, k, v, starts = _fresh_batch(lens, torch.bfloat16, seed=2)
     kc, vc, tables = _paged(ctx, 3, 64, 16, torch.bfloat16, seed=3)

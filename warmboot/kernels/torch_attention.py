@@ -1,7 +1,8 @@
 """CPU (and fallback) attention backend: the native paged kernels on the CPU
 (``kernels.native.attention``: the blocks read in place), else torch SDPA over K/V gathered
-block by block; bfloat16 prefill chunks of ``TILED_PREFILL_ROWS`` or more take SDPA on a CPU
-with AMX tiles.
+block by block. On a CPU with AMX tiles a step's fresh bfloat16 prefills (no cached context)
+take the native flash kernel on the tiles (``native_attention.causal_prefill``), and other
+prefill chunks of ``TILED_PREFILL_ROWS`` or more take SDPA.
 
 GQA without copies of K/V: in decode the query heads of one KV head are folded into the
 query-length axis, ``(B, Hkv, group, D)`` against ``(B, Hkv, ctx, D)``; prefill uses SDPA's
@@ -109,14 +110,16 @@ class TorchAttentionBackend(AttentionBackend):
         return meta.cache[key]
 
     def _fresh_prefills(self, q, k, v, out, seqs, scale, window, softcap, sinks):
-        """The step's fresh prefills that take SDPA (no cached context, tiled: see
-        ``_native_prefill``) into ``out`` in one native call, shared with the helper thread
-        (``native_attention.causal_prefill``); returns the other prefills."""
+        """The step's fresh prefills (no cached context) into ``out`` in one native call,
+        shared with the helper thread (``native_attention.causal_prefill``): all of them where
+        its flash kernel runs, else those that take SDPA (tiled: see ``_native_prefill``);
+        returns the other prefills."""
         plain = window is None and softcap is None and sinks is None and scale is not None
         plain = plain and k.shape == v.shape
         if not (plain and q.dtype == torch.bfloat16 and native.amx()):
             return seqs
-        fresh = [s.context_len == s.query_len >= TILED_PREFILL_ROWS for s in seqs]
+        least = 1 if native_attention.flash_prefill(q) else TILED_PREFILL_ROWS
+        fresh = [s.context_len == s.query_len >= least for s in seqs]
         if any(fresh):
             starts = [s.query_start for s, f in zip(seqs, fresh, strict=True) if f]
             lens = [s.query_len for s, f in zip(seqs, fresh, strict=True) if f]

@@ -34,10 +34,24 @@ def write_kv(k, v, k_cache, v_cache, slots: torch.Tensor) -> bool:
     return True
 
 
+FLASH_MAX_DIM = 256
+"""The largest head_dim ``causal_prefill``'s AMX flash kernel takes (``kMaxDim``)."""
+
+
+def flash_prefill(q: torch.Tensor) -> bool:
+    """Whether ``causal_prefill`` runs its flash kernel on AMX tiles for ``q`` (bfloat16,
+    head_dim a multiple of 32 up to ``FLASH_MAX_DIM``, the tiles usable here): faster than
+    SDPA and the native kernel from 8 tokens on (``docs/benchmarks/intel/kernels.md``)."""
+    d = q.shape[-1]
+    return q.dtype == torch.bfloat16 and d % 32 == 0 and d <= FLASH_MAX_DIM and native.amx()
+
+
 def causal_prefill(q, k, v, out, starts: list[int], lens: list[int], scale: float) -> None:
     """Fresh prefills (no cached context: causal over their own K/V, the rows ``starts[i]``
-    .. ``+ lens[i]`` of q, k, v) through torch's SDPA into the same rows of ``out``: a call
-    per sequence and KV head, shared with the helper threads (``csrc/causal_prefill.cpp``)."""
+    .. ``+ lens[i]`` of q, k, v) into the same rows of ``out``, shared with the helper
+    threads (``csrc/causal_prefill.cpp``): flash attention on AMX tiles where
+    ``flash_prefill`` (each row within bf16 SDPA's error of a float64 reference), else an
+    SDPA call per sequence and KV head (its bits)."""
     torch.ops.warmboot_cpu.causal_prefill(q, k, v, out, starts, lens, scale)
 
 
