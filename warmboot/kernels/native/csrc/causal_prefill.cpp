@@ -35,6 +35,8 @@ constexpr int64_t kMaxDim = 256;
 constexpr int64_t kRows = 16;  // tokens an item
 constexpr int64_t kSpan = 32;  // positions a block
 constexpr float kRescale = 8.f;
+constexpr int64_t kShareElements = 1 << 17;  // K values repacked from which helpers share it
+constexpr int64_t kItemGrain = 8;            // items a claim
 
 struct Seqs {
   at::IntArrayRef starts, lens;
@@ -291,7 +293,9 @@ void flash_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   auto kv = at::empty({2, packed[nseq]}, q.options());
   auto* kp = reinterpret_cast<uint16_t*>(kv.data_ptr<at::BFloat16>());
   uint16_t* vp = kp + packed[nseq];
-  parallel_chunks(nseq * s.hkv, 1, [&](int64_t c0, int64_t c1) {
+  // NOTE: a small repack (a short prompt's) runs on the caller: a helper's wake-up costs more
+  const int64_t grain = packed[nseq] < kShareElements ? nseq * s.hkv : 1;
+  parallel_chunks(nseq * s.hkv, grain, [&](int64_t c0, int64_t c1) {
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t i = c / s.hkv, h = c % s.hkv, at = packed[i] + h * padded(i) * d;
       repack(bits(k) + s.starts[i] * k.stride(0) + h * d, k.stride(0),
@@ -300,7 +304,7 @@ void flash_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     }
   });
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  parallel_chunks(items[nseq], 4, [&](int64_t c0, int64_t c1) {
+  parallel_chunks(items[nseq], kItemGrain, [&](int64_t c0, int64_t c1) {
     thread_local Flash f;
     amx_configure();
     for (int64_t c = c0; c < c1; ++c) {
