@@ -20,12 +20,13 @@ from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, Prefil
 from warmboot.kernels.native import attention as native_attention
 
 TILED_PREFILL_ROWS = 64
-"""From this many query rows a bfloat16 prefill chunk, where the CPU has AMX tiles, runs
-torch's SDPA (its flash kernel multiplies on the tiles) instead of the native kernel's vector
-dot products: 1.5x at 64 rows, 1.9x at 128, 3.3x at 2048 with no cached context, 2.2-2.3x
-over cached context (K/V gathered), 0.6x at 16 rows, on a Xeon
-(``docs/benchmarks/intel/kernels.md``). Not with soft-capping or sinks
-(SDPA has neither), and float32 keeps the native kernel (SDPA is no faster there)."""
+"""From this many query rows a bfloat16 prefill chunk that the flash kernel does not take
+(over cached context, or a head size it lacks), where the CPU has AMX tiles, runs torch's SDPA
+(its flash kernel multiplies on the tiles) instead of the native kernel's vector dot
+products: 1.6x at 64 rows, 2.0x at 128, 3.1x at 2048 with no cached context, 2.3-2.5x over
+cached context (K/V gathered), 0.8x at 16 rows, on a Xeon (``docs/benchmarks/intel/
+kernels.md``). Not with soft-capping or sinks (SDPA has neither), and float32 keeps the
+native kernel (SDPA is no faster there)."""
 
 
 class TorchAttentionBackend(AttentionBackend):
