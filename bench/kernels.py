@@ -11,8 +11,9 @@ GEMM and oneDNN's, the native paged decode attention and the torch path it repla
   bytes read / time.
 - Prefill attention: one layer's chunk of n query tokens over a context of ctx (n = ctx: no
   cached context), bf16, the native op against SDPA as the backend runs it (K/V gathered
-  where there is cached context), and for a fresh prefill the flash kernel on AMX tiles
-  (``causal_prefill``, one thread and with the helper); the backend's pick named.
+  where there is cached context), and the flash kernel on AMX tiles (``causal_prefill`` for a
+  fresh chunk, ``paged_prefill`` over cached context; one thread and lent the helper); the
+  backend's pick named.
 
 Writes ``docs/benchmarks/kernels.{json,md,png}``. ``python bench/kernels.py [--quick]``.
 """
@@ -167,22 +168,26 @@ def prefill_rows(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
         )
         pick = "native" if both._native_prefill(q, None, None) else "SDPA"
         row = {"n": n, "context": ctx, "native_ms": native_s * 1e3, "sdpa_ms": sdpa_s * 1e3}
-        if n == ctx and attention.flash_prefill(q):
-            row |= flash_ms(q, *new, repeats)
+        if attention.flash_prefill(q):
+            row |= flash_ms(q, k, v, seq, new, repeats)
             pick = "flash"
         out.append(row | {"backend_runs": pick})
         print(out[-1], flush=True)
     return out
 
 
-def flash_ms(q, k, v, repeats: int) -> dict:
-    """A fresh prefill through ``causal_prefill``'s flash kernel: one thread, and lent the
-    helper (as the engine runs it)."""
+def flash_ms(q, k, v, seq, new, repeats: int) -> dict:
+    """The chunk through the flash kernel on AMX tiles, as the backend runs it (a fresh one
+    through ``causal_prefill`` on its own K/V rows, one over cached context through
+    ``paged_prefill`` on the blocks): one thread, and lent the helper."""
     from warmboot.kernels.native import attention
 
     out = torch.empty_like(q)
-    run = partial(attention.causal_prefill, q, k.contiguous(), v.contiguous(), out, [0],
-                  [q.shape[0]], 0.125)  # fmt: skip
+    if seq.context_len == seq.query_len:
+        rows = [t.contiguous() for t in new]
+        run = partial(attention.causal_prefill, q, *rows, out, [0], [seq.query_len], 0.125)
+    else:
+        run = partial(attention.paged_prefill, q, k, v, out, [seq], 0.125)
     alone = best_of(run, repeats)
     with lent("flash+helper"):
         shared = best_of(run, repeats)

@@ -97,22 +97,95 @@ def test_flash_prefill_same_bits_lent_a_helper_or_not():
     lent_a_helper(lambda: torch.testing.assert_close(run(), alone, rtol=0, atol=0))
 
 
-def test_backend_runs_every_fresh_prefill_through_the_flash_kernel(monkeypatch):
-    """On AMX every fresh bf16 prefill, short ones too, goes through one ``causal_prefill``
-    call; one over cached context takes the per-sequence path."""
-    from warmboot.kernels.backend import AttentionMetadata, PrefillSeq
+def _cache(ctxs, hkv, d, bs, seed):
+    """Caches holding each sequence's ctx positions in blocks of a random order (spare blocks
+    NaN: a kernel reading one fails), and the tables."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-c // bs) for c in ctxs]
+    blocks = sum(need) + 3
+    kc, vc = (torch.randn(blocks, bs, hkv, d, generator=g).to(torch.bfloat16) for _ in "kv")
+    ids = torch.randperm(blocks, generator=g)
+    tables, at = [], 0
+    for n in need:
+        tables.append(ids[at : at + n].clone())
+        at += n
+    for spare in ids[at:]:
+        kc[spare], vc[spare] = float("nan"), float("nan")
+    return kc, vc, tables
+
+
+def _paged_reference(q, kc, vc, table, start, n, ctx, scale):
+    """The chunk's rows (the last n of ctx positions) in float64 over the gathered K/V."""
+    hkv, d = kc.shape[2], kc.shape[3]
+    ks, vs = (c[table].reshape(-1, hkv, d)[:ctx].transpose(0, 1).double() for c in (kc, vc))
+    group = q.shape[1] // hkv
+    ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
+    qs = q[start : start + n].transpose(0, 1).double()
+    seen = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen, scale=scale)
+    return out.transpose(0, 1)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_paged_prefill_against_float64(d):
+    """Chunks over cached context (a prefix-cache hit, a chunked prefill's later chunk, one
+    token, one fresh chunk), K/V read from blocks in a random order; rows not named (the
+    last chunk's) left as they were; NaN spare blocks never read."""
+    ctxs, lens, bs = [40, 200, 1000, 33, 50], [40, 17, 128, 1, 9], 16
+    kc, vc, tables = _cache(ctxs, 2, d, bs, seed=d)
+    q, _, _, starts = _batch(lens, 8, 2, d, seed=d + 1)
+    out = torch.full_like(q, 7.0)
+    scale = d**-0.5
+    assert attention.paged_prefill(q, kc, vc, out, _seqs(starts, lens, ctxs, tables)[:4], scale)
+    for i in range(4):
+        rows = slice(starts[i], starts[i] + lens[i])
+        ref = _paged_reference(q, kc, vc, tables[i], starts[i], lens[i], ctxs[i], scale)
+        _check(out[rows], ref, vc[tables[i]])
+    assert (out[starts[4] :] == 7.0).all()
+
+
+def _seqs(starts, lens, ctxs, tables):
+    from warmboot.kernels.backend import PrefillSeq
+
+    return [PrefillSeq(*a) for a in zip(starts, lens, ctxs, tables, strict=True)]
+
+
+def test_paged_prefill_refuses_bad_tables_and_declines_what_it_cannot_take():
+    kc, vc, tables = _cache([40], 2, 64, 16, seed=1)
+    q, _, _, _ = _batch([8], 8, 2, 64, seed=2)
+    out = torch.full_like(q, 7.0)
+    bad = [torch.tensor([0, 1, kc.shape[0]])]
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        attention.paged_prefill(q, kc, vc, out, _seqs([0], [8], [40], bad), 0.125)
+    with pytest.raises(RuntimeError, match="3 blocks or more"):
+        attention.paged_prefill(q, kc, vc, out, _seqs([0], [8], [40], [tables[0][:2]]), 0.125)
+    with pytest.raises(RuntimeError, match="outside the 8 tokens or its context"):
+        attention.paged_prefill(q, kc, vc, out, _seqs([0], [8], [5], tables), 0.125)
+    q32, out32 = q.float(), out.float()
+    assert not attention.paged_prefill(q32, kc, vc, out32, _seqs([0], [8], [40], tables), 0.125)
+    assert (out32 == 7.0).all()
+
+
+def test_backend_runs_every_prefill_through_the_flash_kernel(monkeypatch):
+    """On AMX the fresh bf16 prefills, short ones too, go through one ``causal_prefill`` call
+    and those over cached context through one ``paged_prefill`` call; nothing is left to the
+    per-sequence path."""
+    from warmboot.kernels.backend import AttentionMetadata
     from warmboot.kernels.torch_attention import TorchAttentionBackend
 
     lens, ctx = [64, 20, 3, 70], [64, 20, 3, 90]
+    kc, vc, tables = _cache(ctx, 3, 64, 16, seed=4)
     q, k, v, starts = _batch(lens, 9, 3, 64, seed=2)
-    seqs = [PrefillSeq(s, n, c, torch.zeros(8, dtype=torch.long))
-            for s, n, c in zip(starts, lens, ctx, strict=True)]  # fmt: skip
-    calls, others = [], []
-    real = attention.causal_prefill
-    monkeypatch.setattr(attention, "causal_prefill", lambda *a: calls.append(a[4:6]) or real(*a))
+    seqs = _seqs(starts, lens, ctx, tables)
+    calls = []
+    for name in ("causal_prefill", "paged_prefill"):
+        real = getattr(attention, name)
+        monkeypatch.setattr(
+            attention, name, lambda *a, _r=real, _n=name: calls.append(_n) or _r(*a)
+        )
     backend = TorchAttentionBackend(native_kernels=True)
-    monkeypatch.setattr(backend, "_prefill", lambda q, *a: others.append(a[-5]) or q)
-    monkeypatch.setattr(attention, "write_kv", lambda *a: True)
+    monkeypatch.setattr(backend, "_prefill", lambda *a: pytest.fail("a per-sequence prefill ran"))
+    monkeypatch.setattr(attention, "write_kv", lambda *a: True)  # NOTE: the caches as built
     meta = AttentionMetadata(
         slot_mapping=torch.zeros(sum(lens), dtype=torch.long),
         num_decode_tokens=0,
@@ -121,7 +194,9 @@ def test_backend_runs_every_fresh_prefill_through_the_flash_kernel(monkeypatch):
         prefills=seqs,
         block_size=16,
     )
-    out = backend.forward(q, k, v, None, None, meta, 0.125, None)
-    assert calls == [(starts[:3], lens[:3])] and others == [seqs[3]]
+    out = backend.forward(q, k, v, kc, vc, meta, 0.125, None)
+    assert calls == ["causal_prefill", "paged_prefill"]
     for s, n in zip(starts[:3], lens[:3], strict=True):
         _check(out[s : s + n], _reference(q, k, v, s, n, 0.125), v[s : s + n])
+    ref = _paged_reference(q, kc, vc, tables[3], starts[3], lens[3], ctx[3], 0.125)
+    _check(out[starts[3] :], ref, vc[tables[3]])

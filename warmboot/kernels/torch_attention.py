@@ -1,8 +1,8 @@
 """CPU (and fallback) attention backend: the native paged kernels on the CPU
 (``kernels.native.attention``: the blocks read in place), else torch SDPA over K/V gathered
-block by block. On a CPU with AMX tiles a step's fresh bfloat16 prefills (no cached context)
-take the native flash kernel on the tiles (``native_attention.causal_prefill``), and other
-prefill chunks of ``TILED_PREFILL_ROWS`` or more take SDPA.
+block by block. On a CPU with AMX tiles a step's bfloat16 prefills take the native flash
+kernel on the tiles (``native_attention.causal_prefill`` for fresh ones, ``paged_prefill``
+over cached context), and chunks it does not take, of ``TILED_PREFILL_ROWS`` or more, SDPA.
 
 GQA without copies of K/V: in decode the query heads of one KV head are folded into the
 query-length axis, ``(B, Hkv, group, D)`` against ``(B, Hkv, ctx, D)``; prefill uses SDPA's
@@ -21,7 +21,7 @@ from warmboot.kernels.native import attention as native_attention
 
 TILED_PREFILL_ROWS = 64
 """From this many query rows a bfloat16 prefill chunk that the flash kernel does not take
-(over cached context, or a head size it lacks), where the CPU has AMX tiles, runs torch's SDPA
+(a head size it lacks, a sliding window), where the CPU has AMX tiles, runs torch's SDPA
 (its flash kernel multiplies on the tiles) instead of the native kernel's vector dot
 products: 1.6x at 64 rows, 2.0x at 128, 3.1x at 2048 with no cached context, 2.3-2.5x over
 cached context (K/V gathered), 0.8x at 16 rows, on a Xeon (``docs/benchmarks/intel/
@@ -64,8 +64,8 @@ class TorchAttentionBackend(AttentionBackend):
             )
         prefills = meta.prefills
         if native and prefills:
-            prefills = self._fresh_prefills(
-                q, k, v, out, prefills, scale, sliding_window, softcap, sinks
+            prefills = self._flash_prefills(
+                q, k, v, k_cache, v_cache, out, prefills, scale, sliding_window, softcap, sinks
             )
         for seq in prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
@@ -110,22 +110,28 @@ class TorchAttentionBackend(AttentionBackend):
             meta.cache[key] = additive.masked_fill_(~mask, float("-inf"))[:, None, None, :]
         return meta.cache[key]
 
-    def _fresh_prefills(self, q, k, v, out, seqs, scale, window, softcap, sinks):
-        """The step's fresh prefills (no cached context) into ``out`` in one native call,
-        shared with the helper thread (``native_attention.causal_prefill``): all of them where
-        its flash kernel runs, else those that take SDPA (tiled: see ``_native_prefill``);
-        returns the other prefills."""
+    def _flash_prefills(self, q, k, v, k_cache, v_cache, out, seqs, scale, window, softcap, sinks):
+        """The step's prefills that native calls take, into ``out``, shared with the helper
+        thread: the fresh ones (no cached context) in one ``causal_prefill`` call (all where
+        its flash kernel runs, else those that take SDPA: tiled, see ``_native_prefill``), and
+        where the flash kernel runs, those over cached context in one ``paged_prefill`` call;
+        returns the others."""
         plain = window is None and softcap is None and sinks is None and scale is not None
         plain = plain and k.shape == v.shape
         if not (plain and q.dtype == torch.bfloat16 and native.amx()):
             return seqs
-        least = 1 if native_attention.flash_prefill(q) else TILED_PREFILL_ROWS
+        flash = native_attention.flash_prefill(q)
+        least = 1 if flash else TILED_PREFILL_ROWS
         fresh = [s.context_len == s.query_len >= least for s in seqs]
         if any(fresh):
             starts = [s.query_start for s, f in zip(seqs, fresh, strict=True) if f]
             lens = [s.query_len for s, f in zip(seqs, fresh, strict=True) if f]
             native_attention.causal_prefill(q, k, v, out, starts, lens, scale)
-        return [s for s, f in zip(seqs, fresh, strict=True) if not f]
+        rest = [s for s, f in zip(seqs, fresh, strict=True) if not f]
+        cached = flash and rest and v_cache is not k_cache  # NOTE: not MLA's one latent cache
+        if cached and native_attention.paged_prefill(q, k_cache, v_cache, out, rest, scale):
+            return []
+        return rest
 
     def _native_prefill(self, q: torch.Tensor, softcap, sinks) -> bool:
         """Whether a prefill chunk runs the native kernel (else SDPA: ``TILED_PREFILL_ROWS``)."""

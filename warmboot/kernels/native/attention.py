@@ -55,6 +55,21 @@ def causal_prefill(q, k, v, out, starts: list[int], lens: list[int], scale: floa
     torch.ops.warmboot_cpu.causal_prefill(q, k, v, out, starts, lens, scale)
 
 
+def paged_prefill(q, k_cache, v_cache, out, seqs, scale: float) -> bool:
+    """Prefill chunks over cached context (``seqs``: ``PrefillSeq``-likes, each chunk's rows
+    ``query_start`` .. ``+ query_len`` of q the last of its ``context_len`` positions, whose
+    K/V are all in the caches already) through the flash kernel into the same rows of ``out``,
+    K/V repacked from the blocks of each ``block_table`` where they lie (no gather); False,
+    nothing done, where the kernel does not fit (``flash_prefill``; the caches bf16 rows)."""
+    return bool(
+        torch.ops.warmboot_cpu.paged_prefill(
+            q, k_cache, v_cache, out,
+            [s.query_start for s in seqs], [s.query_len for s in seqs],
+            [s.context_len for s in seqs], [s.block_table for s in seqs], scale,
+        )
+    )  # fmt: skip
+
+
 def _rows(x: torch.Tensor, cache: torch.Tensor) -> bool:
     return (
         x.dim() == 3 and x.dtype == cache.dtype and x.stride(2) == 1 and x.stride(1) == x.shape[2]

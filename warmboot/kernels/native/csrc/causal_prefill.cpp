@@ -1,323 +1,34 @@
-// A step's fresh prefills (no cached context, causal, no window, soft-cap or sinks), shared
-// with the helper threads (parallel_chunks): the device thread runs one torch thread, so one
-// attention call per sequence left the host's other core idle through a prefill's attention.
+// A step's prefills, shared with the helper threads (parallel_chunks): the device thread runs
+// one torch thread, so one attention call per sequence left the host's other core idle.
 //
-// bf16 on AMX (head_dim a multiple of 32, at most kMaxDim): flash attention on the tiles.
-// Each (sequence, KV head) has its K and V repacked once into the tiles' pair layout; then a
-// work item is 16 tokens of one query head: per block of 32 positions up to its last token,
-// scores = Q K^T on the tiles (fp32 sums), an online softmax step in fp32 (AVX-512, exp16),
-// the probabilities rounded to bf16 and P V added on the tiles to the fp32 accumulator; the
-// output divided by the denominator and rounded once: the arithmetic of torch's CPU flash
-// kernel (fp32 scores and softmax, bf16 probabilities into the P V product), within its error
-// of a float64 reference. An item is one thread's from start to end, so a call gives the same
-// bits whoever runs it. One sequence of 128 tokens, 9 query heads over 3 KV heads, head_dim
-// 64, on one thread of a Xeon: 85 us, where SDPA took 190 (2048 tokens: 13 ms against 20).
+// causal_prefill: fresh prefills (no cached context, causal, no window, soft-cap or sinks),
+// their K/V the step's own rows. bf16 where flash_fits: flash attention on AMX tiles
+// (flash_prefill.cpp); otherwise (fp32, no AMX, other head sizes) torch's SDPA, one
+// (sequence, KV head) a call, each giving the bits of one call over all heads.
 //
-// Otherwise (fp32, no AMX, other head sizes): torch's SDPA, one (sequence, KV head) a call.
+// paged_prefill: chunks over cached context (chunked prefill, prefix-cache hits), their K/V
+// in the paged cache (the chunk's own written first), through the same flash kernel, which
+// repacks them from the blocks where they lie (no gather); returns false, doing nothing,
+// where the kernel does not fit.
 #include <ATen/ATen.h>
 #include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
-#include <cstring>
 #include <vector>
 
-#include "amx.h"
-#include "isa.h"
+#include "flash_prefill.h"
 #include "pool.h"
-#include "simd.h"
 
 namespace warmboot {
 namespace {
-
-constexpr int64_t kMaxDim = 256;
-constexpr int64_t kRows = 16;  // tokens an item
-constexpr int64_t kSpan = 32;  // positions a block
-constexpr float kRescale = 8.f;
-constexpr int64_t kShareElements = 1 << 17;  // K values repacked from which helpers share it
-constexpr int64_t kItemGrain = 8;            // items a claim
 
 struct Seqs {
   at::IntArrayRef starts, lens;
   int64_t hkv, group, d;
 };
 
-// K (n, d) -> blocks of 16 positions, each d/2 pair rows of 16 positions x 2 values (a QK^T
-// B tile per 32 values of d); V (n, d) -> blocks of 32 positions, each 16 position-pair rows
-// of d x 2 values (a P V B tile per 16 values of d), two rows interleaved 32 values a step.
-// Positions past n are zeros. (d a multiple of 32.)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl")
-void repack(const uint16_t* k, int64_t ldk, const uint16_t* v, int64_t ldv, int64_t n,
-            int64_t d, uint16_t* kp, uint16_t* vp) {
-  const int64_t padded = (n + kSpan - 1) / kSpan * kSpan;
-  std::memset(kp, 0, padded * d * 2);
-  std::memset(vp, 0, padded * d * 2);
-  for (int64_t p = 0; p < n; ++p) {
-    uint16_t* kb = kp + (p / 16) * d * 16 + (p % 16) * 2;
-    for (int64_t j = 0; j < d / 2; ++j) std::memcpy(kb + j * 32, k + p * ldk + 2 * j, 4);
-  }
-  alignas(64) static const uint16_t order[64] = {
-      0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
-      11, 43, 12, 44, 13, 45, 14, 46, 15, 47, 16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53,
-      22, 54, 23, 55, 24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-  const __m512i lo = _mm512_load_si512(order), hi = _mm512_load_si512(order + 32);
-  for (int64_t p = 0; p < n; p += 2) {
-    uint16_t* vb = vp + (p / kSpan) * kSpan * d + (p % kSpan) / 2 * d * 2;
-    const uint16_t* odd = p + 1 < n ? v + (p + 1) * ldv : nullptr;
-    for (int64_t c = 0; c < d; c += 32) {
-      const __m512i a = _mm512_loadu_si512(v + p * ldv + c);
-      const __m512i b = odd ? _mm512_loadu_si512(odd + c) : _mm512_setzero_si512();
-      _mm512_storeu_si512(vb + 2 * c, _mm512_permutex2var_epi16(a, lo, b));
-      _mm512_storeu_si512(vb + 2 * c + 32, _mm512_permutex2var_epi16(a, hi, b));
-    }
-  }
-}
-#pragma GCC pop_options
-
-#if WB_AMX
-#pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")
-struct Flash {  // one item's running state: rows r < rows are tokens t0 + r
-  alignas(64) uint16_t q[kRows * kMaxDim];
-  alignas(64) float s[kRows * kSpan];
-  alignas(64) uint16_t p[kRows * kSpan];
-  alignas(64) float o[kRows * kMaxDim];
-  float m[kRows], l[kRows], alpha[kRows];
-};
-
-// Tiles: C 0-3 the accumulator where head_dim <= 64 (a tile per 16 values, resident through
-// an item), else C 0 a column block of it at a time; C 4-5 the scores; A 6 Q or P; B 7 K or V.
-// s = Q K^T for positions [32 b, 32 b + 32).
-void scores(Flash& f, const uint16_t* kp, int64_t b, int64_t d) {
-  _tile_zero(4);
-  _tile_zero(5);
-  const uint16_t* k0 = kp + 2 * b * d * 16;
-  for (int64_t s = 0; s < d / 32; ++s) {
-    _tile_loadd(6, f.q + 32 * s, d * 2);
-    _tile_loadd(7, k0 + s * 16 * 32, 64);
-    _tile_dpbf16ps(4, 6, 7);
-    _tile_loadd(7, k0 + d * 16 + s * 16 * 32, 64);
-    _tile_dpbf16ps(5, 6, 7);
-  }
-  _tile_stored(4, f.s, kSpan * 4);
-  _tile_stored(5, f.s + 16, kSpan * 4);
-}
-
-// Lane r of the result: op over the 16 lanes of v[r] (a transposing tree: 15 shuffle pairs
-// for the 16 rows, where a reduction per row takes 4 each).
-template <class Op>
-__m512 across(const __m512 (&v)[kRows], Op op) {
-  __m512 u[8], w[4];
-  for (int i = 0; i < 8; ++i) {  // per 128 bits: rows 2i, 2i + 1 over lanes {0, 2}, {1, 3}
-    const __m512 a = v[2 * i], b = v[2 * i + 1];
-    u[i] = op(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  }
-  for (int i = 0; i < 4; ++i) {  // per 128 bits: rows 4i .. 4i + 3 over its 4 lanes
-    const __m512d a = _mm512_castps_pd(u[2 * i]), b = _mm512_castps_pd(u[2 * i + 1]);
-    w[i] = op(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-              _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  // NOTE: the shuffles' immediates must be constants: spelled out
-  const __m512 x =
-      op(_mm512_shuffle_f32x4(w[0], w[1], 0x44), _mm512_shuffle_f32x4(w[0], w[1], 0xEE));
-  const __m512 y =
-      op(_mm512_shuffle_f32x4(w[2], w[3], 0x44), _mm512_shuffle_f32x4(w[2], w[3], 0xEE));
-  return op(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
-}
-
-__m512 max_of(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
-__m512 sum_of(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
-
-// The block's scores scaled, positions past each row's token (all, for padding rows) at -inf,
-// in place; each row's max.
-__m512 masked(Flash& f, int64_t rows, int64_t t0, int64_t p0, float scale) {
-  const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
-  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-  const __m512i lane16 = _mm512_add_epi32(lane, _mm512_set1_epi32(16));
-  __m512 top[kRows];
-  for (int64_t r = 0; r < kRows; ++r) {
-    const __m512i last = _mm512_set1_epi32(r < rows ? static_cast<int>(t0 + r - p0) : -1);
-    float* x = f.s + r * kSpan;
-    const __mmask16 m0 = _mm512_cmple_epi32_mask(lane, last);
-    const __mmask16 m1 = _mm512_cmple_epi32_mask(lane16, last);
-    const __m512 x0 = _mm512_mask_mul_ps(ninf, m0, _mm512_loadu_ps(x), sc);
-    const __m512 x1 = _mm512_mask_mul_ps(ninf, m1, _mm512_loadu_ps(x + 16), sc);
-    _mm512_storeu_ps(x, x0);
-    _mm512_storeu_ps(x + 16, x1);
-    top[r] = _mm512_max_ps(x0, x1);
-  }
-  return across(top, max_of);
-}
-
-// 16 masked scores -> exp(x - m) (0 where masked) into 16 bf16 probabilities at p
-__m512 probabilities(const float* x, __m512 m, uint16_t* p) {
-  const __m512 s = _mm512_loadu_ps(x);
-  const __mmask16 seen = _mm512_cmp_ps_mask(s, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-  const __m512 e = _mm512_maskz_mov_ps(seen, exp16(_mm512_sub_ps(s, m)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh(e));
-  return e;
-}
-
-// The online softmax step of each row over the block's positions p0 .. p0 + 31 (those past
-// the row's token masked): m, l and the accumulator's factor alpha; p in bf16. As
-// FlashAttention 4 does, a row's running max m moves only when the block's max exceeds it by
-// more than kRescale (e^8: the probabilities stay far from float32's range): most blocks then
-// leave every alpha at 1 and the accumulator as it is. Returns whether any row's m moved.
-bool softmax(Flash& f, int64_t rows, int64_t t0, int64_t p0, float scale) {
-  const __m512 old = _mm512_loadu_ps(f.m), top = masked(f, rows, t0, p0, scale);
-  const __m512 bar = _mm512_add_ps(old, _mm512_set1_ps(kRescale));
-  const __mmask16 moved = _mm512_cmp_ps_mask(top, bar, _CMP_GT_OQ);
-  const __m512 now = _mm512_mask_blend_ps(moved, old, top);
-  alignas(64) float m[kRows];
-  _mm512_store_ps(m, now);
-  __m512 part[kRows];
-  for (int64_t r = 0; r < kRows; ++r) {
-    const __m512 mv = _mm512_set1_ps(r < rows ? m[r] : 0.f);  // NOTE: -inf - -inf is NaN
-    const float* x = f.s + r * kSpan;
-    part[r] = _mm512_add_ps(probabilities(x, mv, f.p + r * kSpan),
-                            probabilities(x + 16, mv, f.p + r * kSpan + 16));
-  }
-  const __m512 l = _mm512_loadu_ps(f.l), sum = across(part, sum_of);
-  if (!moved) {
-    _mm512_storeu_ps(f.l, _mm512_add_ps(l, sum));
-    return false;
-  }
-  // alpha = exp(m_old - m_new) where m moved (0 from -inf: the first block), else 1
-  const __m512 alpha =
-      _mm512_mask_blend_ps(moved, _mm512_set1_ps(1.f), exp16(_mm512_sub_ps(old, now)));
-  _mm512_storeu_ps(f.alpha, alpha);
-  _mm512_storeu_ps(f.m, now);
-  _mm512_storeu_ps(f.l, _mm512_fmadd_ps(l, alpha, sum));
-  return true;
-}
-
-void rescale(Flash& f, int64_t d) {  // o *= alpha, row by row
-  for (int64_t r = 0; r < kRows; ++r) {
-    const __m512 a = _mm512_set1_ps(f.alpha[r]);
-    for (int64_t c = 0; c < d; c += 16) {
-      float* o = f.o + r * d + c;
-      _mm512_storeu_ps(o, _mm512_mul_ps(a, _mm512_loadu_ps(o)));
-    }
-  }
-}
-
-// The resident accumulator's tiles to or from f.o (head_dim d <= 64).
-void park(Flash& f, int64_t d, bool store) {
-  const int64_t ld = d * 4;
-#define WB_TILE(t)                                                   \
-  if (16 * (t) < d) {                                                \
-    if (store) {                                                     \
-      _tile_stored(t, f.o + 16 * (t), ld);                           \
-    } else {                                                         \
-      _tile_loadd(t, f.o + 16 * (t), ld);                            \
-    }                                                                \
-  }
-  WB_TILE(0) WB_TILE(1) WB_TILE(2) WB_TILE(3)
-#undef WB_TILE
-}
-
-// o = alpha o (where `moved`) + P V for the block b.
-void accumulate(Flash& f, const uint16_t* vp, int64_t b, int64_t d, bool moved) {
-  const uint16_t* v0 = vp + b * kSpan * d;
-  const bool resident = d <= 64;
-  if (moved && b > 0) {  // NOTE: block 0 starts from zeros, whatever alpha
-    if (resident) park(f, d, true);
-    rescale(f, d);
-    if (resident) park(f, d, false);
-  }
-  _tile_loadd(6, f.p, kSpan * 2);
-  if (resident) {
-#define WB_TILE(t)                             \
-  if (16 * (t) < d) {                          \
-    _tile_loadd(7, v0 + 32 * (t), d * 4);      \
-    _tile_dpbf16ps(t, 6, 7);                   \
-  }
-    WB_TILE(0) WB_TILE(1) WB_TILE(2) WB_TILE(3)
-#undef WB_TILE
-    return;
-  }
-  for (int64_t c = 0; c < d; c += 16) {
-    _tile_loadd(0, f.o + c, d * 4);
-    _tile_loadd(7, v0 + 2 * c, d * 4);
-    _tile_dpbf16ps(0, 6, 7);
-    _tile_stored(0, f.o + c, d * 4);
-  }
-}
-
-// Tokens [t0, t0 + rows) of one query head (q rows ldq apart) into out (ldo apart).
-void item(Flash& f, const uint16_t* q, int64_t ldq, const uint16_t* kp, const uint16_t* vp,
-          uint16_t* out, int64_t ldo, int64_t t0, int64_t rows, int64_t d, float scale) {
-  std::memset(f.q, 0, kRows * d * 2);
-  for (int64_t r = 0; r < rows; ++r) std::memcpy(f.q + r * d, q + (t0 + r) * ldq, d * 2);
-  std::fill_n(f.o, kRows * d, 0.f);
-  std::fill_n(f.m, kRows, -INFINITY);
-  std::fill_n(f.l, kRows, 0.f);
-  if (d <= 64) park(f, d, false);
-  for (int64_t b = 0; b * kSpan < t0 + rows; ++b) {
-    scores(f, kp, b, d);
-    accumulate(f, vp, b, d, softmax(f, rows, t0, b * kSpan, scale));
-  }
-  if (d <= 64) park(f, d, true);
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.f / f.l[r]);
-    for (int64_t c = 0; c < d; c += 16) {
-      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(f.o + r * d + c), inv);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (t0 + r) * ldo + c),
-                          (__m256i)_mm512_cvtneps_pbh(x));
-    }
-  }
-}
-#pragma GCC pop_options
-#else
-struct Flash {};
-void item(Flash&, const uint16_t*, int64_t, const uint16_t*, const uint16_t*, uint16_t*, int64_t,
-          int64_t, int64_t, int64_t, float) {}
-#endif
-
 const uint16_t* bits(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
-}
-
-void flash_amx(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-               const at::Tensor& out, const Seqs& s, double scale) {
-  const int64_t nseq = static_cast<int64_t>(s.starts.size()), d = s.d;
-  // per sequence, prefix sums: its packed K (and V) elements, its items
-  std::vector<int64_t> packed(nseq + 1, 0), items(nseq + 1, 0);
-  auto padded = [&](int64_t i) { return (s.lens[i] + kSpan - 1) / kSpan * kSpan; };
-  for (int64_t i = 0; i < nseq; ++i) {
-    packed[i + 1] = packed[i] + padded(i) * d * s.hkv;
-    items[i + 1] = items[i] + (s.lens[i] + kRows - 1) / kRows * s.hkv * s.group;
-  }
-  auto kv = at::empty({2, packed[nseq]}, q.options());
-  auto* kp = reinterpret_cast<uint16_t*>(kv.data_ptr<at::BFloat16>());
-  uint16_t* vp = kp + packed[nseq];
-  // NOTE: a small repack (a short prompt's) runs on the caller: a helper's wake-up costs more
-  const int64_t grain = packed[nseq] < kShareElements ? nseq * s.hkv : 1;
-  parallel_chunks(nseq * s.hkv, grain, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t i = c / s.hkv, h = c % s.hkv, at = packed[i] + h * padded(i) * d;
-      repack(bits(k) + s.starts[i] * k.stride(0) + h * d, k.stride(0),
-             bits(v) + s.starts[i] * v.stride(0) + h * d, v.stride(0), s.lens[i], d, kp + at,
-             vp + at);
-    }
-  });
-  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  parallel_chunks(items[nseq], kItemGrain, [&](int64_t c0, int64_t c1) {
-    thread_local Flash f;
-    amx_configure();
-    for (int64_t c = c0; c < c1; ++c) {
-      const int64_t i = std::upper_bound(items.begin(), items.end(), c) - items.begin() - 1;
-      const int64_t n = s.lens[i], local = c - items[i], tiles = (n + kRows - 1) / kRows;
-      const int64_t head = local / tiles, t0 = local % tiles * kRows;
-      const int64_t at = packed[i] + head / s.group * padded(i) * d;
-      const uint16_t* qh = bits(q) + s.starts[i] * q.stride(0) + head * d;
-      item(f, qh, q.stride(0), kp + at, vp + at, o + s.starts[i] * out.stride(0) + head * d,
-           out.stride(0), t0, std::min(kRows, n - t0), d, static_cast<float>(scale));
-    }
-    amx_release();
-  });
 }
 
 void sdpa_calls(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -339,14 +50,8 @@ void sdpa_calls(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   });
 }
 
-bool tiles_fit(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-               const at::Tensor& out) {
-  const int64_t d = q.size(2);
-  auto rows = [](const at::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == t.size(2); };
-  return WB_AMX && q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 &&
-         v.scalar_type() == at::kBFloat16 && out.scalar_type() == at::kBFloat16 &&
-         d % 32 == 0 && d <= kMaxDim && rows(q) && rows(k) && rows(v) && rows(out) &&
-         amx_ready();
+bool rows_fit(const at::Tensor& t) {  // bf16, each token's heads contiguous
+  return t.scalar_type() == at::kBFloat16 && t.stride(-1) == 1 && t.stride(-2) == t.size(-1);
 }
 
 void causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -366,12 +71,67 @@ void causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                 "causal_prefill: sequence ", i, " (start ", starts[i], ", length ", lens[i],
                 ") is outside the ", tokens, " tokens");
   }
-  const Seqs s{starts, lens, hkv, q.size(1) / hkv, q.size(2)};
-  if (tiles_fit(q, k, v, out)) {
-    flash_amx(q, k, v, out, s, scale);
+  if (flash_fits(q, out) && rows_fit(k) && rows_fit(v)) {
+    std::vector<FlashSeq> seqs;
+    for (size_t i = 0; i < starts.size(); ++i) seqs.push_back({starts[i], lens[i], lens[i]});
+    flash_amx(q, out, seqs, hkv, scale, [&](int64_t i, int64_t h, bool is_v) {
+      const at::Tensor& t = is_v ? v : k;
+      return Rows{bits(t) + (starts[i] * t.stride(0) + h * t.size(2)), t.stride(0)};
+    });
   } else {
-    sdpa_calls(q, k, v, out, s, scale);
+    sdpa_calls(q, k, v, out, Seqs{starts, lens, hkv, q.size(1) / hkv, q.size(2)}, scale);
   }
+}
+
+void check_tables(const std::vector<at::Tensor>& tables, at::IntArrayRef ctxs, int64_t blocks,
+                  int64_t bs) {
+  for (size_t i = 0; i < tables.size(); ++i) {
+    const at::Tensor& t = tables[i];
+    const int64_t need = (ctxs[i] + bs - 1) / bs;
+    TORCH_CHECK(t.dim() == 1 && t.scalar_type() == at::kLong && t.is_contiguous() &&
+                    t.size(0) >= need,
+                "paged_prefill: sequence ", i, "'s block table must be int64 with ", need,
+                " blocks or more, got ", t.sizes(), " ", t.scalar_type());
+    const int64_t* ids = t.data_ptr<int64_t>();
+    for (int64_t b = 0; b < need; ++b) {
+      TORCH_CHECK(ids[b] >= 0 && ids[b] < blocks, "paged_prefill: block ", ids[b],
+                  " is outside the cache (", blocks, " blocks)");
+    }
+  }
+}
+
+bool paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                   const at::Tensor& out, at::IntArrayRef starts, at::IntArrayRef lens,
+                   at::IntArrayRef ctxs, const std::vector<at::Tensor>& tables, double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_cache.dim() == 4 &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.size(3) == q.size(2),
+              "paged_prefill wants q, out (N, Hq, D) and caches (blocks, block size, Hkv, D), "
+              "got ", q.sizes(), ", ", out.sizes(), ", ", k_cache.sizes(), ", ", v_cache.sizes());
+  const int64_t hkv = k_cache.size(2), bs = k_cache.size(1), tokens = q.size(0);
+  TORCH_CHECK(hkv > 0 && q.size(1) % hkv == 0, "paged_prefill: ", q.size(1),
+              " query heads over ", hkv, " KV heads");
+  TORCH_CHECK(starts.size() == lens.size() && ctxs.size() == lens.size() &&
+                  tables.size() == lens.size(),
+              "paged_prefill: one start, length, context and table per sequence");
+  for (size_t i = 0; i < starts.size(); ++i) {
+    TORCH_CHECK(starts[i] >= 0 && lens[i] > 0 && starts[i] + lens[i] <= tokens &&
+                    ctxs[i] >= lens[i],
+                "paged_prefill: sequence ", i, " (start ", starts[i], ", length ", lens[i],
+                ", context ", ctxs[i], ") is outside the ", tokens, " tokens or its context");
+  }
+  check_tables(tables, ctxs, k_cache.size(0), bs);
+  if (!(flash_fits(q, out) && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+        rows_fit(k_cache) && rows_fit(v_cache))) {
+    return false;
+  }
+  std::vector<FlashSeq> seqs;
+  for (size_t i = 0; i < starts.size(); ++i) seqs.push_back({starts[i], lens[i], ctxs[i]});
+  const int64_t d = q.size(2);
+  flash_amx(q, out, seqs, hkv, scale, [&](int64_t i, int64_t h, bool is_v) {
+    return Rows{bits(is_v ? v_cache : k_cache) + h * d, hkv * d, tables[i].data_ptr<int64_t>(),
+                bs};
+  });
+  return true;
 }
 
 }  // namespace
@@ -381,4 +141,7 @@ TORCH_LIBRARY_FRAGMENT(warmboot_cpu, m) {
   m.def("causal_prefill(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int[] starts, int[] lens, "
         "float scale) -> ()",
         &warmboot::causal_prefill);
+  m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, int[] starts, "
+        "int[] lens, int[] contexts, Tensor[] tables, float scale) -> bool",
+        &warmboot::paged_prefill);
 }
