@@ -114,16 +114,54 @@ def _cache(ctxs, hkv, d, bs, seed):
     return kc, vc, tables
 
 
-def _paged_reference(q, kc, vc, table, start, n, ctx, scale):
-    """The chunk's rows (the last n of ctx positions) in float64 over the gathered K/V."""
+def _paged_reference(q, kc, vc, table, start, n, ctx, scale, window=None, sinks=None):
+    """The chunk's rows (the last n of ctx positions) in float64 over the gathered K/V: each
+    row sees the positions up to its own (the last ``window`` of them), and ``sinks`` (one
+    logit per query head) join each row's softmax without a value."""
     hkv, d = kc.shape[2], kc.shape[3]
     ks, vs = (c[table].reshape(-1, hkv, d)[:ctx].transpose(0, 1).double() for c in (kc, vc))
     group = q.shape[1] // hkv
     ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
     qs = q[start : start + n].transpose(0, 1).double()
-    seen = torch.arange(ctx)[None, :] <= torch.arange(ctx - n, ctx)[:, None]
-    out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, attn_mask=seen, scale=scale)
-    return out.transpose(0, 1)
+    pos, own = torch.arange(ctx)[None, :], torch.arange(ctx - n, ctx)[:, None]
+    seen = (pos <= own) & ((pos > own - window) if window else True)
+    scores = (qs @ ks.transpose(1, 2) * scale).masked_fill(~seen, float("-inf"))
+    if sinks is not None:
+        column = sinks.double()[:, None, None].expand(-1, n, 1)
+        probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
+    else:
+        probs = scores.softmax(-1)
+    return (probs @ vs).transpose(0, 1)
+
+
+def test_flash_prefill_with_a_window_and_sinks():
+    """Sliding windows (shorter than a block, a block, past several) and sinks, fresh and over
+    cached context, against float64; without the flash kernel a window is refused."""
+    ctxs, lens, bs, d = [300, 100, 64], [300, 37, 64], 16, 64
+    kc, vc, tables = _cache(ctxs, 2, d, bs, seed=11)
+    q, _, _, starts = _batch(lens, 6, 2, d, seed=12)
+    seqs = _seqs(starts, lens, ctxs, tables)
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(13)) * 2
+    for window, sink in ((7, None), (32, sinks), (100, None), (None, sinks)):
+        out = torch.empty_like(q)
+        assert attention.paged_prefill(q, kc, vc, out, seqs, 0.125, window, sink)
+        for i, s in enumerate(seqs):
+            rows = slice(s.query_start, s.query_start + s.query_len)
+            ref = _paged_reference(q, kc, vc, tables[i], s.query_start, s.query_len,
+                                   s.context_len, 0.125, window, sink)  # fmt: skip
+            _check(out[rows], ref, vc[tables[i]])
+    fresh = q[:64], *(c[tables[2]].reshape(-1, 2, d)[:64] for c in (kc, vc))
+    out = torch.empty_like(fresh[0])
+    attention.causal_prefill(*fresh, out, [0], [64], 0.125, 20, sinks)
+    ref = _paged_reference(fresh[0], kc, vc, tables[2], 0, 64, 64, 0.125, 20, sinks)
+    _check(out, ref, fresh[2])
+    torch.ops.warmboot_cpu.use_amx(False)
+    try:
+        with pytest.raises(RuntimeError, match="a window or sinks need the flash kernel"):
+            attention.causal_prefill(*fresh, out, [0], [64], 0.125, 20)
+        assert not attention.paged_prefill(q, kc, vc, torch.empty_like(q), seqs, 0.125, 7)
+    finally:
+        torch.ops.warmboot_cpu.use_amx(True)
 
 
 @pytest.mark.parametrize("d", [64, 128])

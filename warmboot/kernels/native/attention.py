@@ -46,28 +46,39 @@ def flash_prefill(q: torch.Tensor) -> bool:
     return q.dtype == torch.bfloat16 and d % 32 == 0 and d <= FLASH_MAX_DIM and native.amx()
 
 
-def causal_prefill(q, k, v, out, starts: list[int], lens: list[int], scale: float) -> None:
+def causal_prefill(
+    q, k, v, out, starts: list[int], lens: list[int], scale: float, window=None, sinks=None
+) -> None:
     """Fresh prefills (no cached context: causal over their own K/V, the rows ``starts[i]``
     .. ``+ lens[i]`` of q, k, v) into the same rows of ``out``, shared with the helper
     threads (``csrc/causal_prefill.cpp``): flash attention on AMX tiles where
     ``flash_prefill`` (each row within bf16 SDPA's error of a float64 reference), else an
-    SDPA call per sequence and KV head (its bits)."""
-    torch.ops.warmboot_cpu.causal_prefill(q, k, v, out, starts, lens, scale)
+    SDPA call per sequence and KV head (its bits). ``window`` (positions a row sees, its own
+    included) and ``sinks`` (one logit per query head) take the flash kernel."""
+    torch.ops.warmboot_cpu.causal_prefill(
+        q, k, v, out, starts, lens, scale, window or 0, _sinks(sinks)
+    )
 
 
-def paged_prefill(q, k_cache, v_cache, out, seqs, scale: float) -> bool:
+def paged_prefill(q, k_cache, v_cache, out, seqs, scale: float, window=None, sinks=None) -> bool:
     """Prefill chunks over cached context (``seqs``: ``PrefillSeq``-likes, each chunk's rows
     ``query_start`` .. ``+ query_len`` of q the last of its ``context_len`` positions, whose
     K/V are all in the caches already) through the flash kernel into the same rows of ``out``,
     K/V repacked from the blocks of each ``block_table`` where they lie (no gather); False,
-    nothing done, where the kernel does not fit (``flash_prefill``; the caches bf16 rows)."""
+    nothing done, where the kernel does not fit (``flash_prefill``; the caches bf16 rows).
+    ``window`` and ``sinks`` as for ``causal_prefill``."""
     return bool(
         torch.ops.warmboot_cpu.paged_prefill(
             q, k_cache, v_cache, out,
             [s.query_start for s in seqs], [s.query_len for s in seqs],
             [s.context_len for s in seqs], [s.block_table for s in seqs], scale,
+            window or 0, _sinks(sinks),
         )
     )  # fmt: skip
+
+
+def _sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
+    return None if sinks is None else sinks.reshape(-1)
 
 
 def _rows(x: torch.Tensor, cache: torch.Tensor) -> bool:

@@ -79,6 +79,13 @@ struct Flash {  // one item's running state: rows r < rows are tokens t0 + r
   float m[kRows], l[kRows], alpha[kRows];
 };
 
+struct Part {  // an item: query rows [t0, t0 + rows), row r at position pos0 + r
+  int64_t t0, rows, pos0;
+  int64_t window;  // positions a row sees, its own included (0: every one before it)
+  float scale;
+  float sink;  // a logit joining each row's softmax without a value (-inf: none)
+};
+
 // Tiles: C 0-3 the accumulator where head_dim <= 64 (a tile per 16 values, resident through
 // an item), else C 0 a column block of it at a time; C 4-5 the scores; A 6 Q or P; B 7 K or V.
 // s = Q K^T for positions [32 b, 32 b + 32).
@@ -122,18 +129,21 @@ __m512 across(const __m512 (&v)[kRows], Op op) {
 __m512 max_of(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
 __m512 sum_of(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
 
-// The block's scores scaled, positions past each row's own (t0 + r; all, for padding rows) at
-// -inf, in place; each row's max.
-__m512 masked(Flash& f, int64_t rows, int64_t t0, int64_t p0, float scale) {
-  const __m512 sc = _mm512_set1_ps(scale), ninf = _mm512_set1_ps(-INFINITY);
+// The block's scores scaled, positions a row does not see (past its own, before its window;
+// all, for padding rows) at -inf, in place; each row's max.
+__m512 masked(Flash& f, const Part& it, int64_t p0) {
+  const __m512 sc = _mm512_set1_ps(it.scale), ninf = _mm512_set1_ps(-INFINITY);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
   const __m512i lane16 = _mm512_add_epi32(lane, _mm512_set1_epi32(16));
   __m512 top[kRows];
   for (int64_t r = 0; r < kRows; ++r) {
-    const __m512i last = _mm512_set1_epi32(r < rows ? static_cast<int>(t0 + r - p0) : -1);
+    const int64_t own = it.pos0 + r - p0, from = it.window ? own + 1 - it.window : -kSpan;
+    const __m512i last = _mm512_set1_epi32(r < it.rows ? static_cast<int>(own) : -1);
+    const __m512i first = _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(from, -kSpan)));
     float* x = f.s + r * kSpan;
-    const __mmask16 m0 = _mm512_cmple_epi32_mask(lane, last);
-    const __mmask16 m1 = _mm512_cmple_epi32_mask(lane16, last);
+    const __mmask16 m0 = _mm512_cmple_epi32_mask(lane, last) & _mm512_cmpge_epi32_mask(lane, first);
+    const __mmask16 m1 =
+        _mm512_cmple_epi32_mask(lane16, last) & _mm512_cmpge_epi32_mask(lane16, first);
     const __m512 x0 = _mm512_mask_mul_ps(ninf, m0, _mm512_loadu_ps(x), sc);
     const __m512 x1 = _mm512_mask_mul_ps(ninf, m1, _mm512_loadu_ps(x + 16), sc);
     _mm512_storeu_ps(x, x0);
@@ -157,8 +167,8 @@ __m512 probabilities(const float* x, __m512 m, uint16_t* p) {
 // FlashAttention 4 does, a row's running max m moves only when the block's max exceeds it by
 // more than kRescale (e^8: the probabilities stay far from float32's range): most blocks then
 // leave every alpha at 1 and the accumulator as it is. Returns whether any row's m moved.
-bool softmax(Flash& f, int64_t rows, int64_t t0, int64_t p0, float scale) {
-  const __m512 old = _mm512_loadu_ps(f.m), top = masked(f, rows, t0, p0, scale);
+bool softmax(Flash& f, const Part& it, int64_t p0) {
+  const __m512 old = _mm512_loadu_ps(f.m), top = masked(f, it, p0);
   const __m512 bar = _mm512_add_ps(old, _mm512_set1_ps(kRescale));
   const __mmask16 moved = _mm512_cmp_ps_mask(top, bar, _CMP_GT_OQ);
   const __m512 now = _mm512_mask_blend_ps(moved, old, top);
@@ -166,7 +176,7 @@ bool softmax(Flash& f, int64_t rows, int64_t t0, int64_t p0, float scale) {
   _mm512_store_ps(m, now);
   __m512 part[kRows];
   for (int64_t r = 0; r < kRows; ++r) {
-    const __m512 mv = _mm512_set1_ps(r < rows ? m[r] : 0.f);  // NOTE: -inf - -inf is NaN
+    const __m512 mv = _mm512_set1_ps(r < it.rows ? m[r] : 0.f);  // NOTE: masked: 0 anyway
     const float* x = f.s + r * kSpan;
     part[r] = _mm512_add_ps(probabilities(x, mv, f.p + r * kSpan),
                             probabilities(x + 16, mv, f.p + r * kSpan + 16));
@@ -214,7 +224,7 @@ void park(Flash& f, int64_t d, bool store) {
 void accumulate(Flash& f, const uint16_t* vp, int64_t b, int64_t d, bool moved) {
   const uint16_t* v0 = vp + b * kSpan * d;
   const bool resident = d <= 64;
-  if (moved && b > 0) {  // NOTE: block 0 starts from zeros, whatever alpha
+  if (moved) {
     if (resident) park(f, d, true);
     rescale(f, d);
     if (resident) park(f, d, false);
@@ -238,27 +248,29 @@ void accumulate(Flash& f, const uint16_t* vp, int64_t b, int64_t d, bool moved) 
   }
 }
 
-// Query rows [t0, t0 + rows) of one head (q rows ldq apart) into out (ldo apart); row t sees
-// the positions up to off + t.
+// An item's query rows of one head (q rows ldq apart) into out (ldo apart).
 void item(Flash& f, const uint16_t* q, int64_t ldq, const uint16_t* kp, const uint16_t* vp,
-          uint16_t* out, int64_t ldo, int64_t t0, int64_t rows, int64_t off, int64_t d,
-          float scale) {
+          uint16_t* out, int64_t ldo, int64_t d, const Part& it) {
   std::memset(f.q, 0, kRows * d * 2);
-  for (int64_t r = 0; r < rows; ++r) std::memcpy(f.q + r * d, q + (t0 + r) * ldq, d * 2);
+  for (int64_t r = 0; r < it.rows; ++r) std::memcpy(f.q + r * d, q + (it.t0 + r) * ldq, d * 2);
   std::fill_n(f.o, kRows * d, 0.f);
-  std::fill_n(f.m, kRows, -INFINITY);
-  std::fill_n(f.l, kRows, 0.f);
+  for (int64_t r = 0; r < kRows; ++r) {  // NOTE: a sink starts a row at m = sink, l = 1
+    const bool sink = r < it.rows && it.sink > -INFINITY;
+    f.m[r] = sink ? it.sink : -INFINITY, f.l[r] = sink ? 1.f : 0.f;
+  }
   if (d <= 64) park(f, d, false);
-  for (int64_t b = 0; b * kSpan < off + t0 + rows; ++b) {
+  const int64_t lo = it.window ? std::max<int64_t>(0, it.pos0 + 1 - it.window) / kSpan : 0;
+  for (int64_t b = lo; b * kSpan < it.pos0 + it.rows; ++b) {
     scores(f, kp, b, d);
-    accumulate(f, vp, b, d, softmax(f, rows, off + t0, b * kSpan, scale));
+    // NOTE: the first block's accumulator is zeros, whatever alpha
+    accumulate(f, vp, b, d, softmax(f, it, b * kSpan) && b > lo);
   }
   if (d <= 64) park(f, d, true);
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < it.rows; ++r) {
     const __m512 inv = _mm512_set1_ps(1.f / f.l[r]);
     for (int64_t c = 0; c < d; c += 16) {
       const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(f.o + r * d + c), inv);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (t0 + r) * ldo + c),
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (it.t0 + r) * ldo + c),
                           (__m256i)_mm512_cvtneps_pbh(x));
     }
   }
@@ -266,8 +278,12 @@ void item(Flash& f, const uint16_t* q, int64_t ldq, const uint16_t* kp, const ui
 #pragma GCC pop_options
 #else
 struct Flash {};
+struct Part {
+  int64_t t0, rows, pos0, window;
+  float scale, sink;
+};
 void item(Flash&, const uint16_t*, int64_t, const uint16_t*, const uint16_t*, uint16_t*, int64_t,
-          int64_t, int64_t, int64_t, int64_t, float) {}
+          int64_t, const Part&) {}
 #endif
 
 const uint16_t* bits(const at::Tensor& t) {
@@ -277,7 +293,7 @@ const uint16_t* bits(const at::Tensor& t) {
 }  // namespace
 
 void flash_amx(const at::Tensor& q, const at::Tensor& out, const std::vector<FlashSeq>& seqs,
-               int64_t hkv, double scale, const RowsOf& rows_of) {
+               int64_t hkv, const FlashOpts& opts, const RowsOf& rows_of) {
   const int64_t nseq = static_cast<int64_t>(seqs.size()), d = q.size(2);
   const int64_t group = q.size(1) / hkv;
   // per sequence, prefix sums: its packed K (and V) elements, its items
@@ -308,9 +324,11 @@ void flash_amx(const at::Tensor& q, const at::Tensor& out, const std::vector<Fla
       const int64_t local = c - items[i], tiles = (s.n + kRows - 1) / kRows;
       const int64_t head = local / tiles, t0 = local % tiles * kRows;
       const int64_t at = packed[i] + head / group * padded(i) * d;
+      const float sink = opts.sinks ? opts.sinks[head] : -INFINITY;
+      const Part it{t0, std::min(kRows, s.n - t0), s.ctx - s.n + t0, opts.window,
+                    static_cast<float>(opts.scale), sink};
       item(f, bits(q) + s.start * q.stride(0) + head * d, q.stride(0), kp + at, vp + at,
-           o + s.start * out.stride(0) + head * d, out.stride(0), t0,
-           std::min(kRows, s.n - t0), s.ctx - s.n, d, static_cast<float>(scale));
+           o + s.start * out.stride(0) + head * d, out.stride(0), d, it);
     }
     amx_release();
   });

@@ -27,6 +27,12 @@ struct FlashSeq {
   int64_t start, n, ctx;
 };
 
+struct FlashOpts {
+  double scale;
+  int64_t window = 0;            // positions a row sees, its own included (0: all before it)
+  const float* sinks = nullptr;  // per query head: a logit in each row's softmax, no value
+};
+
 // (sequence, KV head, V rather than K) -> its rows
 using RowsOf = std::function<Rows(int64_t, int64_t, bool)>;
 
@@ -37,6 +43,6 @@ bool flash_fits(const at::Tensor& q, const at::Tensor& out);
 // Causal attention of every sequence's query rows into the same rows of out (Hq / hkv query
 // heads a KV head). Only where flash_fits.
 void flash_amx(const at::Tensor& q, const at::Tensor& out, const std::vector<FlashSeq>& seqs,
-               int64_t hkv, double scale, const RowsOf& rows_of);
+               int64_t hkv, const FlashOpts& opts, const RowsOf& rows_of);
 
 }  // namespace warmboot
