@@ -137,13 +137,16 @@ __m512 masked(Flash& f, const Part& it, int64_t p0) {
   const __m512i lane16 = _mm512_add_epi32(lane, _mm512_set1_epi32(16));
   __m512 top[kRows];
   for (int64_t r = 0; r < kRows; ++r) {
-    const int64_t own = it.pos0 + r - p0, from = it.window ? own + 1 - it.window : -kSpan;
+    const int64_t own = it.pos0 + r - p0;
     const __m512i last = _mm512_set1_epi32(r < it.rows ? static_cast<int>(own) : -1);
-    const __m512i first = _mm512_set1_epi32(static_cast<int>(std::max<int64_t>(from, -kSpan)));
+    __mmask16 m0 = _mm512_cmple_epi32_mask(lane, last), m1 = _mm512_cmple_epi32_mask(lane16, last);
+    if (it.window) {  // NOTE: and none before the window's first position
+      const int64_t from = std::max<int64_t>(own + 1 - it.window, -kSpan);
+      const __m512i first = _mm512_set1_epi32(static_cast<int>(from));
+      m0 &= _mm512_cmpge_epi32_mask(lane, first);
+      m1 &= _mm512_cmpge_epi32_mask(lane16, first);
+    }
     float* x = f.s + r * kSpan;
-    const __mmask16 m0 = _mm512_cmple_epi32_mask(lane, last) & _mm512_cmpge_epi32_mask(lane, first);
-    const __mmask16 m1 =
-        _mm512_cmple_epi32_mask(lane16, last) & _mm512_cmpge_epi32_mask(lane16, first);
     const __m512 x0 = _mm512_mask_mul_ps(ninf, m0, _mm512_loadu_ps(x), sc);
     const __m512 x1 = _mm512_mask_mul_ps(ninf, m1, _mm512_loadu_ps(x + 16), sc);
     _mm512_storeu_ps(x, x0);
