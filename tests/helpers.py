@@ -166,3 +166,20 @@ def lent_a_helper(round_) -> None:
     finally:
         torch.set_num_threads(threads)
         native.use_helpers(0, [])
+
+
+def prefill_meta(seqs, tokens: int):
+    """A step's attention metadata with only the prefills ``seqs`` (``PrefillSeq``) over
+    ``tokens`` rows, block size 16, the slot mapping all zeros (tests that write no K/V)."""
+    import torch
+
+    from warmboot.kernels.backend import AttentionMetadata
+
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(tokens, dtype=torch.long),
+        num_decode_tokens=0,
+        decode_block_tables=None,
+        decode_seq_lens=None,
+        prefills=seqs,
+        block_size=16,
+    )

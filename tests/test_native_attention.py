@@ -422,7 +422,8 @@ def test_backend_runs_fresh_tiled_prefills_in_one_call(monkeypatch, no_tiles):
     step's fresh bfloat16 prefills of ``TILED_PREFILL_ROWS`` rows or more go through one
     ``causal_prefill`` call; a shorter one and one over cached context take the per-sequence
     path; every row as that path gives."""
-    from warmboot.kernels.backend import AttentionMetadata, PrefillSeq
+    from tests.helpers import prefill_meta
+    from warmboot.kernels.backend import PrefillSeq
     from warmboot.kernels.torch_attention import TILED_PREFILL_ROWS, TorchAttentionBackend
 
     monkeypatch.setattr(native, "amx", lambda: True)
@@ -438,14 +439,7 @@ def test_backend_runs_fresh_tiled_prefills_in_one_call(monkeypatch, no_tiles):
     calls = []
     real = attention.causal_prefill
     monkeypatch.setattr(attention, "causal_prefill", lambda *a: calls.append(a[4:6]) or real(*a))
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(sum(lens), dtype=torch.long),
-        num_decode_tokens=0,
-        decode_block_tables=None,
-        decode_seq_lens=None,
-        prefills=seqs,
-        block_size=16,
-    )
+    meta = prefill_meta(seqs, sum(lens))
     backend = TorchAttentionBackend(native_kernels=True)
     monkeypatch.setattr(attention, "write_kv", lambda *a: True)  # NOTE: the caches as built
     out = backend.forward(q, k, v, kc, vc, meta, 0.125, None)

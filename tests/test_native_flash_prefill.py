@@ -208,7 +208,7 @@ def test_backend_runs_every_prefill_through_the_flash_kernel(monkeypatch):
     """On AMX the fresh bf16 prefills, short ones too, go through one ``causal_prefill`` call
     and those over cached context through one ``paged_prefill`` call; nothing is left to the
     per-sequence path."""
-    from warmboot.kernels.backend import AttentionMetadata
+    from tests.helpers import prefill_meta
     from warmboot.kernels.torch_attention import TorchAttentionBackend
 
     lens, ctx = [64, 20, 3, 70], [64, 20, 3, 90]
@@ -224,14 +224,7 @@ def test_backend_runs_every_prefill_through_the_flash_kernel(monkeypatch):
     backend = TorchAttentionBackend(native_kernels=True)
     monkeypatch.setattr(backend, "_prefill", lambda *a: pytest.fail("a per-sequence prefill ran"))
     monkeypatch.setattr(attention, "write_kv", lambda *a: True)  # NOTE: the caches as built
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(sum(lens), dtype=torch.long),
-        num_decode_tokens=0,
-        decode_block_tables=None,
-        decode_seq_lens=None,
-        prefills=seqs,
-        block_size=16,
-    )
+    meta = prefill_meta(seqs, sum(lens))
     out = backend.forward(q, k, v, kc, vc, meta, 0.125, None)
     assert calls == ["causal_prefill", "paged_prefill"]
     for s, n in zip(starts[:3], lens[:3], strict=True):
