@@ -427,7 +427,7 @@ def test_backend_runs_fresh_tiled_prefills_in_one_call(monkeypatch, no_tiles):
     from warmboot.kernels.torch_attention import TILED_PREFILL_ROWS, TorchAttentionBackend
 
     monkeypatch.setattr(native, "amx", lambda: True)
-    monkeypatch.setattr(attention, "flash_prefill", lambda q: False)
+    monkeypatch.setattr(attention, "flash_prefill", lambda *tensors: False)
     lens, ctx = [TILED_PREFILL_ROWS, 20, 100, 70], [TILED_PREFILL_ROWS, 20, 100, 90]
     q, k, v, starts = _fresh_batch(lens, torch.bfloat16, seed=2)
     kc, vc, tables = _paged(ctx, 3, 64, 16, torch.bfloat16, seed=3)

@@ -67,6 +67,14 @@ def test_flash_prefill_against_float64(hq, hkv, d):
     assert (out[starts[1] : starts[1] + lens[1]] == 7.0).all()
 
 
+def test_flash_prefill_wants_each_tokens_heads_contiguous():
+    q, k, _, _ = _batch([8], 4, 2, 64, seed=1)
+    assert attention.flash_prefill(q, k)
+    assert not attention.flash_prefill(q, k.transpose(1, 2).contiguous().transpose(1, 2))
+    assert not attention.flash_prefill(q.float())
+    assert not attention.flash_prefill(q[..., :48])
+
+
 def test_flash_prefill_when_the_running_max_moves():
     """Scores that grow along the positions (each 32-position block's max far above the last,
     by hundreds at the end: without moving the running max and rescaling the accumulator,

@@ -119,7 +119,7 @@ class TorchAttentionBackend(AttentionBackend):
         usable = softcap is None and scale is not None and k.shape == v.shape
         if not (usable and q.dtype == torch.bfloat16 and native.amx()):
             return seqs
-        flash = native_attention.flash_prefill(q)
+        flash = native_attention.flash_prefill(q, k, v)
         if not flash and (window is not None or sinks is not None):
             return seqs
         least = 1 if flash else TILED_PREFILL_ROWS

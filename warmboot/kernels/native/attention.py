@@ -38,12 +38,15 @@ FLASH_MAX_DIM = 256
 """The largest head_dim ``causal_prefill``'s AMX flash kernel takes (``kMaxDim``)."""
 
 
-def flash_prefill(q: torch.Tensor) -> bool:
-    """Whether ``causal_prefill`` runs its flash kernel on AMX tiles for ``q`` (bfloat16,
-    head_dim a multiple of 32 up to ``FLASH_MAX_DIM``, the tiles usable here): faster than
-    SDPA and the native kernel from 8 tokens on (``docs/benchmarks/intel/kernels.md``)."""
+def flash_prefill(q: torch.Tensor, *kv: torch.Tensor) -> bool:
+    """Whether ``causal_prefill`` runs its flash kernel on AMX tiles for ``q`` and the step's
+    own K/V rows ``kv`` (bfloat16, each token's heads contiguous, head_dim a multiple of 32 up
+    to ``FLASH_MAX_DIM``, the tiles usable here): faster than SDPA and the native kernel from 8
+    tokens on (``docs/benchmarks/intel/kernels.md``)."""
     d = q.shape[-1]
-    return q.dtype == torch.bfloat16 and d % 32 == 0 and d <= FLASH_MAX_DIM and native.amx()
+    rows = all(t.dtype == torch.bfloat16 and t.stride(-1) == 1 and t.stride(-2) == d
+               for t in (q, *kv))  # fmt: skip
+    return rows and d % 32 == 0 and d <= FLASH_MAX_DIM and native.amx()
 
 
 def causal_prefill(
