@@ -1,7 +1,9 @@
-"""``csrc/causal_prefill.cpp``'s flash kernel on AMX tiles (bfloat16 fresh prefills): each row
+"""The flash kernel for bfloat16 prefills on AMX tiles (``csrc/flash_prefill.cpp``, behind
+``causal_prefill`` for fresh prefills and ``paged_prefill`` over cached context): each row
 against a float64 reference, every head size and GQA group it takes, odd lengths, a running
-max that moves (the lazy rescale), the same bits lent a helper or not, and the backend's
-routing. Skipped where the tiles are not usable (an AMD EPYC, gVisor)."""
+max that moves (the lazy rescale), windows and sinks, the same bits lent a helper or not,
+bad input refused, and the backend's routing. Skipped where the tiles are not usable (an AMD
+EPYC, gVisor)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _batch(lens, hq, hkv, d, seed, fused=True):
+def _batch(lens, hq, hkv, d, seed):
     """q (N, hq, d), k and v (N, hkv, d) in bf16, as views into one fused QKV projection."""
     g = torch.Generator().manual_seed(seed)
     n = sum(lens)
