@@ -1,5 +1,5 @@
 // AMX tile set-up shared by the kernels that multiply on the tiles (gemm.cpp,
-// prefill_attention.cpp). WB_AMX: whether this build has the tiles at all.
+// flash_prefill.cpp). WB_AMX: whether this build has the tiles at all.
 #pragma once
 
 #include <immintrin.h>

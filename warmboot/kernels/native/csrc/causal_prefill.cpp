@@ -25,12 +25,8 @@ namespace {
 
 struct Seqs {
   at::IntArrayRef starts, lens;
-  int64_t hkv, group, d;
+  int64_t hkv, group;
 };
-
-const uint16_t* bits(const at::Tensor& t) {
-  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
-}
 
 void sdpa_calls(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                 const at::Tensor& out, const Seqs& s, double scale) {
@@ -97,7 +93,7 @@ void causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
   }
   TORCH_CHECK(window == 0 && !sinks.has_value(),
               "causal_prefill: a window or sinks need the flash kernel (bf16 on AMX tiles)");
-  sdpa_calls(q, k, v, out, Seqs{starts, lens, hkv, q.size(1) / hkv, q.size(2)}, scale);
+  sdpa_calls(q, k, v, out, Seqs{starts, lens, hkv, q.size(1) / hkv}, scale);
 }
 
 void check_tables(const std::vector<at::Tensor>& tables, at::IntArrayRef ctxs, int64_t blocks,

@@ -289,10 +289,6 @@ void item(Flash&, const uint16_t*, int64_t, const uint16_t*, const uint16_t*, ui
           int64_t, const Part&) {}
 #endif
 
-const uint16_t* bits(const at::Tensor& t) {
-  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
-}
-
 }  // namespace
 
 void flash_amx(const at::Tensor& q, const at::Tensor& out, const std::vector<FlashSeq>& seqs,

@@ -33,6 +33,11 @@ struct FlashOpts {
   const float* sinks = nullptr;  // per query head: a logit in each row's softmax, no value
 };
 
+// A bf16 tensor's data as raw 16-bit values.
+inline const uint16_t* bits(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
 // (sequence, KV head, V rather than K) -> its rows
 using RowsOf = std::function<Rows(int64_t, int64_t, bool)>;
 

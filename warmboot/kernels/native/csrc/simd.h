@@ -1,5 +1,5 @@
 // AVX-512 helpers shared by the kernels that compute in float32 (gated.cpp,
-// prefill_attention.cpp); callers compile them under the same target.
+// flash_prefill.cpp); callers compile them under the same target.
 #pragma once
 
 #include <immintrin.h>
