@@ -5,7 +5,6 @@ it), drains on SIGTERM, and never outlives the server."""
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -22,7 +21,7 @@ import pytest
 from tests.server_harness import MODEL_NAME
 from warmboot import LLM, SamplingParams
 from warmboot.config import EAGER_ENV
-from warmboot.launcher import engine_process
+from warmboot.launcher import engine_process, spare_hints
 from warmboot.launcher.launch import LaunchConfig, launch
 from warmboot.launcher.local import wants_gpu
 
@@ -253,6 +252,36 @@ def test_a_spare_engine_process_serves_only_the_start_it_was_made_for(path):
     assert _gone_within(spare, 10) and not engine_process._spare
 
 
+def test_no_spare_where_the_last_start_of_a_launch_ran_in_gvisor(tmp_path, monkeypatch):
+    """A restore kills the spare, and the spare held it back: after a start that ran its
+    engine in gVisor the next start of that launch makes none; after a local one it does."""
+    monkeypatch.setenv("WARMBOOT_CACHE", str(tmp_path))
+    launch_id = spare_hints.launch_id
+    hint = launch_id("m", str(tmp_path / "store"), "auto")
+    assert launch_id("m", None, "auto") is None and launch_id("m", "s", "none") is None
+    assert hint != launch_id("m", str(tmp_path / "other"), "auto")
+    made = []
+    monkeypatch.setattr(engine_process, "Child", lambda *a: made.append(a) or object())
+    try:
+        for sandboxed, spare in ((None, True), (True, False), (False, True)):
+            if sandboxed is not None:
+                spare_hints.remember(hint, sandboxed)
+            made.clear()
+            engine_process.prestart(None, 1, hint)
+            assert bool(made) is spare, (sandboxed, made)
+        spare_hints.remember(hint, True)
+        made.clear()
+        engine_process.prestart(None, 1, launch_id("m", None, "auto"))
+        assert made, "a launch that never runs in gVisor always gets its spare"
+    finally:
+        engine_process._spare.clear()
+    spare_hints._path().write_text("{not json")
+    assert not spare_hints.sandboxed_last(hint), "an unreadable file means a spare"
+    for n in range(spare_hints.KEPT + 5):
+        spare_hints.remember(launch_id(str(n), "s", "auto"), True)
+    assert len(json.loads(spare_hints._path().read_text())) == spare_hints.KEPT
+
+
 def test_an_engine_process_told_to_stop_while_it_compiles_stops_at_once(
     path, tmp_path, monkeypatch
 ):
@@ -279,11 +308,10 @@ def test_the_launcher_says_its_path_is_chosen_before_the_engine_boots(path):
     not beside the launcher's key and lookup: told before the boot (which fails here)."""
     chosen = []
     engine = {"model": str(path), "max_model_len": 100_000}
-    told = functools.partial(chosen.append, "chosen")
-    cfg = LaunchConfig(engine=engine, sandbox="none", engine_process="on", on_path=told)
+    cfg = LaunchConfig(engine=engine, sandbox="none", engine_process="on", on_path=chosen.append)
     with pytest.raises(ValueError, match="exceeds the model's context"):
         launch(cfg)
-    assert chosen == ["chosen"]
+    assert chosen == [False], "told once, the engine outside gVisor"
 
 
 def test_an_engine_process_that_cannot_start_falls_back_in_process(path, monkeypatch):

@@ -281,11 +281,12 @@ def _generate(args) -> int:
 
 def _serve(args) -> int:
     from warmboot.device.threads import usable_cpus
-    from warmboot.launcher import engine_process, local
+    from warmboot.launcher import engine_process, local, spare_hints
 
     cpus = tuple(usable_cpus())
+    hint = spare_hints.launch_id(args.model, args.snapshot_store, args.sandbox)
     if local.in_child(args.engine_process, {"device": args.device}):
-        engine_process.prestart(cpus, args.cpu_threads)  # NOTE: it imports torch meanwhile
+        engine_process.prestart(cpus, args.cpu_threads, hint)  # NOTE: it imports torch meanwhile
     from warmboot.server.engine_holder import EngineHolder, process_age, unservable
 
     started_at = time.monotonic() - process_age()
@@ -301,7 +302,7 @@ def _serve(args) -> int:
     # NOTE: the engine starts (or a restore runs) while the HTTP stack below is imported,
     # once its path is chosen: its imports slowed the launcher's key and lookup (GIL)
     chosen = threading.Event()
-    boot = functools.partial(_boot, args, cpus, chosen)
+    boot = functools.partial(_boot, args, cpus, chosen, hint)
     holder = EngineHolder(boot, started_at=started_at, freeze_gc=True)
     holder.start()
     chosen.wait(CHOOSE_WAIT_S)
@@ -349,14 +350,20 @@ def _server_config(args, chat_template: str | None):
     return config, http_limits
 
 
-def _boot(args, cpus: tuple[int, ...], chosen: threading.Event):
+def _boot(args, cpus: tuple[int, ...], chosen: threading.Event, hint: str | None):
     """``serve``'s engine (again for a restart); ``cpus``: this process's at start, before
-    an engine process moved it off some; ``chosen`` is set once its start path is."""
+    an engine process moved it off some; ``chosen`` is set once its start path is, and
+    where the engine runs is kept for the next start under ``hint`` (``spare_hints``)."""
+    from warmboot.launcher import spare_hints
     from warmboot.launcher.launch import LaunchConfig, launch
+
+    def on_path(sandboxed: bool) -> None:
+        chosen.set()
+        spare_hints.remember(hint, sandboxed)
 
     cfg = LaunchConfig(engine=_engine_kwargs(args, args.model), store=args.snapshot_store,
                        sandbox=args.sandbox, engine_process=args.engine_process,
-                       engine_cpus=cpus, place_front=True, on_path=chosen.set)  # fmt: skip
+                       engine_cpus=cpus, place_front=True, on_path=on_path)  # fmt: skip
     try:
         return launch(cfg)
     finally:

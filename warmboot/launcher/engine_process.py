@@ -148,12 +148,18 @@ class Child:
             pass
 
 
-def prestart(cpus: tuple[int, ...] | None, threads: int | None) -> None:
+def prestart(cpus: tuple[int, ...] | None, threads: int | None, launch: str | None = None):
     """Start an engine process before its settings are known (``serve``, first thing): it
     imports torch and the engine (1.4-1.9 s from a cold page cache on 2 cores) while this
     process imports its own modules, checks the model and picks the start path. ``start``
     takes it when its environment, CPUs and threads still match; ``drop_spare`` ends it when
-    the engine runs elsewhere (a restored sandbox)."""
+    the engine runs elsewhere (a restored sandbox). None is started where the last start of
+    ``launch`` ran its engine in gVisor (``spare_hints``: a restore would kill it, held back
+    by it)."""
+    from warmboot.launcher import spare_hints
+
+    if spare_hints.sandboxed_last(launch):
+        return
     env = _env()
     child = Child(_argv(None), env, cpus, threads)
     with _spare_lock:

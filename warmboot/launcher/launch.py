@@ -71,9 +71,10 @@ class LaunchConfig:
     place_front: bool = False
     """With an engine process on the CPU, move this process's threads off the cores the
     engine computes on (``serve``: this process is then only the HTTP front end)."""
-    on_path: Callable[[], None] | None = None
+    on_path: Callable[[bool], None] | None = None
     """Called once the start path is under way (a restore or boot launched), maybe again on a
-    fallback: ``serve`` imports its HTTP stack only then, not beside the launcher's choice."""
+    fallback, with whether the engine runs in gVisor: ``serve`` imports its HTTP stack only
+    then, not beside the launcher's choice, and keeps where it ran (``spare_hints``)."""
 
 
 def launch(cfg: LaunchConfig):
@@ -163,7 +164,7 @@ def _try_restore(cfg: LaunchConfig, store, key: str, spec, t0: float) -> RemoteL
 def _create(cfg: LaunchConfig, store, key: str, fields: dict, spec, reason: str, t0: float):
     """Boot a sandboxed worker; checkpoint, restore and publish it when this start holds the
     key's publish lease, else serve it as booted (another server is publishing)."""
-    local.path_under_way(cfg)
+    local.path_under_way(cfg, sandboxed=True)
     lease, why = _publish_lease(cfg, store, key)
     work = _work_dir(cfg)
     phases: dict[str, float] = {}
@@ -269,7 +270,7 @@ def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases:
     try:
         with _phase(phases, "runsc_restore"):
             proc = sandbox.restore(image)
-            local.path_under_way(cfg)
+            local.path_under_way(cfg, sandboxed=True)
             verified = _on_thread(verify)
             prefetch()
             tokenizer = Tokenizer.from_dir(cfg.engine["model"])

@@ -17,7 +17,7 @@ log = logging.getLogger("warmboot.startup")
 def start(cfg, reason: str, t0: float, fallbacks: tuple[str, ...] = ()):
     """In a plain child process when ``cfg.engine_process`` says so, else (or when that
     process fails to start) in this one."""
-    path_under_way(cfg)
+    path_under_way(cfg, sandboxed=False)
     if not in_child(cfg.engine_process, cfg.engine):
         return _in_process(cfg, reason, t0, fallbacks)
     from warmboot.launcher import engine_process
@@ -33,10 +33,11 @@ def start(cfg, reason: str, t0: float, fallbacks: tuple[str, ...] = ()):
         return _in_process(cfg, why, t0, (*fallbacks, "engine_process_failed"))
 
 
-def path_under_way(cfg) -> None:
-    """Tell the launcher's caller that the start path is chosen (``LaunchConfig.on_path``)."""
+def path_under_way(cfg, sandboxed: bool) -> None:
+    """Tell the launcher's caller that the start path is chosen, and whether the engine runs
+    in gVisor (``LaunchConfig.on_path``)."""
     if cfg.on_path is not None:
-        cfg.on_path()
+        cfg.on_path(sandboxed)
 
 
 def timed(cfg, reason: str, t0: float, key: str, store=None):
