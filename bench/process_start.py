@@ -39,6 +39,7 @@ from pathlib import Path
 import httpx
 
 from bench.serve import free_port
+from warmboot.launcher.spare_hints import hints_path
 from warmboot.snapshot.start_costs import costs_path
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
@@ -229,7 +230,8 @@ are on record, the 1st start may try a local start once (which restores tier A),
 cold start once (only a restore of that key is on record here); from then on the figures
 decide, a close call measured again until each path has three (``snapshot.start_costs``)."""
 NEW_REPLICA = "chosen by recorded cost, new replica"
-"""This host's costs deleted: only the store's record for this kind of host decides."""
+"""This host's costs (and spare hints) deleted: only the store's record for this kind of host
+decides."""
 
 
 def bench_model(name: str, model: Path, work: Path, repeats: int, peers: bool) -> dict:
@@ -245,8 +247,9 @@ def bench_model(name: str, model: Path, work: Path, repeats: int, peers: bool) -
             ("tier-P restore", store_p, "auto", ()),
             *((label, store_p, "auto", ()) for label in (*CHOSEN, NEW_REPLICA)),
         ):
-            if label == NEW_REPLICA:
+            if label == NEW_REPLICA:  # NOTE: its cache is empty
                 costs_path().unlink(missing_ok=True)
+                hints_path().unlink(missing_ok=True)
             if label == "tier-A restore" and r == 0:
                 time_to_first_token(model, store_a, "none", work)  # publish the engine image
             if label.startswith("gVisor") and store_p.exists():

@@ -252,34 +252,37 @@ def test_a_spare_engine_process_serves_only_the_start_it_was_made_for(path):
     assert _gone_within(spare, 10) and not engine_process._spare
 
 
-def test_no_spare_where_the_last_start_of_a_launch_ran_in_gvisor(tmp_path, monkeypatch):
-    """A restore kills the spare, and the spare held it back: after a start that ran its
-    engine in gVisor the next start of that launch makes none; after a local one it does."""
+def test_no_spare_where_the_engine_will_run_in_gvisor(tmp_path, monkeypatch):
+    """A restore kills the spare, and the spare held it back: a start that can run its engine
+    in gVisor makes none, unless the last start of its launch ran the engine locally."""
     monkeypatch.setenv("WARMBOOT_CACHE", str(tmp_path))
+    monkeypatch.setattr(spare_hints.shutil, "which", lambda name: f"/usr/bin/{name}")
     launch_id = spare_hints.launch_id
     hint = launch_id("m", str(tmp_path / "store"), "auto")
-    assert launch_id("m", None, "auto") is None and launch_id("m", "s", "none") is None
-    assert hint != launch_id("m", str(tmp_path / "other"), "auto")
+    assert hint and hint != launch_id("m", str(tmp_path / "other"), "auto")
+    for store, sandbox in ((None, "auto"), ("s", "none"), ("s3://bucket/p", "auto")):
+        assert launch_id("m", store, sandbox) is None, "runs locally: always a spare"
     made = []
     monkeypatch.setattr(engine_process, "Child", lambda *a: made.append(a) or object())
     try:
-        for sandboxed, spare in ((None, True), (True, False), (False, True)):
+        for sandboxed, spare in ((None, False), (False, True), (True, False), (False, True)):
             if sandboxed is not None:
                 spare_hints.remember(hint, sandboxed)
             made.clear()
             engine_process.prestart(None, 1, hint)
             assert bool(made) is spare, (sandboxed, made)
-        spare_hints.remember(hint, True)
         made.clear()
-        engine_process.prestart(None, 1, launch_id("m", None, "auto"))
+        engine_process.prestart(None, 1, None)
         assert made, "a launch that never runs in gVisor always gets its spare"
     finally:
         engine_process._spare.clear()
-    spare_hints._path().write_text("{not json")
-    assert not spare_hints.sandboxed_last(hint), "an unreadable file means a spare"
+    monkeypatch.setattr(spare_hints.shutil, "which", lambda name: None)
+    assert launch_id("m", str(tmp_path / "store"), "auto") is None, "no runsc: runs locally"
+    spare_hints.hints_path().write_text("{not json")
+    assert spare_hints.expects_gvisor(hint), "an unreadable file: the guess"
     for n in range(spare_hints.KEPT + 5):
-        spare_hints.remember(launch_id(str(n), "s", "auto"), True)
-    assert len(json.loads(spare_hints._path().read_text())) == spare_hints.KEPT
+        spare_hints.remember(f"launch-{n}", True)
+    assert len(json.loads(spare_hints.hints_path().read_text())) == spare_hints.KEPT
 
 
 def test_an_engine_process_told_to_stop_while_it_compiles_stops_at_once(

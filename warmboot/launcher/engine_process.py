@@ -153,12 +153,12 @@ def prestart(cpus: tuple[int, ...] | None, threads: int | None, launch: str | No
     imports torch and the engine (1.4-1.9 s from a cold page cache on 2 cores) while this
     process imports its own modules, checks the model and picks the start path. ``start``
     takes it when its environment, CPUs and threads still match; ``drop_spare`` ends it when
-    the engine runs elsewhere (a restored sandbox). None is started where the last start of
-    ``launch`` ran its engine in gVisor (``spare_hints``: a restore would kill it, held back
-    by it)."""
+    the engine runs elsewhere (a restored sandbox). None is started where a start of
+    ``launch`` will run its engine in gVisor (``spare_hints``: a restore would kill it,
+    held back by it)."""
     from warmboot.launcher import spare_hints
 
-    if spare_hints.sandboxed_last(launch):
+    if spare_hints.expects_gvisor(launch):
         return
     env = _env()
     child = Child(_argv(None), env, cpus, threads)

@@ -7,17 +7,20 @@ held the restore back. Demo model, 2-core Intel Xeon, cold page cache, 5 rounds 
 P's first token took 2.31-2.53 s beside a spare and 1.91-2.02 s without one, while the eager
 cold boot took 1.91-2.03 s with its spare and 1.98-2.03 s without.
 
-So a launch whose last start ran its engine in gVisor starts no spare. A launch is its model
-(as given), snapshot store and sandbox setting; every start records where its engine ran
-(``LaunchConfig.on_path``). A wrong guess costs one start: a local start without the overlap,
-or a spare that a restore kills. Best effort: a file that cannot be read or written means a
-spare, as before.
+So a start that can run its engine in gVisor (a local store, the sandbox allowed, runsc on
+the PATH) starts no spare unless its launch's last start ran the engine locally. With no
+start on record it runs there: it restores the key's image, or boots in gVisor to make one.
+A launch is its model (as given), snapshot store and sandbox setting; every start records
+where its engine ran (``LaunchConfig.on_path``). A wrong guess costs one start: a local
+start without the overlap (a new replica where a local start is the quicker), or a spare
+that a restore kills. Best effort: a file that cannot be read means the guess.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 KEPT = 32
@@ -26,16 +29,19 @@ GVISOR, LOCAL = "gvisor", "local"
 
 
 def launch_id(model: str | None, store: str | None, sandbox: str) -> str | None:
-    """The launch's name in the file; None where its engine never runs in gVisor."""
-    if not store or sandbox == "none":
+    """The launch's name in the file; None where its engine cannot run in gVisor (no store
+    or a remote one, the sandbox off, no runsc: ``launch`` starts it locally)."""
+    remote = "://" in str(store) and not str(store).startswith("file://")
+    if not store or remote or sandbox == "none" or shutil.which("runsc") is None:
         return None
     blob = json.dumps([model, str(store), sandbox])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def sandboxed_last(launch: str | None) -> bool:
-    """Whether the last start of ``launch`` ran its engine in gVisor."""
-    return launch is not None and _load().get(launch) == GVISOR
+def expects_gvisor(launch: str | None) -> bool:
+    """Whether a start of ``launch`` will run its engine in gVisor: as its last start did,
+    and yes where none is on record."""
+    return launch is not None and _load().get(launch, GVISOR) == GVISOR
 
 
 def remember(launch: str | None, sandboxed: bool) -> None:
@@ -52,12 +58,12 @@ def remember(launch: str | None, sandboxed: bool) -> None:
     entries.pop(launch, None)
     entries = dict(list(entries.items())[-(KEPT - 1) :]) | {launch: where}
     try:
-        write_cache_dict(_path(), entries)
+        write_cache_dict(hints_path(), entries)
     except OSError:
         pass
 
 
-def _path() -> Path:
+def hints_path() -> Path:
     from warmboot.config import cache_root
 
     return cache_root() / "spare_hints.json"
@@ -66,4 +72,4 @@ def _path() -> Path:
 def _load() -> dict[str, str]:
     from warmboot.config import read_cache_dict
 
-    return {k: v for k, v in read_cache_dict(_path()).items() if v in (GVISOR, LOCAL)}
+    return {k: v for k, v in read_cache_dict(hints_path()).items() if v in (GVISOR, LOCAL)}
