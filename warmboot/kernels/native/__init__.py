@@ -315,9 +315,9 @@ def _check(argv: list[str], returncode: int, stderr: bytes) -> None:
 
 
 def _link_flags() -> list[str]:
-    from torch.utils.cpp_extension import library_paths
-
-    lib = library_paths()[0]
+    # NOTE: torch's lib dir, as cpp_extension.library_paths() says, without importing it at
+    # every load: it imports setuptools (0.11-0.14 s and 11-16 MB of a boot or an image)
+    lib = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "lib")
     return [f"-L{lib}", f"-Wl,-rpath,{lib}", "-fopenmp", "-lc10", "-ltorch_cpu"]
 
 
