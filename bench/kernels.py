@@ -14,6 +14,8 @@ GEMM and oneDNN's, the native paged decode attention and the torch path it repla
   where there is cached context), and the flash kernel on AMX tiles (``causal_prefill`` for a
   fresh chunk, ``paged_prefill`` over cached context; one thread and lent the helper); the
   backend's pick named.
+- Soft-capped prefill attention (Gemma 2 2B's shape, ``CAPPED_SHAPE``): the per-sequence
+  native kernel against the flash kernel, one thread.
 
 Writes ``docs/benchmarks/kernels.{json,md,png}``. ``python bench/kernels.py [--quick]``.
 """
@@ -176,6 +178,43 @@ def prefill_rows(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
     return out
 
 
+CAPPED = [(128, 128), (512, 512), (2048, 2048), (512, 2048)]
+CAPPED_SHAPE = (8, 4, 256, 50.0)
+"""Soft-capped chunks: Gemma 2 2B's attention (query heads, KV heads, head_dim, softcap)."""
+
+
+def capped_rows(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
+    """Soft-capped prefill chunks, one thread: the per-sequence native kernel
+    (``paged_extend``, which took them before the flash kernel took the cap) and the flash
+    kernel as the backend runs it."""
+    from warmboot.kernels.backend import PrefillSeq
+    from warmboot.kernels.native import attention
+
+    hq, hkv, d, cap = CAPPED_SHAPE
+    scale, out = d**-0.5, []
+    for n, ctx in cases:
+        blocks = -(-ctx // BLOCK)
+        k, v = (torch.randn(blocks, BLOCK, hkv, d).to(torch.bfloat16) for _ in "kv")
+        table, q = torch.randperm(blocks), torch.randn(n, hq, d).to(torch.bfloat16)
+        native_s = best_of(
+            partial(attention.paged_extend, q, k, v, table, ctx, scale, None, cap), repeats
+        )
+        row = {"n": n, "context": ctx, "native_ms": native_s * 1e3}
+        if attention.flash_prefill(q):
+            res = torch.empty_like(q)
+            if n == ctx:
+                rows = [c[table].view(-1, hkv, d)[:n].contiguous() for c in (k, v)]
+                run = partial(attention.causal_prefill, q, *rows, res, [0], [n], scale, None, None,
+                              cap)  # fmt: skip
+            else:
+                seq = [PrefillSeq(0, n, ctx, table)]
+                run = partial(attention.paged_prefill, q, k, v, res, seq, scale, None, None, cap)
+            row["flash_ms"] = best_of(run, repeats) * 1e3
+        out.append(row)
+        print(out[-1], flush=True)
+    return out
+
+
 def flash_ms(q, k, v, seq, new, repeats: int) -> dict:
     """The chunk through the flash kernel on AMX tiles, as the backend runs it (a fresh one
     through ``causal_prefill`` on its own K/V rows, one over cached context through
@@ -204,17 +243,19 @@ def main() -> None:
     rows = [1, 8] if args.quick else [1, 4, 8, 16, 32, 64]
     bw = {"1": bandwidth(1, repeats), "all": bandwidth(os.cpu_count() or 1, repeats)}
     gemm = gemm_rows(rows, repeats)
-    attn, prefill = [], []
+    attn, prefill, capped = [], [], []
     if native.library():
         batches, contexts = ([1, 8], [256]) if args.quick else ([1, 8, 32], [256, 1024])
         attn = attention_rows(batches, contexts, repeats)
         prefill = prefill_rows(PREFILLS[:3] if args.quick else PREFILLS, repeats)
+        capped = capped_rows(CAPPED[:1] if args.quick else CAPPED, repeats)
     isa = f"{native.isa()} + AMX tiles from 4 rows" if native.amx() else native.isa()
     meta = report_meta(isa=isa, bandwidth_gb_s=bw, torch=torch.__version__)
-    write(args.out, meta, gemm, attn, prefill)
+    write(args.out, meta, gemm, attn, prefill, capped)
 
 
-def write(out: Path, meta: dict, gemm: list[dict], attn: list[dict], prefill: list[dict]) -> None:
+def write(out: Path, meta: dict, gemm: list[dict], attn: list[dict], prefill: list[dict],
+          capped: list[dict]) -> None:  # fmt: skip
     bw1, bwn = meta["bandwidth_gb_s"]["1"], meta["bandwidth_gb_s"]["all"]
     lines = [
         "# Decode kernels against the machine's memory bandwidth",
@@ -278,6 +319,7 @@ def write(out: Path, meta: dict, gemm: list[dict], attn: list[dict], prefill: li
                 f"| {r['n']} | {r['context']} | {r['native_ms']:.3f} | {r['sdpa_ms']:.3f} | "
                 f"{r['native_ms'] / r['sdpa_ms']:.2f}x | {flash} | {r['backend_runs']} |"
             )
+    lines += _capped_lines(capped)
     plt = pyplot()
     fig, ax = plt.subplots(1, 2 if attn else 1, figsize=(11 if attn else 6, 4), squeeze=False)
     for kernel in ("native", "native+helper", "onednn"):
@@ -300,8 +342,28 @@ def write(out: Path, meta: dict, gemm: list[dict], attn: list[dict], prefill: li
         ax[0][1].set(xscale="log", yscale="log", xlabel="batch", ylabel="ms per step (30 layers)",
                      title="paged decode attention")  # fmt: skip
         ax[0][1].legend(fontsize=8)
-    data = {"gemm": gemm, "attention": attn, "prefill_attention": prefill}
+    data = {"gemm": gemm, "attention": attn, "prefill_attention": prefill,
+            "capped_prefill_attention": capped}  # fmt: skip
     save_report(out, "kernels", meta, data, lines, fig)
+
+
+def _capped_lines(capped: list[dict]) -> list[str]:
+    if not capped:
+        return []
+    hq, hkv, d, cap = CAPPED_SHAPE
+    lines = [
+        "",
+        f"## Soft-capped prefill attention: one layer's chunk (Gemma 2 2B's: {hq} q / {hkv} KV "
+        f"heads, dim {d}, softcap {cap:g}, bf16)",
+        "",
+        "| query tokens | context | native (per sequence) ms | flash ms | flash / native |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in capped:
+        f = r.get("flash_ms")
+        flash = f"{f:.3f} | {f / r['native_ms']:.2f}x" if f else "- | -"
+        lines.append(f"| {r['n']} | {r['context']} | {r['native_ms']:.3f} | {flash} |")
+    return lines
 
 
 def _f(row: dict | None, key: str) -> str:

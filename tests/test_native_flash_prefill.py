@@ -2,7 +2,7 @@
 ``causal_prefill`` for fresh prefills and ``paged_prefill`` over cached context): each row
 against a float64 reference, every head size and GQA group it takes, odd lengths, a running
 max that moves (the lazy rescale), windows and sinks, the same bits lent a helper or not,
-bad input refused, and the backend's routing. Skipped where the tiles are not usable (an AMD
+soft-capped scores, bad input refused, and the backend's routing. Skipped where the tiles are not usable (an AMD
 EPYC, gVisor)."""
 
 from __future__ import annotations
@@ -31,9 +31,14 @@ def _batch(lens, hq, hkv, d, seed):
     return q, k, v, starts
 
 
-def _reference(q, k, v, start, n, scale):
-    """Causal attention of the rows start .. start + n in float64, GQA by repetition."""
+def _reference(q, k, v, start, n, scale, cap=None):
+    """Causal attention of the rows start .. start + n in float64, GQA by repetition (the
+    scores soft-capped where ``cap``: ``_paged_reference``)."""
     rows = slice(start, start + n)
+    if cap is not None:
+        table = torch.arange(n)  # NOTE: the rows as a cache of one-position blocks
+        caches = (t[rows].unsqueeze(1) for t in (k, v))
+        return _paged_reference(q, *caches, table, start, n, n, scale, cap=cap)
     group = q.shape[1] // k.shape[1]
     qs, ks, vs = (t[rows].transpose(0, 1).double() for t in (q, k, v))
     ks, vs = ks.repeat_interleave(group, 0), vs.repeat_interleave(group, 0)
@@ -124,10 +129,11 @@ def _cache(ctxs, hkv, d, bs, seed):
     return kc, vc, tables
 
 
-def _paged_reference(q, kc, vc, table, start, n, ctx, scale, window=None, sinks=None):
+def _paged_reference(q, kc, vc, table, start, n, ctx, scale, window=None, sinks=None, cap=None):
     """The chunk's rows (the last n of ctx positions) in float64 over the gathered K/V: each
-    row sees the positions up to its own (the last ``window`` of them), and ``sinks`` (one
-    logit per query head) join each row's softmax without a value."""
+    row sees the positions up to its own (the last ``window`` of them), ``sinks`` (one logit
+    per query head) join each row's softmax without a value, and the scores are capped to
+    ``cap * tanh(score / cap)`` first where ``cap`` (Gemma 2's soft-capping)."""
     hkv, d = kc.shape[2], kc.shape[3]
     ks, vs = (c[table].reshape(-1, hkv, d)[:ctx].transpose(0, 1).double() for c in (kc, vc))
     group = q.shape[1] // hkv
@@ -135,7 +141,10 @@ def _paged_reference(q, kc, vc, table, start, n, ctx, scale, window=None, sinks=
     qs = q[start : start + n].transpose(0, 1).double()
     pos, own = torch.arange(ctx)[None, :], torch.arange(ctx - n, ctx)[:, None]
     seen = (pos <= own) & ((pos > own - window) if window else True)
-    scores = (qs @ ks.transpose(1, 2) * scale).masked_fill(~seen, float("-inf"))
+    scores = qs @ ks.transpose(1, 2) * scale
+    if cap is not None:
+        scores = cap * torch.tanh(scores / cap)
+    scores = scores.masked_fill(~seen, float("-inf"))
     if sinks is not None:
         column = sinks.double()[:, None, None].expand(-1, n, 1)
         probs = torch.cat([scores, column], dim=-1).softmax(-1)[..., :-1]
@@ -167,11 +176,46 @@ def test_flash_prefill_with_a_window_and_sinks():
     _check(out, ref, fresh[2])
     torch.ops.warmboot_cpu.use_amx(False)
     try:
-        with pytest.raises(RuntimeError, match="a window or sinks need the flash kernel"):
+        with pytest.raises(RuntimeError, match="a window, sinks or a softcap need the flash"):
             attention.causal_prefill(*fresh, out, [0], [64], 0.125, 20)
         assert not attention.paged_prefill(q, kc, vc, torch.empty_like(q), seqs, 0.125, 7)
     finally:
         torch.ops.warmboot_cpu.use_amx(True)
+
+
+def test_flash_prefill_with_soft_capped_scores():
+    """Scores capped to ``cap * tanh(score / cap)`` (a cap that flattens them and Gemma 2's 50),
+    fresh and over cached context, with a window too, against float64; without the flash
+    kernel a softcap is refused (fresh) or declined (cached)."""
+    ctxs, lens, bs, d = [200, 90], [200, 30], 16, 64
+    kc, vc, tables = _cache(ctxs, 2, d, bs, seed=21)
+    q, _, _, starts = _batch(lens, 4, 2, d, seed=22)
+    seqs = _seqs(starts, lens, ctxs, tables)
+    for cap, window in ((2.0, None), (50.0, None), (5.0, 40)):
+        out = torch.empty_like(q)
+        assert attention.paged_prefill(q, kc, vc, out, seqs, 1.0, window, None, cap)
+        for i, s in enumerate(seqs):
+            rows = slice(s.query_start, s.query_start + s.query_len)
+            ref = _paged_reference(q, kc, vc, tables[i], s.query_start, s.query_len,
+                                   s.context_len, 1.0, window, None, cap)  # fmt: skip
+            _check(out[rows], ref, vc[tables[i]])
+        first = (q, kc, vc, tables[0], 0, 200, 200, 1.0, window)
+        change = (_paged_reference(*first) - _paged_reference(*first, None, cap)).abs().max()
+        assert cap == 50.0 or change > 0.05, "a cap this test can tell from none"
+    fresh = q[:64], *(c[tables[0]].reshape(-1, 2, d)[:64] for c in (kc, vc))
+    out = torch.empty_like(fresh[0])
+    attention.causal_prefill(*fresh, out, [0], [64], 1.0, None, None, 2.0)
+    _check(out, _paged_reference(fresh[0], kc, vc, tables[0], 0, 64, 64, 1.0, cap=2.0), fresh[2])
+    torch.ops.warmboot_cpu.use_amx(False)
+    try:
+        with pytest.raises(RuntimeError, match="a window, sinks or a softcap need the flash"):
+            attention.causal_prefill(*fresh, out, [0], [64], 1.0, None, None, 2.0)
+        assert not attention.paged_prefill(q, kc, vc, torch.empty_like(q), seqs, 1.0, None,
+                                           None, 2.0)  # fmt: skip
+    finally:
+        torch.ops.warmboot_cpu.use_amx(True)
+    with pytest.raises(RuntimeError, match="softcap must be 0 \\(none\\) or positive"):
+        attention.causal_prefill(*fresh, out, [0], [64], 1.0, None, None, -1.0)
 
 
 @pytest.mark.parametrize("d", [64, 128])
@@ -214,10 +258,11 @@ def test_paged_prefill_refuses_bad_tables_and_declines_what_it_cannot_take():
     assert (out32 == 7.0).all()
 
 
-def test_backend_runs_every_prefill_through_the_flash_kernel(monkeypatch):
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_backend_runs_every_prefill_through_the_flash_kernel(monkeypatch, cap):
     """On AMX the fresh bf16 prefills, short ones too, go through one ``causal_prefill`` call
-    and those over cached context through one ``paged_prefill`` call; nothing is left to the
-    per-sequence path."""
+    and those over cached context through one ``paged_prefill`` call, soft-capped scores
+    (Gemma 2) too; nothing is left to the per-sequence path."""
     from tests.helpers import prefill_meta
     from warmboot.kernels.torch_attention import TorchAttentionBackend
 
@@ -235,9 +280,9 @@ def test_backend_runs_every_prefill_through_the_flash_kernel(monkeypatch):
     monkeypatch.setattr(backend, "_prefill", lambda *a: pytest.fail("a per-sequence prefill ran"))
     monkeypatch.setattr(attention, "write_kv", lambda *a: True)  # NOTE: the caches as built
     meta = prefill_meta(seqs, sum(lens))
-    out = backend.forward(q, k, v, kc, vc, meta, 0.125, None)
+    out = backend.forward(q, k, v, kc, vc, meta, 0.125, None, cap)
     assert calls == ["causal_prefill", "paged_prefill"]
     for s, n in zip(starts[:3], lens[:3], strict=True):
-        _check(out[s : s + n], _reference(q, k, v, s, n, 0.125), v[s : s + n])
-    ref = _paged_reference(q, kc, vc, tables[3], starts[3], lens[3], ctx[3], 0.125)
+        _check(out[s : s + n], _reference(q, k, v, s, n, 0.125, cap), v[s : s + n])
+    ref = _paged_reference(q, kc, vc, tables[3], starts[3], lens[3], ctx[3], 0.125, cap=cap)
     _check(out[starts[3] :], ref, vc[tables[3]])

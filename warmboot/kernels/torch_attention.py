@@ -112,26 +112,29 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _flash_prefills(self, q, k, v, k_cache, v_cache, out, seqs, scale, window, softcap, sinks):
         """The step's prefills that native calls take, into ``out``, shared with the helper
-        thread. Where the flash kernel runs (a window and sinks too): every fresh one (no
-        cached context) in one ``causal_prefill`` call and those over cached context in one
-        ``paged_prefill`` call. Otherwise (no window or sinks): the fresh ones that take SDPA
-        (tiled: see ``_native_prefill``) in one ``causal_prefill`` call. Returns the others."""
-        usable = softcap is None and scale is not None and k.shape == v.shape
+        thread. Where the flash kernel runs (a window, sinks and soft-capping too): every fresh
+        one (no cached context) in one ``causal_prefill`` call and those over cached context in
+        one ``paged_prefill`` call. Otherwise (none of those three): the fresh ones that take
+        SDPA (tiled: see ``_native_prefill``) in one ``causal_prefill`` call. Returns the
+        others."""
+        usable = scale is not None and k.shape == v.shape
         if not (usable and q.dtype == torch.bfloat16 and native.amx()):
             return seqs
         flash = native_attention.flash_prefill(q, k, v)
-        if not flash and (window is not None or sinks is not None):
+        if not flash and (window is not None or sinks is not None or softcap is not None):
             return seqs
         least = 1 if flash else TILED_PREFILL_ROWS
         fresh = [s.context_len == s.query_len >= least for s in seqs]
         if any(fresh):
             starts = [s.query_start for s, f in zip(seqs, fresh, strict=True) if f]
             lens = [s.query_len for s, f in zip(seqs, fresh, strict=True) if f]
-            native_attention.causal_prefill(q, k, v, out, starts, lens, scale, window, sinks)
+            native_attention.causal_prefill(
+                q, k, v, out, starts, lens, scale, window, sinks, softcap
+            )
         rest = [s for s, f in zip(seqs, fresh, strict=True) if not f]
         cached = flash and rest and v_cache is not k_cache  # NOTE: not MLA's one latent cache
         if cached and native_attention.paged_prefill(
-            q, k_cache, v_cache, out, rest, scale, window, sinks
+            q, k_cache, v_cache, out, rest, scale, window, sinks, softcap
         ):
             return []
         return rest

@@ -49,33 +49,35 @@ def flash_prefill(q: torch.Tensor, *kv: torch.Tensor) -> bool:
     return rows and d % 32 == 0 and d <= FLASH_MAX_DIM and native.amx()
 
 
-def causal_prefill(
-    q, k, v, out, starts: list[int], lens: list[int], scale: float, window=None, sinks=None
-) -> None:
+def causal_prefill(q, k, v, out, starts: list[int], lens: list[int], scale: float,
+                   window=None, sinks=None, softcap=None) -> None:  # fmt: skip
     """Fresh prefills (no cached context: causal over their own K/V, the rows ``starts[i]``
     .. ``+ lens[i]`` of q, k, v) into the same rows of ``out``, shared with the helper
     threads (``csrc/causal_prefill.cpp``): flash attention on AMX tiles where
     ``flash_prefill`` (each row within bf16 SDPA's error of a float64 reference), else an
     SDPA call per sequence and KV head (its bits). ``window`` (positions a row sees, its own
-    included) and ``sinks`` (one logit per query head) take the flash kernel."""
+    included), ``sinks`` (one logit per query head) and ``softcap`` (scores capped to
+    ``softcap * tanh(score / softcap)``, Gemma 2's) take the flash kernel."""
     torch.ops.warmboot_cpu.causal_prefill(
-        q, k, v, out, starts, lens, scale, window or 0, _sinks(sinks)
+        q, k, v, out, starts, lens, scale, window or 0, _sinks(sinks), softcap or 0.0
     )
 
 
-def paged_prefill(q, k_cache, v_cache, out, seqs, scale: float, window=None, sinks=None) -> bool:
+def paged_prefill(
+    q, k_cache, v_cache, out, seqs, scale: float, window=None, sinks=None, softcap=None
+) -> bool:
     """Prefill chunks over cached context (``seqs``: ``PrefillSeq``-likes, each chunk's rows
     ``query_start`` .. ``+ query_len`` of q the last of its ``context_len`` positions, whose
     K/V are all in the caches already) through the flash kernel into the same rows of ``out``,
     K/V repacked from the blocks of each ``block_table`` where they lie (no gather); False,
     nothing done, where the kernel does not fit (``flash_prefill``; the caches bf16 rows).
-    ``window`` and ``sinks`` as for ``causal_prefill``."""
+    ``window``, ``sinks`` and ``softcap`` as for ``causal_prefill``."""
     return bool(
         torch.ops.warmboot_cpu.paged_prefill(
             q, k_cache, v_cache, out,
             [s.query_start for s in seqs], [s.query_len for s in seqs],
             [s.context_len for s in seqs], [s.block_table for s in seqs], scale,
-            window or 0, _sinks(sinks),
+            window or 0, _sinks(sinks), softcap or 0.0,
         )
     )  # fmt: skip
 

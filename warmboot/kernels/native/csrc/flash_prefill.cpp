@@ -84,6 +84,7 @@ struct Part {  // an item: query rows [t0, t0 + rows), row r at position pos0 + 
   int64_t window;  // positions a row sees, its own included (0: every one before it)
   float scale;
   float sink;  // a logit joining each row's softmax without a value (-inf: none)
+  float cap;   // scores capped to cap tanh(score / cap) (0: none)
 };
 
 // Tiles: C 0-3 the accumulator where head_dim <= 64 (a tile per 16 values, resident through
@@ -129,8 +130,15 @@ __m512 across(const __m512 (&v)[kRows], Op op) {
 __m512 max_of(__m512 a, __m512 b) { return _mm512_max_ps(a, b); }
 __m512 sum_of(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
 
-// The block's scores scaled, positions a row does not see (past its own, before its window;
-// all, for padding rows) at -inf, in place; each row's max.
+// 16 scores scaled, soft-capped where `cap` (Gemma 2: cap tanh(x / cap)).
+__m512 scaled(const float* x, __m512 sc, float cap) {
+  const __m512 y = _mm512_mul_ps(_mm512_loadu_ps(x), sc);
+  if (cap == 0.f) return y;
+  return _mm512_mul_ps(_mm512_set1_ps(cap), tanh16(_mm512_mul_ps(y, _mm512_set1_ps(1.f / cap))));
+}
+
+// The block's scores scaled (and capped), positions a row does not see (past its own, before
+// its window; all, for padding rows) at -inf, in place; each row's max.
 __m512 masked(Flash& f, const Part& it, int64_t p0) {
   const __m512 sc = _mm512_set1_ps(it.scale), ninf = _mm512_set1_ps(-INFINITY);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -147,8 +155,8 @@ __m512 masked(Flash& f, const Part& it, int64_t p0) {
       m1 &= _mm512_cmpge_epi32_mask(lane16, first);
     }
     float* x = f.s + r * kSpan;
-    const __m512 x0 = _mm512_mask_mul_ps(ninf, m0, _mm512_loadu_ps(x), sc);
-    const __m512 x1 = _mm512_mask_mul_ps(ninf, m1, _mm512_loadu_ps(x + 16), sc);
+    const __m512 x0 = _mm512_mask_mov_ps(ninf, m0, scaled(x, sc, it.cap));
+    const __m512 x1 = _mm512_mask_mov_ps(ninf, m1, scaled(x + 16, sc, it.cap));
     _mm512_storeu_ps(x, x0);
     _mm512_storeu_ps(x + 16, x1);
     top[r] = _mm512_max_ps(x0, x1);
@@ -283,7 +291,7 @@ void item(Flash& f, const uint16_t* q, int64_t ldq, const uint16_t* kp, const ui
 struct Flash {};
 struct Part {
   int64_t t0, rows, pos0, window;
-  float scale, sink;
+  float scale, sink, cap;
 };
 void item(Flash&, const uint16_t*, int64_t, const uint16_t*, const uint16_t*, uint16_t*, int64_t,
           int64_t, const Part&) {}
@@ -325,7 +333,7 @@ void flash_amx(const at::Tensor& q, const at::Tensor& out, const std::vector<Fla
       const int64_t at = packed[i] + head / group * padded(i) * d;
       const float sink = opts.sinks ? opts.sinks[head] : -INFINITY;
       const Part it{t0, std::min(kRows, s.n - t0), s.ctx - s.n + t0, opts.window,
-                    static_cast<float>(opts.scale), sink};
+                    static_cast<float>(opts.scale), sink, opts.softcap};
       item(f, bits(q) + s.start * q.stride(0) + head * d, q.stride(0), kp + at, vp + at,
            o + s.start * out.stride(0) + head * d, out.stride(0), d, it);
     }

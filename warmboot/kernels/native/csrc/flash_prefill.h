@@ -31,6 +31,7 @@ struct FlashOpts {
   double scale;
   int64_t window = 0;            // positions a row sees, its own included (0: all before it)
   const float* sinks = nullptr;  // per query head: a logit in each row's softmax, no value
+  float softcap = 0;             // scores become softcap tanh(score / softcap) (0: as they are)
 };
 
 // A bf16 tensor's data as raw 16-bit values.
