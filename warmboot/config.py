@@ -61,6 +61,17 @@ def write_cache_dict(path: Path, data: dict, indent: int | None = None) -> None:
     os.replace(tmp, path)
 
 
+def put_latest(path: Path, entries: dict, key: str, value: object, kept: int) -> None:
+    """Write ``entries`` with ``key`` set to ``value`` (last) and only the latest ``kept``
+    entries, whole; best effort: a file that cannot be written stays as it was."""
+    entries = {k: v for k, v in entries.items() if k != key}
+    entries = dict(list(entries.items())[-(kept - 1) :]) | {key: value}
+    try:
+        write_cache_dict(path, entries)
+    except OSError:
+        pass
+
+
 class ModelFilesError(FileNotFoundError):
     """A file the model directory must hold is missing."""
 

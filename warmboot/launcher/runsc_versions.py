@@ -21,17 +21,11 @@ def known(binary: str) -> str | None:
 
 def remember(binary: str, version: str) -> None:
     """Record ``binary``'s version; the file is replaced whole (a reader never sees half)."""
-    from warmboot.config import write_cache_dict
+    from warmboot.config import put_latest
 
     stamp = _stamp(binary)
-    if stamp is None:
-        return
-    entries = {k: v for k, v in _load().items() if k != stamp}
-    entries = dict(list(entries.items())[-(KEPT - 1) :]) | {stamp: version}
-    try:
-        write_cache_dict(_path(), entries)
-    except OSError:
-        pass
+    if stamp is not None:
+        put_latest(_path(), _load(), stamp, version, KEPT)
 
 
 def _path() -> Path:

@@ -49,18 +49,11 @@ def remember(launch: str | None, sandboxed: bool) -> None:
     that changed, and replaced whole)."""
     if launch is None:
         return
-    from warmboot.config import write_cache_dict
+    from warmboot.config import put_latest
 
-    where = GVISOR if sandboxed else LOCAL
-    entries = _load()
-    if entries.get(launch) == where:
-        return
-    entries.pop(launch, None)
-    entries = dict(list(entries.items())[-(KEPT - 1) :]) | {launch: where}
-    try:
-        write_cache_dict(hints_path(), entries)
-    except OSError:
-        pass
+    where, entries = GVISOR if sandboxed else LOCAL, _load()
+    if entries.get(launch) != where:
+        put_latest(hints_path(), entries, launch, where, KEPT)
 
 
 def hints_path() -> Path:
