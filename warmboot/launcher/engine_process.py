@@ -148,7 +148,7 @@ class Child:
             pass
 
 
-def prestart(cpus: tuple[int, ...] | None, threads: int | None, launch: str | None = None):
+def prestart(cpus: tuple[int, ...] | None, threads: int | None, launch: str | None = None) -> None:
     """Start an engine process before its settings are known (``serve``, first thing): it
     imports torch and the engine (1.4-1.9 s from a cold page cache on 2 cores) while this
     process imports its own modules, checks the model and picks the start path. ``start``
