@@ -201,36 +201,32 @@ def capped_rows(cases: list[tuple[int, int]], repeats: int) -> list[dict]:
         )
         row = {"n": n, "context": ctx, "native_ms": native_s * 1e3}
         if attention.flash_prefill(q):
-            res = torch.empty_like(q)
-            if n == ctx:
-                rows = [c[table].view(-1, hkv, d)[:n].contiguous() for c in (k, v)]
-                run = partial(attention.causal_prefill, q, *rows, res, [0], [n], scale, None, None,
-                              cap)  # fmt: skip
-            else:
-                seq = [PrefillSeq(0, n, ctx, table)]
-                run = partial(attention.paged_prefill, q, k, v, res, seq, scale, None, None, cap)
-            row["flash_ms"] = best_of(run, repeats) * 1e3
+            new = [c[table].view(-1, hkv, d)[ctx - n : ctx] for c in (k, v)]
+            seq = PrefillSeq(0, n, ctx, table)
+            row |= flash_ms(q, k, v, seq, new, repeats, scale, cap, lent_too=False)
         out.append(row)
         print(out[-1], flush=True)
     return out
 
 
-def flash_ms(q, k, v, seq, new, repeats: int) -> dict:
+def flash_ms(q, k, v, seq, new, repeats: int, scale=0.125, cap=None, lent_too=True) -> dict:
     """The chunk through the flash kernel on AMX tiles, as the backend runs it (a fresh one
     through ``causal_prefill`` on its own K/V rows, one over cached context through
-    ``paged_prefill`` on the blocks): one thread, and lent the helper."""
+    ``paged_prefill`` on the blocks; scores soft-capped where ``cap``): one thread, and
+    lent the helper (``lent_too``)."""
     from warmboot.kernels.native import attention
 
-    out = torch.empty_like(q)
+    out, opts = torch.empty_like(q), (scale, None, None, cap)
     if seq.context_len == seq.query_len:
         rows = [t.contiguous() for t in new]
-        run = partial(attention.causal_prefill, q, *rows, out, [0], [seq.query_len], 0.125)
+        run = partial(attention.causal_prefill, q, *rows, out, [0], [seq.query_len], *opts)
     else:
-        run = partial(attention.paged_prefill, q, k, v, out, [seq], 0.125)
-    alone = best_of(run, repeats)
-    with lent("flash+helper"):
-        shared = best_of(run, repeats)
-    return {"flash_ms": alone * 1e3, "flash_helper_ms": shared * 1e3}
+        run = partial(attention.paged_prefill, q, k, v, out, [seq], *opts)
+    row = {"flash_ms": best_of(run, repeats) * 1e3}
+    if lent_too:
+        with lent("flash+helper"):
+            row["flash_helper_ms"] = best_of(run, repeats) * 1e3
+    return row
 
 
 def main() -> None:
