@@ -123,10 +123,7 @@ class Sandbox:
 
     # -- bundle -------------------------------------------------------------------------------
     def _write_bundle(self) -> None:
-        (self.bundle_dir / "config.json").unlink(missing_ok=True)
-        self._runsc("spec", "--bundle", str(self.bundle_dir), "--", *self.spec.argv)
-        path = self.bundle_dir / "config.json"
-        config = json.loads(path.read_text())
+        config = self._default_spec()
         config["root"] = {"path": "/", "readonly": True}
         config["process"].update(
             terminal=False, args=list(self.spec.argv), cwd=self.spec.cwd, env=self._env()
@@ -134,7 +131,17 @@ class Sandbox:
         config["process"]["rlimits"] = [_nofile_rlimit()]
         config["mounts"] += self._mounts()
         # NOTE: no network namespace path and --network=none: the sandbox gets only loopback.
-        path.write_text(json.dumps(config, indent=2))
+        (self.bundle_dir / "config.json").write_text(json.dumps(config, indent=2))
+
+    def _default_spec(self) -> dict:
+        """``runsc spec``'s output, as this binary wrote it before (``runsc_versions``)."""
+
+        def ask() -> str:
+            (self.bundle_dir / "config.json").unlink(missing_ok=True)
+            self._runsc("spec", "--bundle", str(self.bundle_dir), "--", *self.spec.argv)
+            return (self.bundle_dir / "config.json").read_text()
+
+        return runsc_versions.default_spec(self.runsc, ask)
 
     def _env(self) -> list[str]:
         env = dict(self.spec.env)
