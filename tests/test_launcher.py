@@ -89,9 +89,10 @@ def test_restore_answers_like_the_cold_boot(published, monkeypatch):
     )
     engine_process.prestart(None, None)  # NOTE: as serve does; a restore has no use for it
     spare = engine_process._spare[-1][1].proc
-    chosen = []
-    info, again = _launch(replace(cfg, on_path=chosen.append))
+    chosen, told = [], []
+    info, again = _launch(replace(cfg, on_path=chosen.append, on_recorded=told.append))
     assert chosen == [True], "told once, as runsc restore started: the engine in gVisor"
+    assert told == [True], "the next start restores too (no costs compared in the suite)"
     assert info.path == "restored_process" and "canary ok" in info.reason
     assert spare.wait(10) is not None and not engine_process._spare, "the spare was ended"
     assert read_ahead and read_ahead[0] is not None, "the mapped weights are read ahead"

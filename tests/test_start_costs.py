@@ -145,14 +145,17 @@ def test_the_launcher_skips_a_slower_process_image(
 ):
     """With a process image on record as slower than a start outside gVisor, the launcher
     starts locally without trying tier P, and records what that start cost. A new replica
-    (an empty cache) decides by what another host of its kind recorded in the store."""
+    (an empty cache) decides by what another host of its kind recorded in the store. Its
+    caller is told where the next start will run the engine (``serve``'s spare hint)."""
     from warmboot.launcher import launch as launch_mod
     from warmboot.launcher import sandbox
     from warmboot.launcher import spec as spec_mod
 
     monkeypatch.setattr(sandbox, "runsc_status", lambda: ("runsc-test", None))
     engine = {"model": str(path), **ARGS}
-    cfg = launch_mod.LaunchConfig(engine, str(tmp_path / "store"), work_dir=tmp_path / "work")
+    told = []
+    cfg = launch_mod.LaunchConfig(engine, str(tmp_path / "store"), work_dir=tmp_path / "work",
+                                  on_recorded=told.append)  # fmt: skip
     fields = spec_mod.process_key_fields(engine, "runsc-test", launch_mod.worker_spec(cfg))
     key = spec_mod.process_key(fields)
     store = LocalStore(tmp_path / "store")
@@ -181,6 +184,7 @@ def test_the_launcher_skips_a_slower_process_image(
     finally:
         client.shutdown()
     assert "measured quicker" in start_costs.local_is_quicker(key, store), "by measurement"
+    assert told == [False], "the next start runs the engine outside gVisor too"
 
 
 def _shared(store: LocalStore) -> dict:

@@ -352,8 +352,9 @@ def _server_config(args, chat_template: str | None):
 
 def _boot(args, cpus: tuple[int, ...], chosen: threading.Event, hint: str | None):
     """``serve``'s engine (again for a restart); ``cpus``: this process's at start, before
-    an engine process moved it off some; ``chosen`` is set once its start path is, and
-    where the engine runs is kept for the next start under ``hint`` (``spare_hints``)."""
+    an engine process moved it off some; ``chosen`` is set once its start path is. Kept for
+    the next start under ``hint`` (``spare_hints``): where the engine runs, then, once this
+    start's cost is on record, where the next one will run it."""
     from warmboot.launcher import spare_hints
     from warmboot.launcher.launch import LaunchConfig, launch
 
@@ -363,7 +364,8 @@ def _boot(args, cpus: tuple[int, ...], chosen: threading.Event, hint: str | None
 
     cfg = LaunchConfig(engine=_engine_kwargs(args, args.model), store=args.snapshot_store,
                        sandbox=args.sandbox, engine_process=args.engine_process,
-                       engine_cpus=cpus, place_front=True, on_path=on_path)  # fmt: skip
+                       engine_cpus=cpus, place_front=True, on_path=on_path,
+                       on_recorded=functools.partial(spare_hints.remember, hint))  # fmt: skip
     try:
         return launch(cfg)
     finally:

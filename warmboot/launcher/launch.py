@@ -75,6 +75,10 @@ class LaunchConfig:
     """Called once the start path is under way (a restore or boot launched), maybe again on a
     fallback, with whether the engine runs in gVisor: ``serve`` imports its HTTP stack only
     then, not beside the launcher's choice, and keeps where it ran (``spare_hints``)."""
+    on_recorded: Callable[[bool], None] | None = None
+    """Called once this start's cost is on record, with whether the next start of its key
+    will run the engine in gVisor by the figures now on record (``local.recorded``): what
+    ``serve`` keeps for its next spare, rather than where this one ran."""
 
 
 def launch(cfg: LaunchConfig):
@@ -111,6 +115,7 @@ def launch(cfg: LaunchConfig):
         client = _try_restore(cfg, store, key, spec, t0)
         if client is not None:
             start_costs.record_launch(key, "restored_process", client.start_info.ready_s, store)
+            local.recorded(cfg, key, store)
             return client
         reason = f"no process snapshot for key {key[:12]}"
         fallbacks: tuple[str, ...] = ()

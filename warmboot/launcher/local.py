@@ -50,7 +50,18 @@ def timed(cfg, reason: str, t0: float, key: str, store=None):
     # and publish): the next local start restores the image it made
     once = start_costs.one_time(client.stats().get("startup_times", {}))
     start_costs.record_launch(key, "local", max(client.start_info.ready_s - once, 0.0), store)
+    recorded(cfg, key, store)
     return client
+
+
+def recorded(cfg, key: str, store) -> None:
+    """Tell the launcher's caller where the next start of ``key`` will run its engine, now
+    that this one's cost is on record (``LaunchConfig.on_recorded``): the launcher's own
+    choice (``start_costs.local_is_quicker``) on the figures it will read."""
+    if cfg.on_recorded is not None:
+        from warmboot.snapshot import start_costs
+
+        cfg.on_recorded(start_costs.local_is_quicker(key, store) is None)
 
 
 def _in_process(cfg, reason: str, t0: float, fallbacks: tuple[str, ...] = ()):

@@ -8,12 +8,16 @@ P's first token took 2.31-2.53 s beside a spare and 1.91-2.02 s without one, whi
 cold boot took 1.91-2.03 s with its spare and 1.98-2.03 s without.
 
 So a start that can run its engine in gVisor (a local store, the sandbox allowed, runsc on
-the PATH) starts no spare unless its launch's last start ran the engine locally. With no
-start on record it runs there: it restores the key's image, or boots in gVisor to make one.
-A launch is its model (as given), snapshot store and sandbox setting; every start records
-where its engine ran (``LaunchConfig.on_path``). A wrong guess costs one start: a local
-start without the overlap (a new replica where a local start is the quicker), or a spare
-that a restore kills. Best effort: a file that cannot be read means the guess.
+the PATH) starts no spare unless its launch's next start is on record as a local one. With
+none on record it runs there: it restores the key's image, or boots in gVisor to make one.
+A launch is its model (as given), snapshot store and sandbox setting. Every start records
+where its engine runs (``LaunchConfig.on_path``), then, once its cost is on record, where
+the launcher will run the next start's, by the same figures (``on_recorded``): the launcher
+alternates between paths while their costs are a close call, so where the last start ran
+was a wrong guess for every other start there. A wrong guess costs one start: a local start
+without the overlap (a new replica where a local start is the quicker, or figures another
+host shared since), or a spare that a restore kills. Best effort: a file that cannot be
+read means the guess.
 """
 
 from __future__ import annotations
@@ -39,14 +43,14 @@ def launch_id(model: str | None, store: str | None, sandbox: str) -> str | None:
 
 
 def expects_gvisor(launch: str | None) -> bool:
-    """Whether a start of ``launch`` will run its engine in gVisor: as its last start did,
-    and yes where none is on record."""
+    """Whether a start of ``launch`` will run its engine in gVisor: as recorded by its last
+    start, and yes where none is on record."""
     return launch is not None and _load().get(launch, GVISOR) == GVISOR
 
 
 def remember(launch: str | None, sandboxed: bool) -> None:
-    """Record where this start of ``launch`` runs its engine (the file is written only when
-    that changed, and replaced whole)."""
+    """Record where a start of ``launch`` runs its engine, this one's or the next (the file
+    is written only when that changed, and replaced whole)."""
     if launch is None:
         return
     from warmboot.config import put_latest
