@@ -285,6 +285,32 @@ def test_no_spare_where_the_engine_will_run_in_gvisor(tmp_path, monkeypatch):
     assert len(json.loads(spare_hints.hints_path().read_text())) == spare_hints.KEPT
 
 
+def test_a_new_replica_takes_the_spare_hint_from_the_store(tmp_path, monkeypatch):
+    """A new replica (an empty cache) has no hint of its own: it takes the word its launch's
+    starts left in the store's record for its kind of host (once their costs were on record:
+    ``on_recorded``), and guesses gVisor without one. A host's own word comes first."""
+    from warmboot.snapshot.start_costs import host_class
+    from warmboot.snapshot.store import LocalStore
+
+    monkeypatch.setattr(spare_hints.shutil, "which", lambda name: f"/usr/bin/{name}")
+    store = str(tmp_path / "store")
+    hint = spare_hints.launch_id("m", store, "auto")
+    monkeypatch.setenv("WARMBOOT_CACHE", str(tmp_path / "host-1"))
+    assert spare_hints.expects_gvisor(hint, store), "nothing on record anywhere: the guess"
+    spare_hints.remember(hint, False, store=store)
+    spare_hints.remember("another launch", True, store=store)
+    monkeypatch.setenv("WARMBOOT_CACHE", str(tmp_path / "host-2"))  # NOTE: a new replica
+    assert not spare_hints.expects_gvisor(hint, store), "the store's word: a local start"
+    assert spare_hints.expects_gvisor("another launch", store)
+    assert spare_hints.expects_gvisor(hint), "no store given: the guess"
+    spare_hints.remember(hint, True)  # NOTE: this host's own word, not shared
+    assert spare_hints.expects_gvisor(hint, store), "this host's word comes first"
+    monkeypatch.setenv("WARMBOOT_CACHE", str(tmp_path / "host-3"))
+    assert not spare_hints.expects_gvisor(hint, store), "the store kept host 1's word"
+    LocalStore(store).put_record(f"spare-hints-{host_class()}", b"[not a dict")
+    assert spare_hints.expects_gvisor(hint, store), "a record that is no dict: the guess"
+
+
 def test_an_engine_process_told_to_stop_while_it_compiles_stops_at_once(
     path, tmp_path, monkeypatch
 ):

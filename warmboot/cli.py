@@ -285,8 +285,8 @@ def _serve(args) -> int:
 
     cpus = tuple(usable_cpus())
     hint = spare_hints.launch_id(args.model, args.snapshot_store, args.sandbox)
-    if local.in_child(args.engine_process, {"device": args.device}):
-        engine_process.prestart(cpus, args.cpu_threads, hint)  # NOTE: it imports torch meanwhile
+    if local.in_child(args.engine_process, {"device": args.device}):  # NOTE: a spare imports torch
+        engine_process.prestart(cpus, args.cpu_threads, hint, args.snapshot_store)
     from warmboot.server.engine_holder import EngineHolder, process_age, unservable
 
     started_at = time.monotonic() - process_age()
@@ -365,7 +365,8 @@ def _boot(args, cpus: tuple[int, ...], chosen: threading.Event, hint: str | None
     cfg = LaunchConfig(engine=_engine_kwargs(args, args.model), store=args.snapshot_store,
                        sandbox=args.sandbox, engine_process=args.engine_process,
                        engine_cpus=cpus, place_front=True, on_path=on_path,
-                       on_recorded=functools.partial(spare_hints.remember, hint))  # fmt: skip
+                       on_recorded=functools.partial(spare_hints.remember, hint,
+                                                     store=args.snapshot_store))  # fmt: skip
     try:
         return launch(cfg)
     finally:

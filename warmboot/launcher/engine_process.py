@@ -148,17 +148,22 @@ class Child:
             pass
 
 
-def prestart(cpus: tuple[int, ...] | None, threads: int | None, launch: str | None = None) -> None:
+def prestart(
+    cpus: tuple[int, ...] | None,
+    threads: int | None,
+    launch: str | None = None,
+    store: str | None = None,
+) -> None:
     """Start an engine process before its settings are known (``serve``, first thing): it
     imports torch and the engine (1.4-1.9 s from a cold page cache on 2 cores) while this
     process imports its own modules, checks the model and picks the start path. ``start``
     takes it when its environment, CPUs and threads still match; ``drop_spare`` ends it when
     the engine runs elsewhere (a restored sandbox). None is started where a start of
-    ``launch`` will run its engine in gVisor (``spare_hints``: a restore would kill it,
-    held back by it)."""
+    ``launch`` will run its engine in gVisor (``spare_hints``, which may read ``store``'s
+    record: a restore would kill it, held back by it)."""
     from warmboot.launcher import spare_hints
 
-    if spare_hints.expects_gvisor(launch):
+    if spare_hints.expects_gvisor(launch, store):
         return
     env = _env()
     child = Child(_argv(None), env, cpus, threads)

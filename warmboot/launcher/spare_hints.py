@@ -8,16 +8,17 @@ P's first token took 2.31-2.53 s beside a spare and 1.91-2.02 s without one, whi
 cold boot took 1.91-2.03 s with its spare and 1.98-2.03 s without.
 
 So a start that can run its engine in gVisor (a local store, the sandbox allowed, runsc on
-the PATH) starts no spare unless its launch's next start is on record as a local one. With
-none on record it runs there: it restores the key's image, or boots in gVisor to make one.
+the PATH) starts no spare unless its launch's next start is on record as a local one: here,
+or for a new replica (an empty cache) in the store's record for its kind of host, where each
+start leaves its word too. With none on record it runs there: it restores the key's image,
+or boots in gVisor to make one.
 A launch is its model (as given), snapshot store and sandbox setting. Every start records
 where its engine runs (``LaunchConfig.on_path``), then, once its cost is on record, where
 the launcher will run the next start's, by the same figures (``on_recorded``): the launcher
 alternates between paths while their costs are a close call, so where the last start ran
 was a wrong guess for every other start there. A wrong guess costs one start: a local start
-without the overlap (a new replica where a local start is the quicker, or figures another
-host shared since), or a spare that a restore kills. Best effort: a file that cannot be
-read means the guess.
+without the overlap (figures another host shared since), or a spare that a restore kills.
+Best effort: a file or record that cannot be read means the guess.
 """
 
 from __future__ import annotations
@@ -42,15 +43,22 @@ def launch_id(model: str | None, store: str | None, sandbox: str) -> str | None:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def expects_gvisor(launch: str | None) -> bool:
+def expects_gvisor(launch: str | None, store: str | None = None) -> bool:
     """Whether a start of ``launch`` will run its engine in gVisor: as recorded by its last
-    start, and yes where none is on record."""
-    return launch is not None and _load().get(launch, GVISOR) == GVISOR
+    start here, else (a new replica) as hosts of this kind left it in ``store``'s record, and
+    yes where none is on record."""
+    if launch is None:
+        return False
+    where = _load().get(launch)
+    if where is None and store is not None:
+        where = _shared(store).get(launch)
+    return where != LOCAL
 
 
-def remember(launch: str | None, sandboxed: bool) -> None:
+def remember(launch: str | None, sandboxed: bool, store: str | None = None) -> None:
     """Record where a start of ``launch`` runs its engine, this one's or the next (the file
-    is written only when that changed, and replaced whole)."""
+    is written only when that changed, and replaced whole); with ``store``, in its record for
+    this kind of host too, for new replicas (``on_recorded``'s word only)."""
     if launch is None:
         return
     from warmboot.config import put_latest
@@ -58,6 +66,8 @@ def remember(launch: str | None, sandboxed: bool) -> None:
     where, entries = GVISOR if sandboxed else LOCAL, _load()
     if entries.get(launch) != where:
         put_latest(hints_path(), entries, launch, where, KEPT)
+    if store is not None:
+        _share(store, launch, where)
 
 
 def hints_path() -> Path:
@@ -70,3 +80,43 @@ def _load() -> dict[str, str]:
     from warmboot.config import read_cache_dict
 
     return {k: v for k, v in read_cache_dict(hints_path()).items() if v in (GVISOR, LOCAL)}
+
+
+def _record(store: str):
+    """(the store, its record's name for this kind of host: ``start_costs.host_class``)."""
+    from warmboot.snapshot.start_costs import host_class
+    from warmboot.snapshot.store import open_store
+
+    return open_store(store), f"spare-hints-{host_class()}"
+
+
+def _shared(store: str) -> dict[str, str]:
+    """The hints in ``store``'s record for this kind of host (data: anything else, or a store
+    that does not answer in time, is none)."""
+    from warmboot.snapshot.deadline import run_with_deadline
+    from warmboot.snapshot.start_costs import RECORD_TIMEOUT_S
+
+    try:
+        box, name = _record(store)
+        raw = run_with_deadline("spare hints", lambda _: box.get_record(name), RECORD_TIMEOUT_S)
+        data = json.loads(raw or b"{}")
+    except Exception:  # noqa: BLE001 - best effort: the guess
+        return {}
+    ok = isinstance(data, dict)
+    return {k: v for k, v in data.items() if v in (GVISOR, LOCAL)} if ok else {}
+
+
+def _share(store: str, launch: str, where: str) -> None:
+    from warmboot.snapshot.deadline import run_with_deadline
+    from warmboot.snapshot.start_costs import RECORD_TIMEOUT_S
+
+    entries = _shared(store)
+    if entries.get(launch) == where:
+        return
+    entries = {k: v for k, v in entries.items() if k != launch}
+    data = json.dumps(dict(list(entries.items())[-(KEPT - 1) :]) | {launch: where}).encode()
+    try:
+        box, name = _record(store)
+        run_with_deadline("spare hints", lambda _: box.put_record(name, data), RECORD_TIMEOUT_S)
+    except Exception:  # noqa: BLE001 - a read-only or stalled store: kept here only
+        pass
