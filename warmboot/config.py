@@ -62,14 +62,18 @@ def write_cache_dict(path: Path, data: dict, indent: int | None = None) -> None:
 
 
 def put_latest(path: Path, entries: dict, key: str, value: object, kept: int) -> None:
-    """Write ``entries`` with ``key`` set to ``value`` (last) and only the latest ``kept``
-    entries, whole; best effort: a file that cannot be written stays as it was."""
-    entries = {k: v for k, v in entries.items() if k != key}
-    entries = dict(list(entries.items())[-(kept - 1) :]) | {key: value}
+    """Write ``with_latest(...)`` whole; best effort: a file that cannot be written stays as
+    it was."""
     try:
-        write_cache_dict(path, entries)
+        write_cache_dict(path, with_latest(entries, key, value, kept))
     except OSError:
         pass
+
+
+def with_latest(entries: dict, key: str, value: object, kept: int) -> dict:
+    """``entries`` with ``key`` set to ``value`` (last), only the latest ``kept`` entries."""
+    entries = {k: v for k, v in entries.items() if k != key}
+    return dict(list(entries.items())[-(kept - 1) :]) | {key: value}
 
 
 class ModelFilesError(FileNotFoundError):

@@ -1,5 +1,5 @@
-"""Where the last ``serve`` of a launch ran its engine, so the next one starts a spare engine
-process (``engine_process.prestart``) only where a start may take it.
+"""Where the next ``serve`` of a launch will run its engine, so it starts a spare engine
+process (``engine_process.prestart``) only where the start may take it.
 
 A spare imports torch and the engine (1.4-1.9 s of a core, and their files read from disk)
 while the launcher picks the start path. A tier-P restore kills it unused, and what it took
@@ -12,6 +12,7 @@ the PATH) starts no spare unless its launch's next start is on record as a local
 or for a new replica (an empty cache) in the store's record for its kind of host, where each
 start leaves its word too. With none on record it runs there: it restores the key's image,
 or boots in gVisor to make one.
+
 A launch is its model (as given), snapshot store and sandbox setting. Every start records
 where its engine runs (``LaunchConfig.on_path``), then, once its cost is on record, where
 the launcher will run the next start's, by the same figures (``on_recorded``): the launcher
@@ -107,14 +108,14 @@ def _shared(store: str) -> dict[str, str]:
 
 
 def _share(store: str, launch: str, where: str) -> None:
+    from warmboot.config import with_latest
     from warmboot.snapshot.deadline import run_with_deadline
     from warmboot.snapshot.start_costs import RECORD_TIMEOUT_S
 
     entries = _shared(store)
     if entries.get(launch) == where:
         return
-    entries = {k: v for k, v in entries.items() if k != launch}
-    data = json.dumps(dict(list(entries.items())[-(KEPT - 1) :]) | {launch: where}).encode()
+    data = json.dumps(with_latest(entries, launch, where, KEPT)).encode()
     try:
         box, name = _record(store)
         run_with_deadline("spare hints", lambda _: box.put_record(name, data), RECORD_TIMEOUT_S)
