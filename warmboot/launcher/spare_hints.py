@@ -84,40 +84,31 @@ def _load() -> dict[str, str]:
 
 
 def _record(store: str):
-    """(the store, its record's name for this kind of host: ``start_costs.host_class``)."""
+    """(the store, its record's name for this kind of host: ``start_costs.host_class``), or
+    None where the store cannot be opened."""
     from warmboot.snapshot.start_costs import host_class
     from warmboot.snapshot.store import open_store
 
-    return open_store(store), f"spare-hints-{host_class()}"
+    try:
+        return open_store(store), f"spare-hints-{host_class()}"
+    except Exception:  # noqa: BLE001 - best effort: the guess
+        return None
 
 
 def _shared(store: str) -> dict[str, str]:
-    """The hints in ``store``'s record for this kind of host (data: anything else, or a store
-    that does not answer in time, is none)."""
-    from warmboot.snapshot.deadline import run_with_deadline
-    from warmboot.snapshot.start_costs import RECORD_TIMEOUT_S
+    """The hints in ``store``'s record for this kind of host (``start_costs.read_record``:
+    none where it cannot be read)."""
+    from warmboot.snapshot.start_costs import read_record
 
-    try:
-        box, name = _record(store)
-        raw = run_with_deadline("spare hints", lambda _: box.get_record(name), RECORD_TIMEOUT_S)
-        data = json.loads(raw or b"{}")
-    except Exception:  # noqa: BLE001 - best effort: the guess
-        return {}
-    ok = isinstance(data, dict)
-    return {k: v for k, v in data.items() if v in (GVISOR, LOCAL)} if ok else {}
+    record = _record(store)
+    hints = read_record(*record, "spare hints") if record else {}
+    return {k: v for k, v in hints.items() if v in (GVISOR, LOCAL)}
 
 
 def _share(store: str, launch: str, where: str) -> None:
     from warmboot.config import with_latest
-    from warmboot.snapshot.deadline import run_with_deadline
-    from warmboot.snapshot.start_costs import RECORD_TIMEOUT_S
+    from warmboot.snapshot.start_costs import write_record
 
-    entries = _shared(store)
-    if entries.get(launch) == where:
-        return
-    data = json.dumps(with_latest(entries, launch, where, KEPT)).encode()
-    try:
-        box, name = _record(store)
-        run_with_deadline("spare hints", lambda _: box.put_record(name, data), RECORD_TIMEOUT_S)
-    except Exception:  # noqa: BLE001 - a read-only or stalled store: kept here only
-        pass
+    entries, record = _shared(store), _record(store)
+    if record and entries.get(launch) != where:
+        write_record(*record, with_latest(entries, launch, where, KEPT), "spare hints")

@@ -108,13 +108,7 @@ def _save(key: str, path: str, seconds: float, store=None) -> None:
     if (name := _record_name(store)) is not None:
         shared = _read_shared(store, name)
         _add(shared, key, path, seconds)
-        data = json.dumps(shared, indent=1).encode()
-        try:
-            run_with_deadline(
-                "start costs", lambda _: store.put_record(name, data), RECORD_TIMEOUT_S
-            )
-        except Exception as e:  # noqa: BLE001 - a read-only or stalled store: kept here
-            log.info("start costs not shared through %s: %s", store.url, e)
+        write_record(store, name, shared, "start costs")
 
 
 def _add(costs: dict, key: str, path: str, seconds: float) -> None:
@@ -183,13 +177,30 @@ def _read_local() -> dict[str, dict[str, list[float]]]:
 
 
 def _read_shared(store, name: str) -> dict[str, dict[str, list[float]]]:
+    return _valid(read_record(store, name, "start costs"))
+
+
+def read_record(store, name: str, what: str) -> dict:
+    """``store``'s JSON record ``name`` (a ``Store``), under ``RECORD_TIMEOUT_S``; empty where
+    there is none, it is no JSON object or the store does not answer (data, never trusted:
+    the caller checks its values)."""
     try:
-        raw = run_with_deadline("start costs", lambda _: store.get_record(name), RECORD_TIMEOUT_S)
+        raw = run_with_deadline(what, lambda _: store.get_record(name), RECORD_TIMEOUT_S)
         data = json.loads(raw or b"{}")
     except Exception as e:  # noqa: BLE001 - unreadable, stalled or no JSON: nothing shared
-        log.info("no start costs read from %s: %s", store.url, e)
+        log.info("no %s read from %s: %s", what, store.url, e)
         return {}
-    return _valid(data) if isinstance(data, dict) else {}
+    return data if isinstance(data, dict) else {}
+
+
+def write_record(store, name: str, data: dict, what: str) -> None:
+    """Replace ``store``'s record ``name`` with ``data``, under ``RECORD_TIMEOUT_S``; best
+    effort (a read-only or stalled store keeps what it had)."""
+    blob = json.dumps(data, indent=1).encode()
+    try:
+        run_with_deadline(what, lambda _: store.put_record(name, blob), RECORD_TIMEOUT_S)
+    except Exception as e:  # noqa: BLE001 - a read-only or stalled store: kept here
+        log.info("%s not shared through %s: %s", what, store.url, e)
 
 
 def _valid(data: dict) -> dict[str, dict[str, list[float]]]:
