@@ -54,6 +54,7 @@ from warmboot.models.base import CausalLM
 from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.linear import Linear, PackedMethod
 from warmboot.models.layers.moe import FusedExperts, OpExperts
+from warmboot.models.layers.state import StateMixer
 
 log = logging.getLogger(__name__)
 
@@ -80,10 +81,13 @@ class CompiledSteps:
         kernel: str = "native",
     ):
         self.kv_caches = kv_caches
+        self.state_caches: list[dict[str, torch.Tensor] | None] = []
+        """Per layer: a state layer's tensors (``ModelRunner.state_caches``)."""
         self.backend = backend
         self.linears = PackedLinears()
         self.linears.kernel = kernel
-        self.packed = can_pack(dtype, kv_caches[0][0].device)
+        self.device = next(model.parameters()).device
+        self.packed = can_pack(dtype, self.device)
         self.model = packed_view(model, self.linears, self.packed)
         self.specs = model.attention_specs()
         self.stats = CompileStats()
@@ -108,7 +112,9 @@ class CompiledSteps:
         return torch.compile(fn, backend=backend, dynamic=False, fullgraph=True)
 
     def context(self, meta: AttentionMetadata | None) -> StepContext:
-        return StepContext(self.backend, self.kv_caches, meta, self.specs, self.linears)
+        return StepContext(
+            self.backend, self.kv_caches, meta, self.specs, self.linears, states=self.state_caches
+        )
 
     def hidden(
         self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
@@ -143,7 +149,9 @@ class CompiledSteps:
         with guard_gate.guarded():
             return call()
 
-    def warm_up(self, scratch_block: int, block_size: int) -> CompileStats:
+    def warm_up(
+        self, scratch_block: int, block_size: int, scratch_state_slot: int = 0
+    ) -> CompileStats:
         """Compile both graphs on two scratch decode rows (they write only the scratch block,
         which no request owns): every later step, of any token count, reuses them. Then one
         and three rows: if either traced again, a graph depends on the row count and the
@@ -158,7 +166,10 @@ class CompiledSteps:
             inductor_config.patch(threads),
             torch_threads(self.cpu_threads),
         ):
-            traced = [self._scratch_step(rows, scratch_block, block_size) for rows in (2, 1, 3)]
+            traced = [
+                self._scratch_step(rows, scratch_block, block_size, scratch_state_slot)
+                for rows in (2, 1, 3)
+            ]
         # NOTE: one graph per code object, and each engine's code is its own (``_own_code``):
         # nothing is left for the guards to tell apart
         self.guard_free = traced[0] == traced[-1] == 2
@@ -166,13 +177,13 @@ class CompiledSteps:
             log.warning("a compiled graph depends on the row count: steps keep their guards")
         return self.stats
 
-    def _scratch_step(self, rows: int, scratch_block: int, block_size: int) -> int:
+    def _scratch_step(self, rows: int, scratch_block: int, block_size: int, state: int) -> int:
         """One scratch decode step of ``rows`` rows; the graphs traced so far."""
-        device = self.kv_caches[0][0].device
+        device = self.device
         # NOTE: inputs made outside inference mode, as the runner's are (else every step
         # fails a dispatch-key guard and recompiles)
         with torch.inference_mode(False):
-            meta = scratch_decode(rows, 1, scratch_block, block_size, device)
+            meta = scratch_decode(rows, 1, scratch_block, block_size, device, state)
             ids = torch.zeros(rows, dtype=torch.int64, device=device)
             positions = torch.zeros_like(ids)
         self.logits(self.hidden(ids, positions, meta))
@@ -180,10 +191,16 @@ class CompiledSteps:
 
 
 def scratch_decode(
-    rows: int, context: int, scratch_block: int, block_size: int, device: torch.device
+    rows: int,
+    context: int,
+    scratch_block: int,
+    block_size: int,
+    device: torch.device,
+    scratch_state_slot: int = 0,
 ) -> AttentionMetadata:
     """``rows`` decode rows of ``context`` tokens (<= block_size) that read and write only the
-    scratch block, which no request owns: a step to compile or time between real ones."""
+    scratch block and state slot, which no request owns: a step to compile or time between
+    real ones."""
     i64 = dict(dtype=torch.int64, device=device)
     return AttentionMetadata(
         slot_mapping=torch.full((rows,), scratch_block * block_size + context - 1, **i64),
@@ -192,6 +209,8 @@ def scratch_decode(
         decode_seq_lens=torch.full((rows,), context, **i64),
         prefills=[],
         block_size=block_size,
+        state_slots=[scratch_state_slot] * rows,
+        decode_state_slots=torch.full((rows,), scratch_state_slot, **i64),
     )
 
 
@@ -270,7 +289,7 @@ def _number(layer: torch.nn.Module, i: int) -> None:
     """Decoder layer ``i``, its linears and experts carry ``i`` (one tensor) as ``STEP_INDEX``."""
     index = torch.tensor(i)  # NOTE: on the CPU: the ops read it on the host
     for module in layer.modules():
-        if module is layer or isinstance(module, (Linear, FusedExperts)):
+        if module is layer or isinstance(module, (Linear, FusedExperts, StateMixer)):
             module.register_buffer(STEP_INDEX, index, persistent=False)
 
 

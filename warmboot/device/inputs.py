@@ -36,6 +36,8 @@ class InputBuilder:
         ]
         self.scratch_block = 0
         """KV block past the managed pool, written only by graph padding rows."""
+        self.with_states = False
+        """The model has state layers: each sequence's state slot goes into the metadata."""
 
     def reset_tables(self, scratch_block: int) -> None:
         """A new KV pool whose scratch block is ``scratch_block``."""
@@ -87,6 +89,7 @@ class InputBuilder:
             meta.decode_block_tables = self._decode_tables(staging, decodes, pad, width, slots)
             lens = [s.start_pos + 1 for s in decodes] + [1] * pad
             meta.decode_seq_lens = staging.put("seq_lens", lens)
+        fresh = self._state_slots(meta, staging, rows, num_decodes, slots)
         sampling = [i for i, s in enumerate(rows) if s.sample]
         step = StepInputs(
             rows=rows,
@@ -97,10 +100,28 @@ class InputBuilder:
             sample_index=staging.put("sample_index", [last_index[i] for i in sampling]),
             last_index=last_index,
             graph_batch=graph_batch,
+            fresh_slots=fresh,
         )
         if any(s.prompt_logprob_targets for s in rows):
             self._prompt_rows(step)
         return step
+
+    def _state_slots(
+        self,
+        meta: AttentionMetadata,
+        staging: Staging,
+        rows: list[ScheduledRequest],
+        num_decodes: int,
+        slots: RequestSlots,
+    ) -> list[int]:
+        """Each sequence's state slot (its request slot) into ``meta``; returns those of the
+        sequences that start at position 0, whose state starts from zeros."""
+        if not self.with_states:
+            return []
+        meta.state_slots = [slots.slot_of(s.req_id) for s in rows]
+        if num_decodes:
+            meta.decode_state_slots = staging.put("state_slots", meta.state_slots[:num_decodes])
+        return [slot for s, slot in zip(rows, meta.state_slots, strict=True) if s.start_pos == 0]
 
     def _prompt_rows(self, step: StepInputs) -> None:
         """Where in the batch the rows that want prompt logprobs predict which tokens."""

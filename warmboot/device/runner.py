@@ -6,7 +6,6 @@ state (``sampling_state``: seeded generators, penalty histories)."""
 
 from __future__ import annotations
 
-import mmap
 import weakref
 from collections import Counter
 from pathlib import Path
@@ -23,6 +22,7 @@ from warmboot.core.types import (
 from warmboot.device.compiled import CompiledSteps, CompileStats
 from warmboot.device.graphs import DecodeGraphs
 from warmboot.device.inputs import InputBuilder
+from warmboot.device.pools import Pools, clear_states
 from warmboot.device.sampler import Sampler, prompt_logprobs
 from warmboot.device.sampling_state import SamplingState
 from warmboot.device.slots import RequestSlots
@@ -60,7 +60,11 @@ class ModelRunner:
         self.kv_layout: KVLayout | None = None
         """What the model's KV cache holds per token and layer (``CausalLM.kv_layout``)."""
         self.max_model_len = max_model_len
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.state_caches: list[dict[str, torch.Tensor] | None] = []
+        """Per layer: K and V pages, or a state layer's tensors (a row per request slot and a
+        scratch row) (``device.pools``); None where the layer has the other kind."""
+        self.pools = Pools(device, dtype)
         self.sampler = Sampler()
         self.cpu_threads = cpu_threads
         self.stream = make_stream(device, cpu_threads)
@@ -73,6 +77,8 @@ class ModelRunner:
         self.token_buffer = torch.zeros(num_request_slots, dtype=torch.int64, device=device)
         """Per request slot: the last sampled token (written by sample, read by forward)."""
         self.slots = RequestSlots(num_request_slots)
+        self.scratch_state_slot = num_request_slots
+        """The state row past the request slots, written only by compile warm-ups."""
         self._finished: set[str] = set()
         """Finished requests whose slot is still used by an in-flight (zombie) row."""
         tokens = max(max_num_batched_tokens, max_num_seqs)
@@ -101,20 +107,33 @@ class ModelRunner:
         self.specs = self.model.attention_specs()
         self.kv_layout = self.model.kv_layout()
         self.attention.check_layout(self.kv_layout, self.model_cfg.num_heads)
+        self.inputs.with_states = self.kv_layout.has_state
         self._settle()
 
     def kv_bytes_per_token(self) -> int:
-        """KV cache bytes one token takes across all layers (the model's ``KVLayout``)."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.model_cfg.num_layers * self.kv_layout.bytes_per_token(elem)
+        """KV cache bytes one token takes across the attention layers (``KVLayout``)."""
+        layers = self.kv_layout.num_attention_layers(self.model_cfg.num_layers)
+        return layers * self.kv_layout.bytes_per_token(self.dtype.itemsize)
+
+    def state_bytes_per_request(self) -> int:
+        """State bytes one request keeps across the state layers, at any context length."""
+        return self.kv_layout.state_bytes(self.dtype.itemsize)
+
+    def state_slots(self) -> tuple[int, int]:
+        """(total, in use): one per request slot (live requests and those a step in flight
+        still writes); none for a model without state layers."""
+        has = self.kv_layout.has_state
+        return (self.slots.num_slots, len(self.slots.live)) if has else (0, 0)
 
     def kv_bytes_per_block(self) -> int:
         return self.block_size * self.kv_bytes_per_token()
 
     def pretune_attention(self, max_q: int, max_k: int) -> int:
         """Tune the attention backend's prefill for every shape bucket (start-up, idle)."""
-        specs = self.specs
-        k_cache, v_cache = self.kv_caches[0]
+        specs = [s for s in self.specs if s is not None]
+        if not specs:
+            return 0
+        k_cache, v_cache = next(kv for kv in self.kv_caches if kv is not None)
         windows = {s.sliding_window for s in specs}
         heads = self.model_cfg.num_heads
         return self.attention.pretune(
@@ -123,26 +142,15 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """``num_blocks`` for the block manager plus the scratch block (idle runner only)."""
-        cfg = self.model_cfg
-        self.kv_caches = []  # NOTE: drop the old pool before allocating the new one
+        self.kv_caches, self.state_caches = [], []  # NOTE: drop the old pools first
+        self.pools.release()
         self.inputs.reset_tables(scratch_block=num_blocks)
-        num_blocks += 1
-        kv = self.kv_layout
-        shape = (cfg.num_layers, kv.entries, num_blocks, self.block_size, kv.heads, kv.dim)
-        if self.device.type == "cpu":
-            # NOTE: a fresh anonymous mapping reads as zeros without touching its pages, so the
-            # pool costs nothing until blocks are written (and nothing in a process image).
-            nbytes = num_blocks * self.kv_bytes_per_block()
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-            self._kv_buffer = mmap.mmap(-1, nbytes, flags=flags)
-            cache = torch.frombuffer(self._kv_buffer, dtype=self.dtype).view(shape)
-        else:
-            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        # NOTE: a 1-entry layout hands one tensor as both caches (``write_kv`` writes it once)
-        layers = [cache[i].unbind(0) for i in range(cfg.num_layers)]
-        self.kv_caches = [(entries[0], entries[-1]) for entries in layers]
+        layout, layers = self.kv_layout, self.model_cfg.num_layers
+        self.kv_caches = self.pools.kv(layout, layers, num_blocks + 1, self.block_size)
+        self.state_caches = self.pools.states(layout, self.scratch_state_slot + 1)
         if self.compiled is not None:  # NOTE: the graphs look the caches up per step
             self.compiled.kv_caches = self.kv_caches
+            self.compiled.state_caches = self.state_caches
         self._settle()
 
     def _settle(self) -> None:
@@ -156,8 +164,8 @@ class ModelRunner:
         pool, compiled steps and graphs; the runner cannot step afterwards. Idempotent."""
         self.stream.close(wait=True)
         self.graphs = self.compiled = self.model = None
-        self.kv_caches = []
-        self._kv_buffer = None
+        self.kv_caches, self.state_caches = [], []
+        self.pools.release()
         self.sampling_state.clear()
 
     def setup_compiled(self, kernel: str = "native") -> CompileStats:
@@ -173,13 +181,14 @@ class ModelRunner:
         steps = CompiledSteps(
             self.model, self.kv_caches, self.attention, self.dtype, self.cpu_threads, kernel
         )
-        steps.warm_up(self.scratch_block, self.block_size)
+        steps.state_caches = self.state_caches
+        steps.warm_up(self.scratch_block, self.block_size, self.scratch_state_slot)
         return steps
 
     def install_compiled(self, steps: CompiledSteps | None) -> None:
         """Serve with ``steps`` from the next step on (None: eager)."""
-        if steps is not None:
-            steps.kv_caches = self.kv_caches  # NOTE: the pool may have been reallocated
+        if steps is not None:  # NOTE: the pools may have been reallocated
+            steps.kv_caches, steps.state_caches = self.kv_caches, self.state_caches
         self.compiled = steps
 
     def _forward_fns(self):
@@ -187,9 +196,10 @@ class ModelRunner:
         if self.compiled is not None:
             return self.compiled.hidden, self.compiled.logits
         model, kv, attention, specs = self.model, self.kv_caches, self.attention, self.specs
+        states = self.state_caches
 
         def hidden(ids, positions, meta):
-            return model(ids, positions, StepContext(attention, kv, meta, specs))
+            return model(ids, positions, StepContext(attention, kv, meta, specs, states=states))
 
         return hidden, model.compute_logits
 
@@ -276,6 +286,7 @@ class ModelRunner:
                 input_ids[up(fed_index)] = self.token_buffer[up(fed_slots)]
 
         def forward() -> None:
+            clear_states(self.state_caches, step.fresh_slots, self.device)
             if step.graph_batch:
                 logits = self.graphs.run(
                     step.graph_batch, step.input_ids, step.positions, step.meta, patch
@@ -349,6 +360,7 @@ class ModelRunner:
             self.slots.park(s.req_id)
         hidden_fn, logits_fn = self._forward_fns()
         with torch.inference_mode(), torch_threads(self.cpu_threads):
+            clear_states(self.state_caches, step.fresh_slots, self.device)
             up = self._upload
             ids, positions, meta = up(step.input_ids), up(step.positions), step.meta.to(up)
             return logits_fn(hidden_fn(ids, positions, meta))

@@ -35,7 +35,7 @@ class Staging:
     inputs are written into and uploaded from. The runner reuses a set only after the step
     that last used it has been collected, so its uploads have completed."""
 
-    ROWS = ("seq_lens", "sample_index", "fed_index", "fed_slots", "sample_slots")
+    ROWS = ("seq_lens", "sample_index", "fed_index", "fed_slots", "sample_slots", "state_slots")
     TOKENS = ("ids", "positions", "slots")
 
     def __init__(self, max_tokens: int, max_rows: int, width: int, pin: bool):
@@ -93,6 +93,8 @@ class StepInputs:
     """Batch positions whose next-token logprobs those rows want, rows in order."""
     prompt_targets: torch.Tensor | None = None
     """The prompt tokens those positions predict."""
+    fresh_slots: list[int] = field(default_factory=list)
+    """State slots of the sequences that start at position 0: zeroed before the forward."""
 
 
 @dataclass

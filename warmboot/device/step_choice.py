@@ -164,7 +164,12 @@ def _time_steps(runner, steps: CompiledSteps | None) -> dict[str, float]:
     out = {}
     for rows in (1, BATCH):
         meta = scratch_decode(
-            rows, runner.block_size, runner.scratch_block, runner.block_size, runner.device
+            rows,
+            runner.block_size,
+            runner.scratch_block,
+            runner.block_size,
+            runner.device,
+            runner.scratch_state_slot,
         )
         ids = torch.zeros(rows, dtype=torch.int64, device=runner.device)
         positions = torch.full_like(ids, runner.block_size - 1)
@@ -188,7 +193,8 @@ def _step_fn(runner, steps: CompiledSteps | None, ids, positions, meta):
     if steps is not None:
         return lambda: steps.logits(steps.hidden(ids, positions, meta))
     model = runner.model
-    ctx = StepContext(runner.attention, runner.kv_caches, meta, runner.specs)
+    states = runner.state_caches
+    ctx = StepContext(runner.attention, runner.kv_caches, meta, runner.specs, states=states)
     return lambda: model.compute_logits(model(ids, positions, ctx))
 
 

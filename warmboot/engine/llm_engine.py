@@ -46,8 +46,9 @@ class LLMEngine:
     def _new_core(self) -> None:
         """A fresh block manager, scheduler, output processor and loop (idle engine)."""
         cache = self.config.cache
+        prefix_caching = cache.enable_prefix_caching and self.prefix_caching_off is None
         self.block_manager = BlockManager(
-            self.facts.num_kv_blocks, cache.block_size, cache.enable_prefix_caching
+            self.facts.num_kv_blocks, cache.block_size, prefix_caching
         )
         self.scheduler = Scheduler(self.sched_config, self.block_manager)
         self.outputs = OutputProcessor(self.tokenizer)
@@ -55,6 +56,16 @@ class LLMEngine:
             self.scheduler, self.block_manager, self.runner, self.grammars, self.outputs
         )
         self.loop = make_loop(parts, self.pipelined)
+
+    @property
+    def prefix_caching_off(self) -> str | None:
+        """Why prefix caching is off for this model whatever the settings, or None."""
+        if self.runner.kv_layout.has_state:
+            return (
+                "state layers: a cached prefix's KV would not restore their per-request state, "
+                "so every prompt is computed in full"
+            )
+        return None
 
     # -- requests ------------------------------------------------------------------------------
     def validate(self, prompt: Prompt, params: SamplingParams) -> ValidatedRequest:
@@ -163,6 +174,10 @@ class LLMEngine:
             "kv_usage": kv.usage,
             "prefix_cache_queries": kv.prefix_queries,
             "prefix_cache_hits": kv.prefix_hits,
+            "prefix_caching_off": self.prefix_caching_off,
+            "state_slots_total": self.runner.state_slots()[0],
+            "state_slots_used": self.runner.state_slots()[1],
+            "state_bytes_per_request": self.runner.state_bytes_per_request(),
             "preemptions": self.scheduler.num_preemptions,
             "express_steps": self.scheduler.num_express,
             "shared_steps": self.scheduler.shared.steps,

@@ -7,6 +7,7 @@ per step; every layer reuses it.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -38,6 +39,11 @@ class AttentionMetadata:
     block_size: int
     cache: dict = field(default_factory=dict)
     """Backend scratch shared by the layers of one step (e.g. masks per window size)."""
+    state_slots: list[int] = field(default_factory=list)
+    """Per sequence (decodes, then prefills): the state slot its state layers read and write
+    (``StateSpec``); empty for a model without state layers."""
+    decode_state_slots: torch.Tensor | None = None
+    """(num_decode_tokens,) int64 on the device: ``state_slots`` of the decode rows."""
     upload: Callable[[torch.Tensor], torch.Tensor] = field(default=lambda t: t, repr=False)
     """Host -> device copy for tensors a backend builds per step (set by ``to``)."""
 
@@ -52,6 +58,7 @@ class AttentionMetadata:
             slot_mapping=move(self.slot_mapping),
             decode_block_tables=opt(self.decode_block_tables),
             decode_seq_lens=opt(self.decode_seq_lens),
+            decode_state_slots=opt(self.decode_state_slots),
             prefills=[replace(p, block_table=move(p.block_table)) for p in self.prefills],
             cache={},
             upload=move,
@@ -74,20 +81,62 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class StateSpec:
+    """One fixed-size tensor a state layer keeps per request (a conv window, a recurrent
+    matrix, an SSM state): it does not grow with the context."""
+
+    name: str
+    """What the layer's ops call it: ``conv`` (the last inputs of a causal conv1d) or
+    ``recurrent`` (a linear-attention or SSM state)."""
+    shape: tuple[int, ...]
+    """Per request."""
+    float32: bool = False
+    """Kept in float32 whatever the model's dtype (the families' references keep recurrent
+    states so); else in the model's dtype."""
+
+    def nbytes(self, dtype_size: int) -> int:
+        return math.prod(self.shape) * (4 if self.float32 else dtype_size)
+
+
+ATTENTION = "attention"
+"""The layer kind that reads and writes the paged KV cache."""
+
+
+@dataclass(frozen=True)
 class KVLayout:
-    """What the paged cache holds per token and layer, declared by the model
-    (``CausalLM.kv_layout``); the runner allocates ``(layers, entries, blocks, block_size,
-    heads, dim)`` from it."""
+    """What the paged cache holds per token and attention layer, and what each state layer
+    keeps per request, declared by the model (``CausalLM.kv_layout``); the runner allocates
+    ``(attention layers, entries, blocks, block_size, heads, dim)`` and, per state layer, each
+    ``StateSpec`` once per state slot."""
 
     entries: int
     """2: separate K and V; 1: one tensor read as both K and V (MLA's latent cache, whose
     values are a prefix of its keys)."""
     heads: int
     dim: int
+    kinds: tuple[str, ...] = ()
+    """Per layer: ``ATTENTION`` or a state layer's kind (``gated_delta``, ``mamba2``,
+    ``short_conv``); empty: every layer attends."""
+    states: tuple[tuple[StateSpec, ...], ...] = ()
+    """Per layer (as ``kinds``): the state tensors it keeps per request; empty for attention."""
 
     def bytes_per_token(self, dtype_size: int) -> int:
-        """Cache bytes one token takes in one layer."""
+        """Cache bytes one token takes in one attention layer."""
         return self.entries * self.heads * self.dim * dtype_size
+
+    def attends(self, layer: int) -> bool:
+        return not self.kinds or self.kinds[layer] == ATTENTION
+
+    def num_attention_layers(self, num_layers: int) -> int:
+        return sum(self.attends(i) for i in range(num_layers))
+
+    @property
+    def has_state(self) -> bool:
+        return any(self.states)
+
+    def state_bytes(self, dtype_size: int) -> int:
+        """State bytes one request keeps across all layers (whatever its context length)."""
+        return sum(s.nbytes(dtype_size) for layer in self.states for s in layer)
 
 
 class AttentionBackend(ABC):

@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -244,6 +244,9 @@ class StepContext:
     linears: PackedLinears | None = None
     layer: int = 0
     """The layer now running: attention and the ops read its caches and weights."""
+    states: list[dict[str, torch.Tensor] | None] = field(default_factory=list)
+    """Per layer: a state layer's per-request tensors by ``StateSpec`` name, one row per
+    state slot (``kernels.state_ops``); None for attention layers."""
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """The running layer's attention (an eager step's ``Attend``)."""

@@ -17,13 +17,15 @@ import torch
 from torch import nn
 
 from warmboot.config import ModelConfig
-from warmboot.kernels.backend import AttentionSpec, KVLayout
+from warmboot.kernels.backend import ATTENTION, AttentionSpec, KVLayout
 from warmboot.kernels.step_ops import StepContext
 from warmboot.models.layers.attention import Attention
 from warmboot.models.layers.linear import Linear
 from warmboot.models.layers.moe import FusedExperts
 from warmboot.models.layers.norm import RMSNorm
 from warmboot.models.layers.rope import RopeSpec, RotaryEmbedding
+from warmboot.models.layers.state import StateMixer
+from warmboot.models.registry import UnsupportedModelError
 
 RunLayer = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 """Runs one decoder layer: ``(layer, x, positions) -> x`` (the compiled step's graph)."""
@@ -164,24 +166,46 @@ class CausalLM(nn.Module):
         return logits
 
     # -- facts for the runner --------------------------------------------------------------------
-    def attention_layers(self) -> list[nn.Module]:
+    def attention_layers(self) -> list[nn.Module | None]:
         """Each layer's attention module: the first that carries an ``AttentionSpec``
-        (``Attention``, ``MLAttention``)."""
-        return [next(m for m in la.modules() if _has_spec(m)) for la in self.layers]
+        (``Attention``, ``MLAttention``); None for a state layer (``StateMixer``)."""
+        return [next((m for m in la.modules() if _has_spec(m)), None) for la in self.layers]
+
+    def state_mixers(self) -> list[StateMixer | None]:
+        """Each layer's state mixer (a hybrid's linear-attention, SSM or conv layer), or None."""
+        found = ([m for m in la.modules() if isinstance(m, StateMixer)] for la in self.layers)
+        return [m[0] if m else None for m in found]
 
     def kv_layout(self) -> KVLayout:
-        """What the paged KV cache holds per token and layer: K and V of the config's heads
-        (MLA overrides it with one latent entry)."""
-        return KVLayout(2, self.cfg.num_kv_heads, self.cfg.head_dim)
+        """What the paged KV cache holds per token and attention layer: K and V of the
+        config's heads (MLA overrides it with one latent entry); and each state layer's kind
+        and per-request tensors."""
+        return self.with_states(KVLayout(2, self.cfg.num_kv_heads, self.cfg.head_dim))
 
-    def attention_specs(self) -> list[AttentionSpec]:
-        """Per layer, with the module's current sinks (float32) once the weights are in."""
-        return [_with_sinks(a) for a in self.attention_layers()]
+    def with_states(self, layout: KVLayout) -> KVLayout:
+        """``layout`` with the state layers declared (as is for a model without any)."""
+        mixers = self.state_mixers()
+        if not any(mixers):
+            return layout
+        for i, (mixer, attn) in enumerate(zip(mixers, self.attention_layers(), strict=True)):
+            if (mixer is None) == (attn is None):
+                what = "both attention and a state mixer" if attn else "no token mixer"
+                raise UnsupportedModelError(f"layer {i} has {what}")
+        kinds = tuple(ATTENTION if m is None else m.kind for m in mixers)
+        states = tuple(() if m is None else m.state_specs() for m in mixers)
+        return dataclasses.replace(layout, kinds=kinds, states=states)
+
+    def attention_specs(self) -> list[AttentionSpec | None]:
+        """Per layer, with the module's current sinks (float32) once the weights are in;
+        None for a state layer."""
+        return [a if a is None else _with_sinks(a) for a in self.attention_layers()]
 
     def graph_safe(self) -> bool:
         """Whether a step may be captured as a CUDA graph: none syncs with the host (the
-        grouped expert step reads its per-expert token counts on the host)."""
-        return not any(isinstance(m, FusedExperts) for m in self.modules())
+        grouped expert step reads its per-expert token counts on the host; state layers
+        index their slots per sequence from host lists)."""
+        host = (FusedExperts, StateMixer)
+        return not any(isinstance(m, host) for m in self.modules())
 
     def rotary_embeddings(self) -> list[RotaryEmbedding]:
         """Every rotary embedding the layers use, once each (the loader builds their tables)."""

@@ -16,19 +16,26 @@ from warmboot.models.llama import Qwen2ForCausalLM, Qwen3ForCausalLM
 class QwenMoeMixin:
     """Chooses each layer's MLP; ``shared_expert`` when the config sizes one."""
 
-    def make_mlp(self, index: int) -> nn.Module:
+    def sparse(self, index: int) -> bool:
         cfg = self.cfg
         experts = cfg.get("num_experts") or cfg.get("num_local_experts", 0)
-        sparse = (
+        return (
             index not in (cfg.get("mlp_only_layers") or [])
             and experts > 0
             and (index + 1) % cfg.get("decoder_sparse_step", 1) == 0
         )
-        if not sparse:
+
+    def renormalize(self) -> bool:
+        return bool(self.cfg.get("norm_topk_prob", False))
+
+    def make_mlp(self, index: int) -> nn.Module:
+        if not self.sparse(index):
             return super().make_mlp(index)
+        cfg = self.cfg
+        experts = cfg.get("num_experts") or cfg.get("num_local_experts", 0)
         hidden, act = cfg.hidden_size, cfg.get("hidden_act", "silu")
         shared_size = cfg.get("shared_expert_intermediate_size") or 0
-        renormalize = bool(cfg.get("norm_topk_prob", False))
+        renormalize = self.renormalize()
         return SparseMoE(
             Router(hidden, experts, cfg.get("num_experts_per_tok"), renormalize=renormalize),
             FusedExperts(experts, hidden, cfg.get("moe_intermediate_size"), act),

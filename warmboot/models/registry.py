@@ -60,6 +60,10 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Dots1ForCausalLM": ("dots1", "Dots1ForCausalLM"),
     # -- attention sinks + mixture of experts: gpt_oss.py --
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
+    # -- hybrids: state layers beside attention (models/layers/state.py) --
+    "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
+    "Qwen3_5ForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),
+    "Qwen3_5MoeForCausalLM": ("qwen3_next", "Qwen3_5MoeForCausalLM"),
 }
 """Every architecture served; a test checks each against transformers."""
 
@@ -107,6 +111,10 @@ MODEL_TYPES: dict[str, str] = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "dots1": "Dots1ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    # -- hybrids --
+    "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }
 """``model_type`` -> architecture, for configs without ``architectures``."""
 

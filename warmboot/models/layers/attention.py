@@ -20,7 +20,9 @@ into the layer's cache (``kernels.step_ops.StepContext``)."""
 class Attention(nn.Module):
     """q/k/v as one stacked projection, optional q/k norms (per head, or over the whole
     projection with ``norm_before_split``), rope (None: a NoPE layer), attention, o_proj;
-    ``sinks``: a learned per-head logit in the softmax denominator (GPT-OSS)."""
+    ``sinks``: a learned per-head logit in the softmax denominator (GPT-OSS); ``output_gate``:
+    the q projection gives each head its query, then as many gate values, and the output is
+    multiplied by their sigmoid before o_proj (Qwen3-Next, Qwen3.5)."""
 
     def __init__(
         self,
@@ -37,11 +39,14 @@ class Attention(nn.Module):
         k_norm: nn.Module | None = None,
         norm_before_split: bool = False,
         sinks: bool = False,
+        output_gate: bool = False,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        self.qkv_proj = Linear(hidden, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias)
+        self.output_gate = output_gate
+        q_rows = 2 * self.q_size if output_gate else self.q_size
+        self.qkv_proj = Linear(hidden, [q_rows, self.kv_size, self.kv_size], bias=qkv_bias)
         self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
         self.q_norm, self.k_norm = q_norm, k_norm
         self.norm_before_split = norm_before_split
@@ -52,7 +57,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q_rows = 2 * self.q_size if self.output_gate else self.q_size
+        q, k, v = self.qkv_proj(x).split([q_rows, self.kv_size, self.kv_size], dim=-1)
+        gate = None
+        if self.output_gate:
+            q, gate = q.reshape(n, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(n, self.q_size), gate.reshape(n, self.q_size)
         if self.q_norm is not None and self.norm_before_split:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -62,5 +72,5 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self.rope(positions, q, k)
-        o = attend(q, k, v)
-        return self.o_proj(o.reshape(n, self.q_size))
+        o = attend(q, k, v).reshape(n, self.q_size)
+        return self.o_proj(o if gate is None else o * torch.sigmoid(gate))

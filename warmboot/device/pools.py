@@ -1,0 +1,66 @@
+"""The runner's per-layer memory: the paged KV pool of the attention layers and the state
+slots of the state layers (``KVLayout``), zeros that cost nothing on the CPU until written."""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import torch
+
+from warmboot.kernels.backend import KVLayout, StateSpec
+
+
+class Pools:
+    def __init__(self, device: torch.device, dtype: torch.dtype):
+        self.device, self.dtype = device, dtype
+        self._buffers: list[mmap.mmap] = []
+
+    def release(self) -> None:
+        self._buffers = []
+
+    def kv(
+        self, layout: KVLayout, num_layers: int, num_blocks: int, block_size: int
+    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """Per layer: its K and V pages ((blocks, block_size, heads, dim) each; one tensor as
+        both for a 1-entry layout, which ``write_kv`` writes once), None for a state layer."""
+        attends = [i for i in range(num_layers) if layout.attends(i)]
+        if not attends:
+            return [None] * num_layers
+        shape = (len(attends), layout.entries, num_blocks, block_size, layout.heads, layout.dim)
+        cache = self.zeros(shape, self.dtype)
+        pages = {layer: cache[j].unbind(0) for j, layer in enumerate(attends)}
+        return [(pages[i][0], pages[i][-1]) if i in pages else None for i in range(num_layers)]
+
+    def states(self, layout: KVLayout, rows: int) -> list[dict[str, torch.Tensor] | None]:
+        """Per layer: a state layer's tensors by name, ``rows`` rows each; None for attention."""
+        return [self._state(specs, rows) if specs else None for specs in layout.states]
+
+    def _state(self, specs: tuple[StateSpec, ...], rows: int) -> dict[str, torch.Tensor]:
+        return {
+            s.name: self.zeros((rows, *s.shape), torch.float32 if s.float32 else self.dtype)
+            for s in specs
+        }
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        # NOTE: a fresh anonymous mapping reads as zeros without touching its pages, so a pool
+        # costs nothing until it is written (and nothing in a process image).
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._buffers.append(buffer)
+        return torch.frombuffer(buffer, dtype=dtype).view(shape)
+
+
+def clear_states(
+    states: list[dict[str, torch.Tensor] | None], slots: list[int], device: torch.device
+) -> None:
+    """Zero the state rows ``slots`` of every state layer (sequences that start at position 0:
+    a new request, or a preempted one computed again, starts from nothing)."""
+    if not slots:
+        return
+    index = torch.tensor(slots, device=device)
+    for layer in states:
+        for tensor in (layer or {}).values():
+            tensor.index_fill_(0, index, 0)

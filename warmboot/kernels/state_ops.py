@@ -1,0 +1,200 @@
+"""The ops of state layers (hybrid models' linear attention, SSM and short-conv layers) over
+a step's rows, each sequence continuing from the state it keeps in its state slot.
+
+A step's rows are its decodes (one token each), then its prefill chunks (``AttentionMetadata``).
+The decode rows run the one-token recurrence together, their states gathered from their slots
+and scattered back; each prefill chunk runs the chunked form from its slot's state and leaves
+its final state there. A sequence that starts at position 0 starts from zeros: the runner clears
+its slot before the step (``ModelRunner``), so a chunked prefill, a preempted request computed
+again and a batch of unequal lengths all give the tokens of one whole-prompt forward.
+
+- ``warmboot::causal_conv(x, weight, bias, layer, activation)``: a depthwise causal conv1d over
+  the last ``K - 1`` inputs kept as the layer's ``conv`` state.
+- ``warmboot::gated_delta(q, k, v, g, beta, layer, scale)``: the gated delta rule over the
+  layer's ``recurrent`` state (Qwen3-Next, Qwen3.5).
+- ``warmboot::ssd(x, dt, A, B, C, D, layer, chunk_size)``: Mamba 2's state space over the
+  layer's ``recurrent`` state.
+
+A compiled step calls them as opaque ops with the layer's number (``STEP_INDEX``), as it calls
+``paged_attention``; an eager step calls the same functions through its ``StepContext``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from warmboot.kernels import recurrent
+from warmboot.kernels.step_ops import STEP_INDEX, StepContext, _context
+
+Decode = Callable[..., torch.Tensor]
+Prefill = Callable[..., torch.Tensor]
+
+
+def _over_rows(ctx: StepContext, tensors: tuple, decode: Decode, prefill: Prefill) -> torch.Tensor:
+    """``decode(slots, *rows)`` over the decode rows and ``prefill(slot, *rows)`` per prefill
+    chunk, concatenated in the step's row order."""
+    meta = ctx.meta
+    if meta is None:
+        raise RuntimeError("a state layer ran in a step without attention metadata")
+    d = meta.num_decode_tokens
+    outs = []
+    if d:
+        outs.append(decode(meta.decode_state_slots, *(t[:d] for t in tensors)))
+    for p, slot in zip(meta.prefills, meta.state_slots[d:], strict=True):
+        rows = slice(p.query_start, p.query_start + p.query_len)
+        outs.append(prefill(slot, *(t[rows] for t in tensors)))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def conv(
+    ctx: StepContext,
+    layer: int,
+    x: torch.Tensor,  # (N, C)
+    weight: torch.Tensor,  # (C, K)
+    bias: torch.Tensor | None,
+    activation: str | None,
+) -> torch.Tensor:  # (N, C)
+    cache = ctx.states[layer]["conv"]  # (slots, C, K - 1)
+
+    def decode(slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        state = cache[slots]
+        y = recurrent.causal_conv1d_step(x, weight, bias, state, activation)
+        cache[slots] = state
+        return y
+
+    def prefill(slot: int, x: torch.Tensor) -> torch.Tensor:
+        y, state = recurrent.causal_conv1d(x, weight, bias, cache[slot], activation)
+        cache[slot].copy_(state)
+        return y
+
+    return _over_rows(ctx, (x,), decode, prefill)
+
+
+def gated_delta(
+    ctx: StepContext,
+    layer: int,
+    q: torch.Tensor,  # (N, H, Dk), not yet L2-normalised
+    k: torch.Tensor,  # (N, H, Dk)
+    v: torch.Tensor,  # (N, H, Dv)
+    g: torch.Tensor,  # (N, H) log decay
+    beta: torch.Tensor,  # (N, H)
+    scale: float,
+) -> torch.Tensor:  # (N, H, Dv)
+    cache = ctx.states[layer]["recurrent"]  # (slots, H, Dk, Dv) float32
+
+    def decode(slots: torch.Tensor, *rows: torch.Tensor) -> torch.Tensor:
+        state = cache[slots]
+        o = recurrent.recurrent_gated_delta_step(*rows, state, scale)
+        cache[slots] = state
+        return o
+
+    def prefill(slot: int, *rows: torch.Tensor) -> torch.Tensor:
+        o, state = recurrent.chunk_gated_delta_rule(*rows, cache[slot], scale)
+        cache[slot].copy_(state)
+        return o
+
+    return _over_rows(ctx, (q, k, v, g, beta), decode, prefill)
+
+
+def ssd(
+    ctx: StepContext,
+    layer: int,
+    x: torch.Tensor,  # (N, H, P)
+    dt: torch.Tensor,  # (N, H), softplus'd and clamped
+    A: torch.Tensor,  # (H,)
+    B: torch.Tensor,  # (N, G, S)
+    C: torch.Tensor,  # (N, G, S)
+    D: torch.Tensor,  # (H,)
+    chunk_size: int,
+) -> torch.Tensor:  # (N, H, P)
+    cache = ctx.states[layer]["recurrent"]  # (slots, H, P, S) float32
+
+    def decode(slots: torch.Tensor, x, dt, B, C) -> torch.Tensor:
+        state = cache[slots]
+        y = recurrent.ssd_step(x, dt, A, B, C, D, state)
+        cache[slots] = state
+        return y
+
+    def prefill(slot: int, x, dt, B, C) -> torch.Tensor:
+        y, state = recurrent.ssd_chunk_scan(x, dt, A, B, C, D, cache[slot], chunk_size)
+        cache[slot].copy_(state)
+        return y
+
+    return _over_rows(ctx, (x, dt, B, C), decode, prefill)
+
+
+# -- the ops a compiled step calls (declared functional: their one side effect, the state
+# write, is on tensors the graph never sees, as paged_attention's KV write) ---------------------
+_LIB = torch.library.Library("warmboot", "FRAGMENT")
+_LIB.define(
+    "causal_conv(Tensor x, Tensor weight, Tensor? bias, Tensor layer, str? activation) -> Tensor"
+)
+_LIB.define(
+    "gated_delta(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor layer, float scale)"
+    " -> Tensor"
+)
+_LIB.define(
+    "ssd(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, Tensor layer,"
+    " int chunk_size) -> Tensor"
+)
+
+
+def _conv_op(x, weight, bias, layer, activation):
+    return conv(_context("causal_conv"), int(layer), x, weight, bias, activation)
+
+
+def _gated_delta_op(q, k, v, g, beta, layer, scale):
+    return gated_delta(_context("gated_delta"), int(layer), q, k, v, g, beta, scale)
+
+
+def _ssd_op(x, dt, A, B, C, D, layer, chunk_size):
+    return ssd(_context("ssd"), int(layer), x, dt, A, B, C, D, chunk_size)
+
+
+_LIB.impl("causal_conv", _conv_op, "CompositeExplicitAutograd")
+_LIB.impl("gated_delta", _gated_delta_op, "CompositeExplicitAutograd")
+_LIB.impl("ssd", _ssd_op, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("warmboot::causal_conv")
+def _(x, weight, bias, layer, activation):
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("warmboot::gated_delta")
+def _(q, k, v, g, beta, layer, scale):
+    return torch.empty_like(v)
+
+
+@torch.library.register_fake("warmboot::ssd")
+def _(x, dt, A, B, C, D, layer, chunk_size):
+    return torch.empty_like(x)
+
+
+# -- what a state layer calls: the op in a compiled step, the function in an eager one ---------
+def layer_index(module: torch.nn.Module) -> torch.Tensor | None:
+    """A packed view's state layer carries its decoder layer's number (``STEP_INDEX``)."""
+    return getattr(module, STEP_INDEX, None)
+
+
+def call_conv(module, step, x, weight, bias, activation):
+    index = layer_index(module)
+    if index is not None:
+        return torch.ops.warmboot.causal_conv(x, weight, bias, index, activation)
+    return conv(step, step.layer, x, weight, bias, activation)
+
+
+def call_gated_delta(module, step, q, k, v, g, beta, scale: float):
+    index = layer_index(module)
+    if index is not None:
+        return torch.ops.warmboot.gated_delta(q, k, v, g, beta, index, scale)
+    return gated_delta(step, step.layer, q, k, v, g, beta, scale)
+
+
+def call_ssd(module, step, x, dt, A, B, C, D, chunk_size: int):
+    index = layer_index(module)
+    if index is not None:
+        return torch.ops.warmboot.ssd(x, dt, A, B, C, D, index, chunk_size)
+    return ssd(step, step.layer, x, dt, A, B, C, D, chunk_size)
