@@ -1,0 +1,137 @@
+"""The state cache of hybrid models (state layers beside attention) on Qwen3.5's tiny
+checkpoint (two gated DeltaNet layers, one gated attention layer): the memory it declares, a
+long prompt through many chunks, that the family check fails when the state is dropped or
+misordered, and refusals of inconsistent configs."""
+
+from __future__ import annotations
+
+import pytest
+
+import warmboot.device.runner as runner_module
+from tests.helpers import assert_engine_clean, random_prompts
+from tests.test_families import LOGPROB_TOL, _prompts, hf_greedy_logprobs
+from tests.test_model_loading import _copy, _edit_config, _serve
+from tests.tiny_models import VOCAB_SIZE
+from warmboot import LLM, SamplingParams
+from warmboot.device.inputs import InputBuilder
+from warmboot.models.registry import UnsupportedModelError
+
+KIND = "qwen3_5"
+CHUNK = 16
+
+
+def _llm(path, **kwargs) -> LLM:
+    options = dict(
+        max_model_len=96,
+        block_size=4,
+        num_kv_blocks=200,
+        max_num_batched_tokens=CHUNK,
+        max_num_seqs=4,
+        enforce_eager=True,
+        pipelined=False,
+    )
+    return LLM(str(path), **(options | kwargs))
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], max_new: int):
+    params = SamplingParams(temperature=0.0, max_tokens=max_new, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    tokens = [o.outputs[0].token_ids for o in outs]
+    lps = [
+        [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, tok)] for o, tok in zip(outs, tokens)
+    ]
+    return tokens, lps
+
+
+def test_the_state_does_not_grow_with_the_context(tiny_model_dir):
+    """KV bytes per token count the attention layer only; the state layers' bytes per request
+    are their conv windows and float32 delta-rule matrices, whatever the context."""
+    llm = _llm(tiny_model_dir(KIND))
+    stats = llm.stats()
+    kv_heads, head_dim = 2, 16
+    assert stats["kv_bytes_per_token"] == 1 * 2 * kv_heads * head_dim * 4
+    conv = (2 * 2 * 8 + 4 * 12) * (3 - 1) * 4  # (q, k, v channels) x (kernel - 1), float32 model
+    recurrent = 4 * 8 * 12 * 4  # value heads x Dk x Dv, float32
+    assert stats["state_bytes_per_request"] == 2 * (conv + recurrent)
+    assert stats["state_slots_total"] == 2 * 4 + 2  # NOTE: one per request slot
+    assert "state layers" in stats["prefix_caching_off"]
+
+
+def test_a_long_prompt_through_many_chunks_matches_transformers(tiny_model_dir, hf_model):
+    path = tiny_model_dir(KIND)
+    prompt = random_prompts([16 * CHUNK], VOCAB_SIZE, seed=31)[0]
+    ref_tokens, ref_lps = hf_greedy_logprobs(hf_model(path), prompt, 64)
+    llm = _llm(path, max_model_len=16 * CHUNK + 64, num_kv_blocks=90)
+    tokens, lps = _greedy(llm, [prompt], 64)
+    assert tokens[0] == ref_tokens
+    assert max(abs(a - b) for a, b in zip(lps[0], ref_lps, strict=True)) < LOGPROB_TOL
+    assert_engine_clean(llm)
+
+
+def _drop_state(monkeypatch) -> None:
+    """Every state zeroed before every step: nothing carried between a request's steps."""
+    clear = runner_module.clear_states
+
+    def clear_all(states, slots, device):
+        rows = next(t for layer in states if layer for t in layer.values()).shape[0]
+        clear(states, list(range(rows)), device)
+
+    monkeypatch.setattr(runner_module, "clear_states", clear_all)
+
+
+def _misorder(monkeypatch) -> None:
+    """Decode rows read and write each other's state (the slot order reversed)."""
+    build = InputBuilder._state_slots
+
+    def reversed_slots(self, meta, staging, rows, num_decodes, slots):
+        fresh = build(self, meta, staging, rows, num_decodes, slots)
+        if num_decodes > 1:
+            meta.decode_state_slots = meta.decode_state_slots.flip(0)
+        return fresh
+
+    monkeypatch.setattr(InputBuilder, "_state_slots", reversed_slots)
+
+
+def _keep_old_state(monkeypatch) -> None:
+    """A new request's slot is not cleared: it starts from a finished request's state."""
+    monkeypatch.setattr(runner_module, "clear_states", lambda states, slots, device: None)
+
+
+@pytest.mark.parametrize("fault", [_drop_state, _misorder, _keep_old_state])
+def test_the_family_check_fails_when_the_state_is_dropped_or_misordered(
+    fault, monkeypatch, tiny_model_dir, hf_model
+):
+    """The comparison ``test_families`` makes (here on two rounds of the same prompts, so
+    slots are reused) sees each fault: the state is what carries these models."""
+    path = tiny_model_dir(KIND)
+    prompts = _prompts()
+    hf = hf_model(path)
+    ref = [hf_greedy_logprobs(hf, p, 8)[0] for p in prompts]
+    llm = _llm(path)
+    assert [_greedy(llm, prompts, 8)[0] for _ in range(2)] == [ref, ref]
+    fault(monkeypatch)
+    faulty = [_greedy(llm, prompts, 8)[0] for _ in range(2)]
+    assert faulty != [ref, ref], f"{fault.__name__} went unnoticed"
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        (dict(layer_types=["linear_attention", "mamba", "full_attention"]), r"\['mamba'\]"),
+        (dict(layer_types=["linear_attention", "full_attention"]), "lists 2 layers"),
+        (dict(linear_num_key_heads=3), "4 value heads do not group over 3 key heads"),
+    ],
+)
+def test_inconsistent_layer_configs_are_refused_by_name(change, expected, tiny_model_dir, tmp_path):
+    model = _copy(tiny_model_dir(KIND), tmp_path)
+    _edit_config(model, **change)
+    with pytest.raises((UnsupportedModelError, ValueError), match=expected):
+        _llm(model)
+
+
+def test_serve_exits_2_on_an_unknown_layer_kind(tiny_model_dir, tmp_path):
+    model = _copy(tiny_model_dir(KIND), tmp_path)
+    _edit_config(model, layer_types=["linear_attention", "mamba", "full_attention"])
+    done = _serve(model, tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "cannot serve" in done.stderr and "'mamba'" in done.stderr, done.stderr[-2000:]
