@@ -6,6 +6,7 @@ misordered, and refusals of inconsistent configs."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import warmboot.device.runner as runner_module
 from tests.helpers import assert_engine_clean, random_prompts
@@ -38,7 +39,8 @@ def _greedy(llm: LLM, prompts: list[list[int]], max_new: int):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     tokens = [o.outputs[0].token_ids for o in outs]
     lps = [
-        [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, tok)] for o, tok in zip(outs, tokens)
+        [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, tok, strict=True)]
+        for o, tok in zip(outs, tokens, strict=True)
     ]
     return tokens, lps
 
@@ -57,15 +59,45 @@ def test_the_state_does_not_grow_with_the_context(tiny_model_dir):
     assert "state layers" in stats["prefix_caching_off"]
 
 
-def test_a_long_prompt_through_many_chunks_matches_transformers(tiny_model_dir, hf_model):
+@pytest.mark.parametrize(
+    ("chunk", "mode"),
+    [
+        (CHUNK, dict(enforce_eager=True, pipelined=False)),
+        (128, dict(enforce_eager=False, pipelined=True)),
+    ],
+    ids=["16-token-chunks-eager-sync", "128-token-chunks-compiled-pipelined"],
+)
+def test_a_long_prompt_through_many_chunks_matches_transformers(
+    chunk, mode, tiny_model_dir, hf_model
+):
+    """A prompt 16 chunks long (16 tokens each; or two 128-token chunks in the compiled step,
+    whose ops' outputs must be laid out as their fakes say) and 64 new tokens."""
     path = tiny_model_dir(KIND)
     prompt = random_prompts([16 * CHUNK], VOCAB_SIZE, seed=31)[0]
     ref_tokens, ref_lps = hf_greedy_logprobs(hf_model(path), prompt, 64)
-    llm = _llm(path, max_model_len=16 * CHUNK + 64, num_kv_blocks=90)
+    max_len = 16 * CHUNK + 64
+    llm = _llm(path, max_model_len=max_len, num_kv_blocks=90, max_num_batched_tokens=chunk, **mode)
     tokens, lps = _greedy(llm, [prompt], 64)
     assert tokens[0] == ref_tokens
-    assert max(abs(a - b) for a, b in zip(lps[0], ref_lps, strict=True)) < LOGPROB_TOL
+    # NOTE: at this length transformers' own one-pass forward and its cached decode differ by
+    # up to ~1e-4 (the delta rule's chunked and recurrent forms round apart): the tolerance is
+    # 1e-4 or twice that spread, whichever is larger
+    tol = max(LOGPROB_TOL, 2 * _reference_spread(hf_model(path), prompt, ref_tokens, ref_lps))
+    err = max(abs(a - b) for a, b in zip(lps[0], ref_lps, strict=True))
+    assert err < tol, f"logprob error {err:.2e} (tolerance {tol:.2e})"
+    assert llm.stats()["compile"]["compiled"] is not mode["enforce_eager"]
     assert_engine_clean(llm)
+
+
+@torch.no_grad()
+def _reference_spread(hf, prompt: list[int], tokens: list[int], lps: list[float]) -> float:
+    """How far transformers' one-pass forward over prompt + tokens is from its cached decode."""
+    logprobs = torch.log_softmax(hf(torch.tensor([prompt + tokens])).logits[0].float(), -1)
+    start = len(prompt) - 1
+    return max(
+        abs(float(logprobs[start + j, t]) - lp)
+        for j, (t, lp) in enumerate(zip(tokens, lps, strict=True))
+    )
 
 
 def _drop_state(monkeypatch) -> None:

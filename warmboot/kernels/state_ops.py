@@ -34,7 +34,7 @@ Prefill = Callable[..., torch.Tensor]
 
 def _over_rows(ctx: StepContext, tensors: tuple, decode: Decode, prefill: Prefill) -> torch.Tensor:
     """``decode(slots, *rows)`` over the decode rows and ``prefill(slot, *rows)`` per prefill
-    chunk, concatenated in the step's row order."""
+    chunk, concatenated in the step's row order (contiguous, as the ops' fakes say)."""
     meta = ctx.meta
     if meta is None:
         raise RuntimeError("a state layer ran in a step without attention metadata")
@@ -45,7 +45,7 @@ def _over_rows(ctx: StepContext, tensors: tuple, decode: Decode, prefill: Prefil
     for p, slot in zip(meta.prefills, meta.state_slots[d:], strict=True):
         rows = slice(p.query_start, p.query_start + p.query_len)
         outs.append(prefill(slot, *(t[rows] for t in tensors)))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
+    return outs[0].contiguous() if len(outs) == 1 else torch.cat(outs)
 
 
 def conv(
@@ -160,17 +160,17 @@ _LIB.impl("ssd", _ssd_op, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("warmboot::causal_conv")
 def _(x, weight, bias, layer, activation):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @torch.library.register_fake("warmboot::gated_delta")
 def _(q, k, v, g, beta, layer, scale):
-    return torch.empty_like(v)
+    return v.new_empty(v.shape)
 
 
 @torch.library.register_fake("warmboot::ssd")
 def _(x, dt, A, B, C, D, layer, chunk_size):
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 # -- what a state layer calls: the op in a compiled step, the function in an eager one ---------
