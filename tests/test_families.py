@@ -39,10 +39,16 @@ def hf_greedy_logprobs(model, prompt: list[int], max_new: int) -> tuple[list[int
         logprobs = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
         tokens.append(int(logprobs.argmax()))
         lps.append(float(logprobs[tokens[-1]]))
-        out = model(
-            torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True
-        )
+        cache = _cache(out)
+        out = model(torch.tensor([[tokens[-1]]]), **cache, use_cache=True)
     return tokens, lps
+
+
+def _cache(out) -> dict:
+    """The next call's cache argument (Mamba 2 returns ``cache_params``, the rest KV)."""
+    if hasattr(out, "past_key_values"):
+        return dict(past_key_values=out.past_key_values)
+    return dict(cache_params=out.cache_params)
 
 
 @pytest.fixture(scope="module")

@@ -118,13 +118,14 @@ class ModelConfig:
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
         arch = resolve_architecture(cfg)
         try:
-            num_heads = cfg["num_attention_heads"]
+            # NOTE: attention-free Mamba 2 names only its SSM heads (no KV is ever allocated)
+            num_heads = cfg.get("num_attention_heads") or cfg["num_heads"]
             eos = cfg.get("eos_token_id")
             return cls(
                 architecture=arch,
                 vocab_size=cfg["vocab_size"],
                 hidden_size=cfg["hidden_size"],
-                num_layers=cfg["num_hidden_layers"],
+                num_layers=_num_layers(cfg),
                 num_heads=num_heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
@@ -278,3 +279,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.snapshot_timeout > 0:
             raise ValueError(f"snapshot_timeout must be > 0 seconds, got {self.snapshot_timeout}")
+
+
+def _num_layers(cfg: dict[str, Any]) -> int:
+    """``num_hidden_layers``, or the length of the block list it is computed from (Nemotron-H
+    saved by transformers 5: ``layers_block_type``)."""
+    if "num_hidden_layers" in cfg or "layers_block_type" not in cfg:
+        return cfg["num_hidden_layers"]
+    return len(cfg["layers_block_type"])

@@ -31,7 +31,13 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from warmboot.device.compiled import CompiledSteps, scratch_decode
-from warmboot.kernels.step_ops import PackedLinears, StepContext, native_gemm, packed_gemm
+from warmboot.kernels.step_ops import (
+    PackedLinears,
+    StepContext,
+    native_gemm,
+    onednn_bf16,
+    packed_gemm,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +93,8 @@ def choose(runner, steps: CompiledSteps, allow_eager: bool = True) -> StepChoice
     kernels = KERNELS
     if not _has_native_gemm(runner):  # NOTE: then every weight is in oneDNN's layout already
         table.kernel, kernels = "onednn", ("onednn",)
+    elif runner.dtype == torch.bfloat16 and not onednn_bf16():  # NOTE: an AVX2-only CPU
+        kernels = ("native",)
     if "native" in kernels:
         table.use("native")
         table.set_dense_rows(dense_rows(runner, table))

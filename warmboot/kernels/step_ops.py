@@ -29,6 +29,7 @@ same ``StepContext`` directly as its attention, after the model sets ``StepConte
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -207,6 +208,8 @@ def pack_weight(weight: torch.Tensor, kernel: str = "native") -> torch.Tensor:
     blocked layout (``packed_gemm`` tells them apart)."""
     if kernel == "native" and native_gemm(weight):
         return torch.ops.warmboot_cpu.pack_linear(weight.detach())
+    if weight.dtype == torch.bfloat16 and not onednn_bf16():
+        raise RuntimeError(f"oneDNN cannot pack a bf16 {tuple(weight.shape)} weight on this CPU")
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
@@ -229,7 +232,19 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
         and torch.backends.mkldnn.is_available()
+        and (dtype == torch.float32 or onednn_bf16() or native.library() is not None)
     )
+
+
+@functools.cache
+def onednn_bf16() -> bool:
+    """Whether oneDNN packs bf16 weights on this CPU: it needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, which an AVX2-only CPU lacks."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), None)
+    except RuntimeError:
+        return False
+    return True
 
 
 @dataclass
