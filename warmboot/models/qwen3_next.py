@@ -3,9 +3,9 @@ gated full attention (``full_attention``), as ``layer_types`` lists them (defaul
 ``full_attention_interval``-th layer attends). Full attention has per-head q/k norms, partial
 rotary and a sigmoid output gate (``Attention(output_gate=True)``); every RMSNorm scales by
 ``1 + w`` but the DeltaNet's gated output norm. The MLP is dense (Qwen3.5) or Qwen2-MoE's
-sparse block with a gated shared expert (Qwen3-Next, Qwen3.5-MoE). A Qwen3.5 release
-(``Qwen3_5ForConditionalGeneration``) carries a vision tower: its text model is served
-(``multimodal``)."""
+sparse block with a gated shared expert (Qwen3-Next, Qwen3.5-MoE). Qwen3.5's releases
+(``Qwen3_5ForConditionalGeneration``, with a vision tower) are refused by architecture for now;
+their text models (``Qwen3_5ForCausalLM``) are served.
 
 from __future__ import annotations
 
