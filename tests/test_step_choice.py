@@ -12,6 +12,7 @@ from warmboot.config import EAGER_ENV
 from warmboot.device import step_choice
 from warmboot.device.step_choice import StepChoice
 from warmboot.kernels import native
+from warmboot.kernels.step_ops import onednn_bf16
 
 
 def _engine(path, dtype: str, eager: bool | None) -> LLM:
@@ -37,6 +38,7 @@ def _fake_times(ms: dict[str, float]):
 
 
 @pytest.mark.skipif(native.library() is None, reason=f"{native.unavailable_reason()}")
+@pytest.mark.skipif(not onednn_bf16(), reason="oneDNN packs bf16 only with AVX-512: not here")
 def test_the_fastest_candidate_serves(tiny_model_dir, monkeypatch):
     path = tiny_model_dir("llama")
     prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 9], VOCAB_SIZE, seed=4)]
