@@ -5,7 +5,7 @@ rotary and a sigmoid output gate (``Attention(output_gate=True)``); every RMSNor
 ``1 + w`` but the DeltaNet's gated output norm. The MLP is dense (Qwen3.5) or Qwen2-MoE's
 sparse block with a gated shared expert (Qwen3-Next, Qwen3.5-MoE). Qwen3.5's releases
 (``Qwen3_5ForConditionalGeneration``, with a vision tower) are refused by architecture for now;
-their text models (``Qwen3_5ForCausalLM``) are served.
+their text models (``Qwen3_5ForCausalLM``) are served."""
 
 from __future__ import annotations
 
