@@ -167,3 +167,13 @@ def test_serve_exits_2_on_an_unknown_layer_kind(tiny_model_dir, tmp_path):
     done = _serve(model, tmp_path)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "cannot serve" in done.stderr and "'mamba'" in done.stderr, done.stderr[-2000:]
+
+
+def test_an_attention_free_model_sizes_its_pool_without_kv_bytes(tiny_model_dir):
+    """Mamba 2 has no attention layer: no KV bytes, blocks sized from the token budget alone
+    (the default CPU budget divided by zero bytes a block before)."""
+    llm = LLM(str(tiny_model_dir("mamba2")), max_model_len=64, max_num_seqs=2, enforce_eager=True)
+    stats = llm.stats()
+    assert stats["kv_bytes_per_token"] == 0 and stats["kv_cache_bytes"] == 0
+    assert stats["kv_blocks_total"] * 16 >= 2 * 64 and stats["state_bytes_per_request"] > 0
+    assert len(_greedy(llm, [[5, 6, 7]], 4)[0][0]) == 4

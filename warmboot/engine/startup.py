@@ -256,6 +256,8 @@ class Startup(GraphPhases):
         sched = settings.scheduler
         if cache.num_blocks is not None:
             blocks = cache.num_blocks
+        elif per_block == 0:  # NOTE: attention-free (Mamba 2): blocks only count tokens
+            blocks = -(-sched.max_num_seqs * sched.max_model_len // cache.block_size)
         elif cache.kv_cache_memory_bytes is not None:
             blocks = cache.kv_cache_memory_bytes // per_block
         elif settings.device.type == "cuda":
