@@ -119,7 +119,8 @@ class ModelConfig:
         arch = resolve_architecture(cfg)
         try:
             # NOTE: attention-free Mamba 2 names only its SSM heads (no KV is ever allocated)
-            num_heads = cfg.get("num_attention_heads") or cfg["num_heads"]
+            attention_free = "num_attention_heads" not in cfg and "num_heads" in cfg
+            num_heads = cfg["num_heads" if attention_free else "num_attention_heads"]
             eos = cfg.get("eos_token_id")
             return cls(
                 architecture=arch,
