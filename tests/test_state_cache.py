@@ -104,9 +104,9 @@ def _drop_state(monkeypatch) -> None:
     """Every state zeroed before every step: nothing carried between a request's steps."""
     clear = runner_module.clear_states
 
-    def clear_all(states, slots, device):
+    def clear_all(states, slots, upload):
         rows = next(t for layer in states if layer for t in layer.values()).shape[0]
-        clear(states, list(range(rows)), device)
+        clear(states, list(range(rows)), upload)
 
     monkeypatch.setattr(runner_module, "clear_states", clear_all)
 
@@ -126,7 +126,7 @@ def _misorder(monkeypatch) -> None:
 
 def _keep_old_state(monkeypatch) -> None:
     """A new request's slot is not cleared: it starts from a finished request's state."""
-    monkeypatch.setattr(runner_module, "clear_states", lambda states, slots, device: None)
+    monkeypatch.setattr(runner_module, "clear_states", lambda states, slots, upload: None)
 
 
 @pytest.mark.parametrize("fault", [_drop_state, _misorder, _keep_old_state])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Callable
 
 import torch
 
@@ -47,20 +48,23 @@ class Pools:
             return torch.zeros(shape, dtype=dtype, device=self.device)
         # NOTE: a fresh anonymous mapping reads as zeros without touching its pages, so a pool
         # costs nothing until it is written (and nothing in a process image).
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self._buffers.append(buffer)
         return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 
 def clear_states(
-    states: list[dict[str, torch.Tensor] | None], slots: list[int], device: torch.device
+    states: list[dict[str, torch.Tensor] | None],
+    slots: list[int],
+    upload: Callable[[torch.Tensor], torch.Tensor],
 ) -> None:
     """Zero the state rows ``slots`` of every state layer (sequences that start at position 0:
-    a new request, or a preempted one computed again, starts from nothing)."""
+    a new request, or a preempted one computed again, starts from nothing). ``upload``: the
+    runner's host -> device copy (no host sync on CUDA)."""
     if not slots:
         return
-    index = torch.tensor(slots, device=device)
+    index = upload(torch.tensor(slots))
     for layer in states:
         for tensor in (layer or {}).values():
             tensor.index_fill_(0, index, 0)

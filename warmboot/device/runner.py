@@ -286,7 +286,7 @@ class ModelRunner:
                 input_ids[up(fed_index)] = self.token_buffer[up(fed_slots)]
 
         def forward() -> None:
-            clear_states(self.state_caches, step.fresh_slots, self.device)
+            clear_states(self.state_caches, step.fresh_slots, self._upload)
             if step.graph_batch:
                 logits = self.graphs.run(
                     step.graph_batch, step.input_ids, step.positions, step.meta, patch
@@ -360,7 +360,7 @@ class ModelRunner:
             self.slots.park(s.req_id)
         hidden_fn, logits_fn = self._forward_fns()
         with torch.inference_mode(), torch_threads(self.cpu_threads):
-            clear_states(self.state_caches, step.fresh_slots, self.device)
+            clear_states(self.state_caches, step.fresh_slots, self._upload)
             up = self._upload
             ids, positions, meta = up(step.input_ids), up(step.positions), step.meta.to(up)
             return logits_fn(hidden_fn(ids, positions, meta))
