@@ -378,9 +378,10 @@ def _sdpa_rows(q, k, v, start: int, n: int) -> torch.Tensor:
 @pytest.fixture
 def no_tiles():
     """AMX off for the native ops (``use_amx``): ``causal_prefill`` runs its SDPA calls."""
+    allowed = native.amx()  # NOTE: read now; a test may patch ``native.amx`` before teardown
     torch.ops.warmboot_cpu.use_amx(False)
     yield
-    torch.ops.warmboot_cpu.use_amx(native.amx())
+    torch.ops.warmboot_cpu.use_amx(allowed)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
