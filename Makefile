@@ -69,7 +69,7 @@ test: $(STAMP) runsc promtool native $(LMEVAL_STAMP) $(CLIENTS_STAMP)
 
 # The fast tier for the edit-test loop (under 2 minutes on 2 cores): the suite less the tests
 # marked slow (interpreter kernels, gVisor, GPU-script smoke runs). `make test` runs everything.
-check: $(STAMP)
+check: $(STAMP) native
 	$(PY) -m ruff check warmboot tests bench
 	$(PY) -m pytest -q -ra -m "not slow"
 

@@ -36,8 +36,8 @@ def compiled_default(monkeypatch):
 @pytest.fixture
 def own_cache(monkeypatch, tmp_path) -> Path:
     """A fresh ``$WARMBOOT_CACHE`` that shares the suite's native library (``native/``): an
-    engine that finds no library builds one on a thread of its own, and the compilers it
-    starts outlive a test run that ends first (minutes of both cores)."""
+    engine that finds no library starts the detached builder, which would take a minute of
+    both cores from the tests after it."""
     from warmboot.config import cache_root
 
     native = cache_root() / "native"

@@ -117,16 +117,16 @@ FAKE_CXX = """#!/bin/sh
 case " $* " in *" --version "*) echo "stand-in 1"; exit 0;; esac
 out=; prev=
 for a in "$@"; do [ "$prev" = -o ] && out=$a; prev=$a; done
-sleep 2
+sleep 0.5
 case " $* " in *" -shared "*) cp "$WARMBOOT_TEST_LIBRARY" "$out";; *) : > "$out";; esac
 """
-"""A compiler stand-in: each step takes 2 s, and its link yields the library this host built
+"""A compiler stand-in: each step takes 0.5 s, and its link yields the library this host built
 (``make native``'s real build costs about a minute on 2 cores)."""
 
 
 def test_a_start_without_the_library_does_not_wait_for_its_build(tmp_path):
     """An empty cache: the attention backend serves at once (SDPA) while the library builds
-    on its own thread, and takes the native kernels once it is there."""
+    in a detached builder, and takes the native kernels once it is there."""
     if native.library() is None:
         pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
     cxx = tmp_path / "stand-in-g++"

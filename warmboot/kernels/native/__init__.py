@@ -8,8 +8,9 @@ the sources, the flags, torch's version and the CPU's flags (what a library must
 loaded here), the build key the compiler's version and torch's library paths. A changed
 source, compiler or machine builds again and nothing stale is loaded; a library built
 elsewhere for the same load key (a tier-A snapshot carries it: ``carried()``) loads on a
-machine without a compiler. ``make native`` builds it ahead; otherwise the first engine that
-wants it does (about 20-35 s, once per key).
+machine without a compiler. ``make native`` (which ``make demo``, ``test`` and ``check`` run)
+builds it ahead; otherwise the first engine that wants it starts ``builder.py``, one detached
+builder a machine (about 20-60 s once per key; it outlives the process that started it).
 
 Each kernel picks its instruction set at run time from the CPU's flags (AVX-512 with BF16
 dot products, else AVX2/FMA, else portable C++): ``isa()`` names the one in use. The bf16
@@ -23,20 +24,23 @@ the platform is not x86-64 Linux; callers then keep torch's and oneDNN's paths.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
+import json
 import logging
 import os
 import platform
 import shutil
 import subprocess
+import sys
 import threading
+import time
 from functools import cache
 from pathlib import Path
 
 import torch
 
 from warmboot.config import cache_root
+from warmboot.kernels.native import builder
 
 log = logging.getLogger(__name__)
 
@@ -67,16 +71,33 @@ def library() -> Path | None:
 
 def ready() -> bool:
     """Whether the library is loaded, without waiting for a build: a library already in the
-    cache is loaded now; one that must be built first is built on a thread of its own, so a
-    start on a machine that never built it serves with torch's kernels meanwhile."""
+    cache is loaded now; one that must be built first is left to a detached builder
+    (``builder.py``: one a machine, which outlives this process), so a start on a machine that
+    never built it serves with torch's kernels meanwhile and takes the library when it lands
+    (the cache is looked at once a second at most)."""
     if "path" in _state or not enabled():
         return _state.get("path") is not None
-    if _built():
+    now = time.monotonic()
+    if now < _state.get("next_look", 0.0):
+        return False
+    _state["next_look"] = now + 1.0
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if _built() or compiler is None or _unbuildable():
         return library() is not None
-    if not _state.get("building"):
-        _state["building"] = True
-        threading.Thread(target=library, name="warmboot-native-build", daemon=True).start()
+    if "builder" not in _state:
+        _state["builder"] = None  # NOTE: on a thread: the spec imports cpp_extension (0.1 s)
+        threading.Thread(target=_spawn_builder, args=(compiler,), daemon=True).start()
     return False
+
+
+def _spawn_builder(compiler: str) -> None:
+    _state["builder"] = _start_builder(compiler)  # NOTE: held: no ResourceWarning while it runs
+
+
+def _unbuildable() -> str | None:
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"native kernels are built for x86-64 Linux, not {platform.machine()}"
+    return None
 
 
 def _built() -> bool:
@@ -198,8 +219,8 @@ def _hex(value: object, length: int) -> bool:
 
 
 def _build_and_load() -> tuple[Path | None, str | None]:
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return None, f"native kernels are built for x86-64 Linux, not {platform.machine()}"
+    if reason := _unbuildable():
+        return None, reason
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     path = _loadable()
     if path is None and compiler is None:
@@ -207,8 +228,8 @@ def _build_and_load() -> tuple[Path | None, str | None]:
     try:
         path = path or build(compiler)
         torch.ops.load_library(str(path))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = f"{e}\n{e.stderr}" if isinstance(e, subprocess.CalledProcessError) else str(e)
+    except (OSError, BuildFailed) as e:
+        detail = str(e)
         log.warning("native CPU kernels unavailable (torch's kernels serve): %s", detail)
         return None, f"the native kernels did not build or load: {detail}"
     _adopt_host_isa()
@@ -243,18 +264,45 @@ def _adopt_host_isa() -> None:
 
 
 def build(compiler: str) -> Path:
-    """Build the library unless the cache holds it for this key; returns its path."""
-    sources = sorted(CSRC.glob("*.cpp"))
+    """The library for this key, built first where the cache lacks it (by the detached
+    builder, waited for); returns its path, or raises ``BuildFailed`` with the compiler's
+    words."""
     target = _target(compiler)
-    out_dir = target.parent
-    if target.exists():
-        return target
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / ".lock", "w") as lock:  # NOTE: one builder per key across processes
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not target.exists():
-            _compile(compiler, sources, target)
+    if not target.exists():
+        _start_builder(compiler, wait=True).wait()
+    if not target.exists():
+        failed = target.parent / builder.FAILED
+        text = failed.read_text(errors="replace") if failed.exists() else "no library came out"
+        raise BuildFailed(text)
     return target
+
+
+class BuildFailed(Exception):
+    pass
+
+
+def _start_builder(compiler: str, wait: bool = False) -> subprocess.Popen:
+    """The builder (``builder.py``) as a process of its own session: it outlives this one.
+    ``wait``: it waits for a build under way instead of leaving it to its builder."""
+    from torch.utils.cpp_extension import include_paths
+
+    target = _target(compiler)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    spec = {
+        "target": str(target),
+        "sources": [str(p) for p in sorted(CSRC.glob("*.cpp"))],
+        "headers": [str(p) for p in sorted(CSRC.glob("*.h"))],
+        "compile": [compiler, *FLAGS, abi, *(f"-I{p}" for p in include_paths())],
+        "compiler": compiler,
+        "link_flags": _link_flags(),
+    }
+    argv = [sys.executable, builder.__file__, *(["--wait"] if wait else []), json.dumps(spec)]
+    with open(target.parent / "build.log", "ab") as log_file:
+        return subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
+            start_new_session=True, close_fds=True,
+        )  # fmt: skip
 
 
 def _target(compiler: str) -> Path:
@@ -282,36 +330,6 @@ def build_key(compiler: str) -> str:
     h = hashlib.sha256(_compiler_version(compiler).encode())
     h.update(" ".join(_link_flags()).encode())
     return h.hexdigest()[:16]
-
-
-def _compile(compiler: str, sources: list[Path], target: Path) -> None:
-    """Each source to an object file, in parallel, then one link."""
-    from torch.utils.cpp_extension import include_paths
-
-    tmp = target.with_suffix(f".{os.getpid()}.tmp")
-    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
-    base = [compiler, *FLAGS, abi, *(f"-I{p}" for p in include_paths())]
-    objects = [tmp.with_name(f"{src.stem}.{os.getpid()}.o") for src in sources]
-    jobs = [
-        subprocess.Popen([*base, "-c", str(src), "-o", str(obj)], stderr=subprocess.PIPE)
-        for src, obj in zip(sources, objects, strict=True)
-    ]
-    try:
-        for job in jobs:
-            _check(job.args, job.wait(), job.stderr.read())
-        link = [compiler, "-shared", *map(str, objects), "-o", str(tmp), *_link_flags()]
-        done = subprocess.run(link, capture_output=True)
-        _check(link, done.returncode, done.stderr)
-    finally:
-        for obj in objects:
-            obj.unlink(missing_ok=True)
-    os.replace(tmp, target)  # NOTE: atomic: a reader never loads half a file
-
-
-def _check(argv: list[str], returncode: int, stderr: bytes) -> None:
-    if returncode:
-        text = stderr.decode(errors="replace")[-2000:]
-        raise subprocess.CalledProcessError(returncode, argv[0], stderr=text)
 
 
 def _link_flags() -> list[str]:
