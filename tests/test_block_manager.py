@@ -132,6 +132,22 @@ def test_taking_from_an_exhausted_pool_raises():
 
 
 # -- prefix caching ---------------------------------------------------------------------------
+def test_a_root_keeps_chains_apart():
+    """Blocks cached under a root (what the KV depends on besides the tokens: a long prompt's
+    rope) are found under that root only; the same tokens under another root or none miss."""
+    bm = BlockManager(16, 2)
+    tokens = [1, 2, 3, 4, 5, 6, 7]
+    assert bm.allocate("long", len(tokens))
+    bm.cache_full_blocks("long", tokens, len(tokens), b"root-a")
+    bm.check_invariants()
+    assert bm.find_cached_prefix(tokens) == []
+    assert bm.find_cached_prefix(tokens, b"root-b") == []
+    assert bm.find_cached_prefix(tokens, b"root-a") == bm.block_table("long")[:3]
+    run_tokens(bm, "short", tokens)  # NOTE: the same tokens, no root: a chain of their own
+    assert bm.find_cached_prefix(tokens) == bm.block_table("short")[:3]
+    assert not set(bm.block_table("short")) & set(bm.block_table("long"))
+
+
 def test_prefix_hit_after_full_blocks_cached():
     bm = BlockManager(16, 4)
     tokens = list(range(10, 20))  # 2 full blocks + 2 tokens

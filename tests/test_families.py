@@ -32,7 +32,8 @@ def _prompts() -> list[list[int]]:
 def hf_greedy_logprobs(model, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
     """transformers' greedy tokens and their logprobs, decoded with its KV cache (as
     ``hf_greedy``; dynamic and long ropes pick their frequencies per call, so a one-pass
-    teacher-forced reference would differ from its own decode)."""
+    teacher-forced reference would differ from its own decode), from a fresh rope state."""
+    _fresh_rope(model)
     out = model(torch.tensor([prompt]), use_cache=True)
     tokens, lps = [], []
     for _ in range(max_new):
@@ -42,6 +43,16 @@ def hf_greedy_logprobs(model, prompt: list[int], max_new: int) -> tuple[list[int
         cache = _cache(out)
         out = model(torch.tensor([[tokens[-1]]]), **cache, use_cache=True)
     return tokens, lps
+
+
+def _fresh_rope(model) -> None:
+    """A dynamic rope's frequencies as loaded: transformers keeps the longest length it has
+    seen (so a prompt's answer would depend on the prompts before it); each request here
+    starts from none."""
+    for m in model.modules():
+        if getattr(m, "rope_type", None) == "dynamic" and hasattr(m, "original_inv_freq"):
+            m.inv_freq = m.original_inv_freq.clone()
+            m.max_seq_len_cached = m.original_max_seq_len
 
 
 def _cache(out) -> dict:
@@ -77,6 +88,8 @@ COMPILED = {
     "cohere2": "a parallel block under LayerNorm, windows beside layers without rope",
     "gpt_neox": "a parallel residual, partial rotary, LayerNorm with bias (Phi's pattern)",
     "phi3": "fused qkv and gate/up weights, a window",
+    "phi3_longrope": "longrope's long-prompt table rows (the prompt length in the positions)",
+    "llama_dynamic": "dynamic NTK frequencies computed per token from its request's length",
     "olmo3": "norms after the sublayers, q/k norms over all heads, windows",
     "exaone4": "two layer structures in one step",
     "glm4": "interleaved partial rotary, sandwich norms",

@@ -40,8 +40,8 @@ SPECS = {
             num_attention_heads=4,
             num_key_value_heads=1,
             intermediate_size=64,
-            max_position_embeddings=48,
-            rope_scaling={"rope_type": "dynamic", "factor": 2.0},
+            max_position_embeddings=18,  # NOTE: prompts below, at and past it
+            rope_scaling={"rope_type": "dynamic", "factor": 6.0},
             tie_word_embeddings=True,
         ),
     ),

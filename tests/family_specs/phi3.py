@@ -1,10 +1,8 @@
 """Phi-3: fused qkv and gate/up checkpoints; one spec with the default rope and a window the
 prompts cross, one with longrope (Phi-4-mini's partial rotary 0.75, tied head) whose
-generation crosses ``original_max_position_embeddings``.
-
-NOTE: ``original_max_position_embeddings`` is the longest test prompt (47): transformers
-rotates a whole prefill with the long factors when the prompt itself crosses it, which a
-per-position table cannot (``models.layers.rope``); crossing during decode is exact."""
+``original_max_position_embeddings`` (18) is one test prompt's length: prompts below it, at it
+and past it (a past one rotates every position with the long factors, chunked or not), and
+generations that cross it."""
 
 SPECS = {
     "phi3": (
@@ -29,7 +27,7 @@ SPECS = {
             intermediate_size=80,
             partial_rotary_factor=0.75,
             max_position_embeddings=128,
-            original_max_position_embeddings=47,
+            original_max_position_embeddings=18,
             rope_scaling={
                 "rope_type": "longrope",
                 "short_factor": [1.0, 1.05, 1.1, 1.2, 1.4, 1.7],

@@ -119,15 +119,16 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache --------------------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Block ids of the longest cached run of full blocks at the start of ``token_ids``.
+    def find_cached_prefix(self, token_ids: Sequence[int], root: bytes | None = None) -> list[int]:
+        """Block ids of the longest cached run of full blocks at the start of ``token_ids``
+        (``root``: what the KV depends on besides the tokens, the first block's parent).
 
         NOTE: the block holding the last token is never returned: its logits must be computed.
         """
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent: bytes | None = None
+        parent: bytes | None = root
         bs = self.block_size
         for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
             chunk = tuple(token_ids[start : start + bs])
@@ -142,8 +143,11 @@ class BlockManager:
         self.prefix_hits += bool(hits)
         return hits
 
-    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> None:
-        """Register the full, computed blocks of a sequence in the prefix cache.
+    def cache_full_blocks(
+        self, seq_id: str, token_ids: Sequence[int], num_computed: int, root: bytes | None = None
+    ) -> None:
+        """Register the full, computed blocks of a sequence in the prefix cache (``root``: as
+        ``find_cached_prefix``'s).
 
         NOTE: a hashed block keeps its hash while a table lists it, so each call starts at the
         table's first unhashed block: O(new blocks) per step, unless a block stays unhashed
@@ -154,14 +158,14 @@ class BlockManager:
             return  # NOTE: most decode steps: no block filled up since the last call
         table = self._tables[seq_id]
         prev = self.blocks[table[first - 1]] if first else None
-        parent = prev.block_hash if prev else None
+        parent = prev.block_hash if prev else root
         for i in range(first, min(num_computed // bs, len(table))):
             block = self.blocks[table[i]]
             parent_ref = self._parent_ref(prev, parent)
             if block.block_hash is None:
                 chunk = tuple(token_ids[i * bs : (i + 1) * bs])
                 block_hash = chain_hash(parent, chunk)
-                if parent is not None and parent_ref is None:
+                if prev is not None and parent_ref is None:
                     break  # the parent's entry was evicted: no lookup can reach this block
                 if block_hash not in self._cached:  # else computed twice at once: keep first
                     block.block_hash, block.parent_hash = block_hash, parent

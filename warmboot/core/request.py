@@ -47,6 +47,9 @@ class Request:
     """The API call the sequence belongs to (fair scheduling); None: a call of its own."""
     client: str = ""
     """Who sent the call (fair scheduling: clients take turns, then their calls)."""
+    prefix_root: bytes | None = None
+    """What its KV depends on besides its tokens (``CausalLM.prefix_root``): the root of its
+    blocks' prefix-cache chain, so only requests with equal KV share blocks."""
     rank: int = 0
     """0: its slot is its client's first live one (may take a reserved seat); set by the
     scheduler (``core.fair_queue``)."""

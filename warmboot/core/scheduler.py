@@ -256,7 +256,7 @@ class Scheduler:
         prompt); the budget it used, or None (no blocks, or not whole)."""
         req = entry.req
         cold = req.num_computed_tokens or req.wants_prompt_logprobs
-        prefix = [] if cold else self.kv.find_cached_prefix(req.all_token_ids)
+        prefix = [] if cold else self.kv.find_cached_prefix(req.all_token_ids, req.prefix_root)
         start = len(prefix) * self.kv.block_size  # NOTE: a cached prefix is read, not free
         n, cost = self._chunk(req, req.num_tokens - start, budget, start)
         if (whole and start + n < req.num_tokens) or (cost > budget and out.scheduled):
@@ -379,7 +379,7 @@ class Scheduler:
                 )  # fmt: skip
             if req.status is RequestStatus.RUNNING:
                 known = min(req.num_computed_tokens, req.num_known_tokens)
-                self.kv.cache_full_blocks(req.request_id, req.all_token_ids, known)
+                self.kv.cache_full_blocks(req.request_id, req.all_token_ids, known, req.prefix_root)
         return events
 
     def _remove(self, req: Request) -> None:

@@ -3,6 +3,8 @@ index, written into one of the two ping-pong working sets (rows ordered decodes 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
@@ -10,7 +12,11 @@ from warmboot.core.types import ScheduledRequest
 from warmboot.device.graphs import DecodeGraphs
 from warmboot.device.slots import RequestSlots
 from warmboot.device.staging import Staging, StepInputs, host_tensor
-from warmboot.kernels.backend import AttentionMetadata, PrefillSeq
+from warmboot.kernels.backend import AttentionMetadata, KVLayout, PrefillSeq
+from warmboot.models.layers.rope import pack_position
+
+if TYPE_CHECKING:
+    from warmboot.models.base import CausalLM
 
 
 class InputBuilder:
@@ -38,6 +44,14 @@ class InputBuilder:
         """KV block past the managed pool, written only by graph padding rows."""
         self.with_states = False
         """The model has state layers: each sequence's state slot goes into the metadata."""
+        self.rope_lengths = False
+        """The model's rope depends on the sequence length (``models.layers.rope``): each
+        position carries its request's prompt length in its high bits."""
+
+    def adopt(self, model: CausalLM, layout: KVLayout) -> None:
+        """What ``model``'s steps need in their inputs (its state layers, its rope)."""
+        self.with_states = layout.has_state
+        self.rope_lengths = any(r.spec.length_dependent for r in model.rotary_embeddings())
 
     def reset_tables(self, scratch_block: int) -> None:
         """A new KV pool whose scratch block is ``scratch_block``."""
@@ -149,7 +163,10 @@ class InputBuilder:
             table = s.block_table
             for pos in range(s.start_pos, s.start_pos + s.num_tokens):
                 kv_slots.append(table[pos // bs] * bs + pos % bs)
-            positions.extend(range(s.start_pos, s.start_pos + s.num_tokens))
+            span = range(s.start_pos, s.start_pos + s.num_tokens)
+            if self.rope_lengths:
+                span = [pack_position(p, len(s.prompt_token_ids)) for p in span]
+            positions.extend(span)
             ids.extend(s.token_ids)
             last_index.append(len(ids) - 1)
         return ids, positions, kv_slots, last_index

@@ -13,12 +13,7 @@ from pathlib import Path
 import torch
 
 from warmboot.config import ModelConfig
-from warmboot.core.types import (
-    RunnerOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-    TokenEvent,
-)
+from warmboot.core.types import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenEvent
 from warmboot.device.compiled import CompiledSteps, CompileStats
 from warmboot.device.graphs import DecodeGraphs
 from warmboot.device.inputs import InputBuilder
@@ -87,6 +82,8 @@ class ModelRunner:
         )
         self.graphs: DecodeGraphs | None = None
         self.compiled: CompiledSteps | None = None
+        self.served: Counter[str] = Counter()
+        """Steps run per kind: ``compiled``, ``eager`` or ``graph`` (a CUDA graph replay)."""
 
     # -- start-up phases -----------------------------------------------------------------------
     def load_model(self, model_dir: str | Path, progress=None) -> None:
@@ -107,7 +104,7 @@ class ModelRunner:
         self.specs = self.model.attention_specs()
         self.kv_layout = self.model.kv_layout()
         self.attention.check_layout(self.kv_layout, self.model_cfg.num_heads)
-        self.inputs.with_states = self.kv_layout.has_state
+        self.inputs.adopt(self.model, self.kv_layout)
         self._settle()
 
     def kv_bytes_per_token(self) -> int:
@@ -280,6 +277,7 @@ class ModelRunner:
         fed_slots = staging.put("fed_slots", [slot for _, slot in fed])
         up = self._upload
         hidden_fn, logits_fn = self._forward_fns()
+        self.served["graph" if step.graph_batch else "compiled" if self.compiled else "eager"] += 1
 
         def patch(input_ids: torch.Tensor) -> None:
             if fed:

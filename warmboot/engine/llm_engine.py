@@ -109,6 +109,7 @@ class LLMEngine:
         # NOTE: internal ids are unique per submission, so a user id reused while a zombie row
         # of its previous request is still in flight never collides with it.
         submission, prompt = next(self._submissions), tuple(checked.token_ids)
+        root = self.runner.model.prefix_root(len(prompt))
         children: list[Request] = []
         states = []
         for i in range(params.n):
@@ -123,6 +124,7 @@ class LLMEngine:
                 completion_index=i,
                 group=group,
                 client=client,
+                prefix_root=root,
             )
             children.append(child)
             logprobs = [] if params.logprobs is not None else None
@@ -185,6 +187,7 @@ class LLMEngine:
             "cuda_graphs": self.startup.graphs_note,
             "compile": dict(self.startup.compiling.info),
             "graph_steps": None if graphs is None else sum(graphs.replays.values()),
+            "steps_served": dict(self.runner.served),
             "bubble_fraction": meter.bubble_fraction,
             "helper_steps": None if arms is None else arms.steps,
             "decode_steps_measured": meter.steps,

@@ -10,6 +10,7 @@ step, its compiled step and its CUDA graphs all run ``forward``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import re
 from collections.abc import Callable
 
@@ -211,6 +212,12 @@ class CausalLM(nn.Module):
         """Every rotary embedding the layers use, once each (the loader builds their tables)."""
         found = {id(m): m for m in self.modules() if isinstance(m, RotaryEmbedding)}
         return list(found.values())
+
+    def prefix_root(self, prompt_len: int) -> bytes | None:
+        """The prefix-cache root of a request with a ``prompt_len`` prompt: None where its KV
+        depends on its tokens alone, else a digest of what else (a length-dependent rope)."""
+        found = {v for r in self.rotary_embeddings() if (v := r.spec.prefix_variant(prompt_len))}
+        return hashlib.blake2b(" ".join(sorted(found)).encode()).digest() if found else None
 
     # -- checkpoint names ------------------------------------------------------------------------
     def map_name(self, name: str) -> tuple[str, int | None] | None:

@@ -5,11 +5,15 @@ position's rotation is one gather. Types: ``default``, ``linear``, ``llama3``, `
 (with DeepSeek's ``mscale``), ``dynamic`` (NTK) and ``longrope``; partial rotary
 (``partial_rotary_factor``: only the first dims rotate) and the interleaved (GPT-J) pairing.
 
-NOTE: ``dynamic`` and ``longrope`` depend on the sequence length in transformers (it picks
-the frequencies from the largest position of each forward call). Here row ``p`` uses the
-frequencies transformers uses when position ``p`` is the last one: identical in decode and
-for prompts within ``original_max_position_embeddings``; a prompt that crosses it is
-rotated per position, where transformers would rotate all its positions as the longest.
+``dynamic`` and ``longrope`` depend on the sequence's length: transformers (and Phi-3's own
+code) pick the frequencies of a forward from its largest position, so a prompt longer than
+``original_max_position_embeddings`` (longrope) or ``max_position_embeddings`` (dynamic) is
+rotated with the long frequencies at every position, a shorter one with the short ones, and
+each decode step past the limit with those of its own length. Here a token's rotation is
+chosen per request, from ``max(prompt length, position + 1)``: chunked prefill and one
+forward agree, and so do a preempted request's recompute and its first pass. For these
+types the runner packs the prompt length into the positions' high bits (``pack_position``,
+``LENGTH_SHIFT``); positions are read by the rotary embeddings alone.
 """
 
 from __future__ import annotations
@@ -23,6 +27,14 @@ import torch
 from torch import nn
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+LENGTH_DEPENDENT = ("dynamic", "longrope")
+LENGTH_SHIFT = 32
+"""A length-dependent rope's positions carry the request's prompt length from this bit on."""
+_POSITION_MASK = (1 << LENGTH_SHIFT) - 1
+
+
+def pack_position(position: int, prompt_len: int) -> int:
+    return position | (prompt_len << LENGTH_SHIFT)
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,20 @@ class RopeSpec:
 
     def rotary_dim(self, head_dim: int) -> int:
         return int(head_dim * self.partial_rotary_factor)
+
+    @property
+    def length_dependent(self) -> bool:
+        return self.rope_type in LENGTH_DEPENDENT
+
+    def prefix_variant(self, prompt_len: int) -> str | None:
+        """What the KV of a request with a ``prompt_len`` prompt depends on besides its tokens
+        (a long prompt is rotated by its length), for the prefix cache; None: nothing."""
+        if self.rope_type == "longrope":
+            long = prompt_len > self.get("original_max_position_embeddings")
+            return "longrope:long" if long else None
+        if self.rope_type == "dynamic" and prompt_len > self.max_position_embeddings:
+            return f"dynamic:{prompt_len}"
+        return None
 
 
 def _freeze(v: Any) -> Any:
@@ -116,7 +142,9 @@ def _yarn(spec: RopeSpec, dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
-def _longrope(spec: RopeSpec, dim: int, positions: torch.Tensor) -> tuple[torch.Tensor, float]:
+def _longrope(spec: RopeSpec, dim: int, lengths: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """Per row: the short factors for a sequence ``lengths`` long within the original length,
+    the long ones past it."""
     orig = spec.get("original_max_position_embeddings")
     factor = spec.get("factor") or spec.max_position_embeddings / orig
     attention_factor = spec.get("attention_factor")
@@ -125,15 +153,25 @@ def _longrope(spec: RopeSpec, dim: int, positions: torch.Tensor) -> tuple[torch.
     shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     short = 1.0 / (torch.tensor(spec.get("short_factor"), dtype=torch.float32) * spec.theta**shape)
     long = 1.0 / (torch.tensor(spec.get("long_factor"), dtype=torch.float32) * spec.theta**shape)
-    per_row = torch.where((positions + 1 > orig)[:, None], long, short)  # (P, dim/2)
-    return per_row, float(attention_factor)
+    return torch.where((lengths > orig)[:, None], long, short), float(attention_factor)
 
 
-def _dynamic(spec: RopeSpec, dim: int, positions: torch.Tensor) -> torch.Tensor:
+def longrope_rows(spec: RopeSpec, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A longrope table's rows, as (position, sequence length): row ``p`` for a sequence that
+    ends there, then rows ``max_positions + p`` for the first original-length positions of a
+    sequence longer than the original length (the long factors)."""
+    orig = spec.get("original_max_position_embeddings")
+    extra = torch.arange(min(orig, max_positions))
+    positions = torch.cat((torch.arange(max_positions), extra))
+    return positions, torch.cat((torch.arange(max_positions) + 1, torch.full_like(extra, orig + 1)))
+
+
+def _dynamic(spec: RopeSpec, dim: int, lengths: torch.Tensor) -> torch.Tensor:
+    """Per token: the NTK-scaled frequencies of a sequence ``lengths`` long."""
     limit, factor = spec.max_position_embeddings, spec.get("factor")
-    seq_len = torch.clamp(positions + 1, min=limit).double()
+    seq_len = torch.clamp(lengths, min=limit).double()
     base = spec.theta * ((factor * seq_len / limit) - (factor - 1)) ** (dim / (dim - 2))
-    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=lengths.device).float() / dim
     return (1.0 / (base.float()[:, None] ** exponents)).float()  # (P, dim/2)
 
 
@@ -144,9 +182,9 @@ def frequencies(spec: RopeSpec, dim: int, positions: torch.Tensor) -> tuple[torc
     if kind == "yarn":
         return _yarn(spec, dim)
     if kind == "longrope":
-        return _longrope(spec, dim, positions)
+        return _longrope(spec, dim, positions + 1)
     if kind == "dynamic":
-        return _dynamic(spec, dim, positions), 1.0
+        return _dynamic(spec, dim, positions + 1), 1.0
     inv_freq = _base_inv_freq(spec.theta, dim)
     if kind == "linear":
         return inv_freq / spec.get("factor"), 1.0
@@ -168,21 +206,43 @@ class RotaryEmbedding(nn.Module):
 
     def build(self, max_positions: int, dtype: torch.dtype, device: torch.device) -> None:
         positions = torch.arange(max_positions)
-        inv_freq, scale = frequencies(self.spec, self.rotary_dim, positions)
-        freqs = positions.float()[:, None] * inv_freq  # (P, rotary_dim / 2)
+        if self.spec.rope_type == "longrope":
+            positions, lengths = longrope_rows(self.spec, max_positions)
+            inv_freq, scale = _longrope(self.spec, self.rotary_dim, lengths)
+        else:
+            inv_freq, scale = frequencies(self.spec, self.rotary_dim, positions)
+        self.rows, self.dtype = max_positions, dtype
+        self.cos, self.sin = self._cos_sin(positions.float()[:, None] * inv_freq, scale)
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+
+    def _cos_sin(self, freqs: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(P, rotary_dim / 2) angles -> cos and sin (P, rotary_dim), scaled."""
         if self.spec.interleaved:
             emb = freqs.repeat_interleave(2, dim=-1)
         else:
             emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = (emb.cos() * scale).to(dtype=dtype, device=device)
-        self.sin = (emb.sin() * scale).to(dtype=dtype, device=device)
+        return (emb.cos() * scale).to(self.dtype), (emb.sin() * scale).to(self.dtype)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q (N, Hq, D), k (N, Hkv, D), positions (N,)."""
-        cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        cos, sin = self._rows(positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return self._apply(q, cos, sin), self._apply(k, cos, sin)
+
+    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of each token's rotation: a table row, or for a length-dependent type
+        the row (longrope) or the frequencies (dynamic) of its request's length."""
+        if not self.spec.length_dependent:
+            return self.cos[positions], self.sin[positions]
+        pos, prompt_len = positions & _POSITION_MASK, positions >> LENGTH_SHIFT
+        if self.spec.rope_type == "longrope":
+            orig = self.spec.get("original_max_position_embeddings")
+            row = torch.where((prompt_len > orig) & (pos < orig), pos + self.rows, pos)
+            return self.cos[row], self.sin[row]
+        inv_freq = _dynamic(self.spec, self.rotary_dim, torch.maximum(prompt_len, pos + 1))
+        return self._cos_sin(pos.float()[:, None] * inv_freq, 1.0)
 
     def _apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rd = self.rotary_dim
