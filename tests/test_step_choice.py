@@ -15,9 +15,9 @@ from warmboot.kernels import native
 from warmboot.kernels.step_ops import onednn_bf16
 
 
-def _engine(path, dtype: str, eager: bool | None) -> LLM:
+def _engine(path, dtype: str, eager: bool | None, **kw) -> LLM:
     return LLM(str(path), dtype=dtype, enforce_eager=eager, max_model_len=64, block_size=4,
-               num_kv_blocks=64)  # fmt: skip
+               num_kv_blocks=64, **kw)  # fmt: skip
 
 
 def _greedy(llm: LLM, prompts) -> list[list[int]]:
@@ -79,10 +79,28 @@ def test_the_fastest_candidate_serves(tiny_model_dir, monkeypatch):
 
 
 def test_an_unsaid_mode_is_measured_at_start(tiny_model_dir, monkeypatch):
+    """Measured in the background: a first batch right after ``LLM()`` starts on eager steps
+    (``last_generate_steps`` says so), a batch after the choice runs on the chosen step; and
+    ``wait_for_compile=True`` returns with the choice made, as vLLM's ``LLM`` returns
+    compiled."""
     monkeypatch.delenv(EAGER_ENV)  # NOTE: the suite's default says eager
-    llm = _engine(tiny_model_dir("qwen2"), "float32", eager=None)
+    path, prompts = tiny_model_dir("qwen2"), random_prompts([5, 9], VOCAB_SIZE, seed=3)
+    llm = _engine(path, "float32", eager=None)
+    first = _greedy(llm, prompts)
+    assert llm.stats()["last_generate_steps"].get("eager", 0) > 0
     assert llm.engine.wait_compiled(300)
     info = llm.engine.stats()["compile"]
+    kind = "compiled" if info["compiled"] else "eager"
+    assert _greedy(llm, prompts) == first
+    assert llm.stats()["last_generate_steps"].keys() == {kind}
+    waited = _engine(path, "float32", eager=None, wait_for_compile=True)
+    assert "step_choice" in waited.stats()["compile"], "returned with the step chosen"
+    assert _greedy(waited, prompts) == first
+    assert waited.stats()["last_generate_steps"].keys() == {
+        "compiled" if waited.stats()["compile"]["compiled"] else "eager"
+    }
+    served, last = waited.stats()["steps_served"], waited.stats()["last_generate_steps"]
+    assert all(served[k] >= n for k, n in last.items()), "all steps count the batch's"
     assert info["background"], "a cold start of unsaid mode serves eagerly at once"
     choice = info["step_choice"]
     assert choice["source"] == "measured"

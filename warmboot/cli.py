@@ -202,8 +202,8 @@ def _snapshot_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--snapshot-store",
         default=None,
-        help="tier-A snapshot store (a directory or s3://bucket/prefix): restore if a matching "
-        "snapshot exists, else boot cold and publish one",
+        help="tier-A snapshot store (dir or s3://bucket/prefix): start the way measured quicker "
+        "here (restore, or boot cold; WARMBOOT_START_BY_COST=0: restore), publish if none matches",
     )
     p.add_argument(
         "--no-snapshot-publish",

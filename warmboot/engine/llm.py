@@ -17,6 +17,15 @@ Messages = list[dict]
 class LLM:
     """``LLM(model=path).generate(prompts, SamplingParams(...))``.
 
+    On a CPU with neither ``enforce_eager`` nor ``compile_steps`` said, ``LLM(...)`` returns
+    as soon as the engine can serve eager steps; the model steps compile in the background
+    (once the engine has been idle 0.5 s, or after 10 s of serving) and the step that serves
+    from then on is chosen by measurement, so a first ``generate`` runs partly or wholly on
+    eager steps. ``wait_for_compile=True`` returns only once that choice is made (vLLM's
+    ``LLM`` returns compiled): a first batch then runs on the chosen step throughout.
+    ``stats()["last_generate_steps"]`` counts the steps of the last ``generate`` by kind
+    (``eager``, ``compiled``, ``graph``), ``stats()["steps_served"]`` all of them.
+
     ``close()`` frees the engine (waits for a background compile, stops the device thread,
     drops the KV pool and the weights); ``with LLM(...) as llm:`` closes on leaving the block.
     An engine never closed is closed at interpreter exit (``engine.shutdown``).
@@ -47,6 +56,7 @@ class LLM:
         snapshot_publish: bool = True,
         snapshot_timeout: float = 30.0,
         pretune_attention: bool | None = None,
+        wait_for_compile: bool = False,
     ):
         config = EngineConfig(
             model=str(model),
@@ -76,6 +86,9 @@ class LLM:
             pretune_attention=pretune_attention,
         )
         self.engine = LLMEngine(config, max_model_len=max_model_len)
+        self._last_steps: dict[str, int] = {}
+        if wait_for_compile:
+            self.engine.wait_compiled()
 
     def __enter__(self) -> LLM:
         return self
@@ -109,9 +122,11 @@ class LLM:
         params = [_final(p) for p in _per_prompt(sampling_params, len(prompts))]
         ids = self._add_all(prompts, params)
         done: dict[str, RequestOutput] = {}
+        before = self.engine.runner.served.copy()
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 done[out.request_id] = out
+        self._last_steps = dict(self.engine.runner.served - before)
         return [done[i] for i in ids]
 
     def generate_stream(
@@ -151,7 +166,7 @@ class LLM:
         return self.generate(token_prompts, sampling_params)
 
     def stats(self) -> dict:
-        return self.engine.stats()
+        return self.engine.stats() | {"last_generate_steps": dict(self._last_steps)}
 
     def _add_all(self, prompts: Sequence[Prompt], params: list[SamplingParams]) -> list[str]:
         if self.closed:
