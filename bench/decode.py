@@ -5,7 +5,9 @@ Prompt 128 random tokens, 128 new tokens, greedy, EOS ignored, batch 1 / 8 / 32,
 (``LLM.generate`` each). vLLM runs in its own venv under the cache (``bench/peers``), started
 once per dtype and driven run by run, so the engines' runs interleave and drift hits all alike.
 Reports output tokens/s (prefill included, as a user sees it) and the ratios to vLLM, checks
-token agreement, and writes ``docs/benchmarks/decode.{json,md,png}``.
+token agreement, and writes ``docs/benchmarks/decode.{json,md,png}``. These are steady-state
+figures (each engine's compile done before the first timed run); what a user gets from
+``LLM()`` + one ``generate`` in a fresh process is ``bench/first_batch.py``'s.
 """
 
 from __future__ import annotations
