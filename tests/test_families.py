@@ -97,6 +97,8 @@ COMPILED = {
     "smollm3": "layers without rope",
     "starcoder2": "LayerNorm and biases everywhere, a GELU MLP",
     "qwen3_next": "gated DeltaNet state layers (conv and delta-rule ops) beside gated attention",
+    "kimi_linear": "KDA state layers (per-channel-decay delta rule) beside NoPE latent attention",
+    "lfm3": "short convs beside per-head gated, windowed attention with proportional rope",
 }
 """Kinds also run compiled with the pipelined loop, and what each brings into the compiled
 step. A cold compile costs 5-25 s (the suite's time, README); the other kinds differ from

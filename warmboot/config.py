@@ -10,7 +10,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from warmboot.models.registry import UnsupportedModelError, resolve_architecture
+from warmboot.models.registry import UnsupportedModelError, resolve_architecture, text_tower
 
 
 def pid_alive(pid: int) -> bool:
@@ -116,6 +116,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        cfg = text_tower(cfg)  # NOTE: a multimodal checkpoint: its language model's config
         arch = resolve_architecture(cfg)
         try:
             # NOTE: attention-free Mamba 2 names only its SSM heads (no KV is ever allocated)
@@ -130,7 +131,9 @@ class ModelConfig:
                 num_heads=num_heads,
                 num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
                 head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-                max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+                # NOTE: Kimi Linear's configs name it model_max_length (transformers' alias)
+                max_position_embeddings=cfg.get("max_position_embeddings")
+                or cfg.get("model_max_length", 2048),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 checkpoint_dtype=cfg.get("dtype") or cfg.get("torch_dtype") or "float32",
                 eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),

@@ -1,20 +1,22 @@
 """Torch implementations of the per-request-state primitives of hybrid models: the depthwise
 causal short convolution (Mamba 2's and gated DeltaNet's conv1d, LFM2's short conv), the
-gated delta rule (Qwen3-Next / Qwen3.5 linear attention) and Mamba 2's selective state space
-in its chunked (SSD) form (Granite 4, Bamba, Nemotron-H, Falcon-H1).
+gated delta rule (Qwen3-Next / Qwen3.5 linear attention), its per-channel-decay variant
+(Kimi Delta Attention, KDA) and Mamba 2's selective state space in its chunked (SSD) form
+(Granite 4, Bamba, Nemotron-H, Falcon-H1).
 
 Each comes twice: a prefill form over one sequence (``(L, ...)`` tensors) that starts from a
 saved state and returns the new one, written as chunked matrix products (no Python loop over
 tokens; the delta rule loops over chunks), and a decode form (``_step``) that advances a batch
 of sequences by one token each and updates their ``states`` in place. The maths follow
 transformers 5.23's torch reference code (``torch_chunk_gated_delta_rule`` /
-``torch_recurrent_gated_delta_rule`` in ``modeling_qwen3_next``, ``mamba2_chunk_scan`` /
+``torch_recurrent_gated_delta_rule`` in ``modeling_qwen3_next``, ``chunk_kimi_delta_attention``
+/ ``recurrent_kimi_delta_attention`` in ``modeling_kimi_linear``, ``mamba2_chunk_scan`` /
 ``mamba2_selective_state_update`` in ``modeling_mamba2``, ``causal_conv1d_fn`` /
 ``causal_conv1d_update``), including which ops run in float32, so fp32 results agree with it
 to float rounding (``tests/test_recurrent_kernels.py``).
 
 States: the conv state holds the last ``K-1`` inputs in the activations' dtype (transformers
-keeps ``K``, the oldest of which never reaches an output); the delta-rule state
+keeps ``K``, the oldest of which never reaches an output); the delta-rule states
 ``(H, Dk, Dv)`` and the SSM state ``(H, P, N)`` are float32.
 """
 
@@ -173,6 +175,97 @@ def recurrent_gated_delta_step(
     delta = (v.to(torch.float32) - recalled) * beta.to(torch.float32)[..., None]  # (B, H, Dv)
     states.addcmul_(k[..., :, None], delta[..., None, :])  # S += k delta^T
     return torch.einsum("bhk,bhkv->bhv", q, states).to(v.dtype)  # (B, H, Dv)
+
+
+# --------------------------------------------------------------------------- Kimi delta attention
+
+
+def _l2norm_div(x: Tensor) -> Tensor:
+    """x / sqrt(|x|^2 + eps) over the last dim: KDA's normalisation (FLA's ``l2norm``, written
+    as a division there and in transformers' ``modeling_kimi_linear``)."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
+
+
+def chunk_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+    scale: float,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor]:
+    """Kimi delta attention over one sequence in chunked form from `state`: the gated delta
+    rule with a decay per key channel instead of per head.
+
+    q, k: (L, H, Dk), not yet L2-normalised (done here in float32, eps 1e-6); v: (L, H, Dv);
+    g: (L, H, Dk) log-decay (<= 0) per key channel; beta: (L, H); state: (H, Dk, Dv) float32.
+    With q, k normalised and ``D_t = diag(exp(g_t))``, the recurrence (float32) is
+
+        S_t = D_t S_{t-1} + k_t (beta_t (v_t - (D_t S_{t-1})^T k_t))^T,
+        o_t = scale * S_t^T q_t.
+
+    Returns o (L, H, Dv) in v's dtype and the final state (H, Dk, Dv) float32. Chunks of
+    ``min(chunk_size, L)`` tokens; the decays between a chunk's tokens are formed per channel
+    as ``exp(G_i - G_j)`` of the cumulative log decays (never as a quotient, which overflows),
+    one chunk at a time: (H, T, T, Dk) floats."""
+    L, H, Dv = v.shape
+    out_dtype = v.dtype
+    if L == 0:
+        return v.new_empty(0, H, Dv), state.to(torch.float32, copy=True)
+    T = min(chunk_size, L)
+    pad = (-L) % T
+    n = (L + pad) // T
+
+    # (H, n, T, D) float32, heads first, zero-padded (a padded token neither writes nor decays)
+    def chunked(t: Tensor) -> Tensor:
+        t = F.pad(t.transpose(0, 1).to(torch.float32), (0, 0, 0, pad))
+        return t.reshape(H, n, T, t.shape[-1])
+
+    q = chunked(_l2norm_div(q.to(torch.float32)) * scale)
+    k = chunked(_l2norm_div(k.to(torch.float32)))
+    v, G = chunked(v), chunked(g).cumsum(dim=-2)  # G: log decay from the chunk's start
+    beta = F.pad(beta.t().to(torch.float32), (0, pad)).reshape(H, n, T, 1)
+    k_beta, v_beta = k * beta, v * beta
+    upper = torch.ones(T, T, dtype=torch.bool, device=v.device).triu(1)[..., None]
+
+    S = state.to(torch.float32, copy=True)  # (H, Dk, Dv)
+    o = torch.empty(H, n, T, Dv, dtype=torch.float32, device=v.device)
+    for c in range(n):  # sequential over chunks only
+        Gc, kc = G[:, c], k[:, c]  # (H, T, Dk)
+        # keys decayed from token j to token i, per channel: [h, i, j, :] (0 for j > i)
+        decay = (Gc[:, :, None] - Gc[:, None]).masked_fill(upper, float("-inf")).exp()
+        k_to_i = kc[:, None] * decay  # (H, T, T, Dk)
+        # The chunk's delta updates: a unit lower-triangular system in the values each token
+        # writes, (I + strict_tril(beta_i k_i . k_j decayed)) U = V_beta - (K_beta exp(G)) S.
+        system = (k_beta[:, c, :, None] * k_to_i).sum(-1)  # (H, T, T)
+        u = torch.linalg.solve_triangular(system, v_beta[:, c], upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(
+            system, k_beta[:, c] * Gc.exp(), upper=False, unitriangular=True
+        )
+        v_new = u - w @ S  # (H, T, Dv)
+        attn = (q[:, c, :, None] * k_to_i).sum(-1)  # (H, T, T) causal scores, diagonal included
+        o[:, c] = (q[:, c] * Gc.exp()) @ S + attn @ v_new
+        last = Gc[:, -1:]  # (H, 1, Dk)
+        S = S * last.transpose(1, 2).exp() + (kc * (last - Gc).exp()).transpose(1, 2) @ v_new
+    o = o.reshape(H, n * T, Dv)[:, :L].transpose(0, 1).to(out_dtype)  # (L, H, Dv)
+    return o, S
+
+
+def recurrent_kda_step(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, states: Tensor, scale: float
+) -> Tensor:
+    """One token for each of B sequences: q, k (B, H, Dk) not yet normalised; v (B, H, Dv);
+    g (B, H, Dk) log decay per key channel; beta (B, H); states (B, H, Dk, Dv) float32,
+    updated in place. Returns o (B, H, Dv) in v's dtype."""
+    q = _l2norm_div(q.to(torch.float32)) * scale  # (B, H, Dk)
+    k = _l2norm_div(k.to(torch.float32))  # (B, H, Dk)
+    states.mul_(g.to(torch.float32).exp()[..., None])  # decay each key channel's row
+    recalled = torch.einsum("bhk,bhkv->bhv", k, states)  # (B, H, Dv)
+    delta = (v.to(torch.float32) - recalled) * beta.to(torch.float32)[..., None]
+    states.addcmul_(k[..., :, None], delta[..., None, :])  # S += k delta^T
+    return torch.einsum("bhk,bhkv->bhv", q, states).to(v.dtype)
 
 
 # --------------------------------------------------------------------------- Mamba 2 SSD

@@ -12,6 +12,8 @@ again and a batch of unequal lengths all give the tokens of one whole-prompt for
   the last ``K - 1`` inputs kept as the layer's ``conv`` state.
 - ``warmboot::gated_delta(q, k, v, g, beta, layer, scale)``: the gated delta rule over the
   layer's ``recurrent`` state (Qwen3-Next, Qwen3.5).
+- ``warmboot::kda(q, k, v, g, beta, layer, scale)``: the same rule with a decay per key
+  channel (``g`` shaped as ``k``) over the layer's ``recurrent`` state (Kimi Linear).
 - ``warmboot::ssd(x, dt, A, B, C, D, layer, chunk_size)``: Mamba 2's state space over the
   layer's ``recurrent`` state.
 
@@ -98,6 +100,32 @@ def gated_delta(
     return _over_rows(ctx, (q, k, v, g, beta), decode, prefill)
 
 
+def kda(
+    ctx: StepContext,
+    layer: int,
+    q: torch.Tensor,  # (N, H, Dk), not yet L2-normalised
+    k: torch.Tensor,  # (N, H, Dk)
+    v: torch.Tensor,  # (N, H, Dv)
+    g: torch.Tensor,  # (N, H, Dk) log decay per key channel
+    beta: torch.Tensor,  # (N, H)
+    scale: float,
+) -> torch.Tensor:  # (N, H, Dv)
+    cache = ctx.states[layer]["recurrent"]  # (slots, H, Dk, Dv) float32
+
+    def decode(slots: torch.Tensor, *rows: torch.Tensor) -> torch.Tensor:
+        state = cache[slots]
+        o = recurrent.recurrent_kda_step(*rows, state, scale)
+        cache[slots] = state
+        return o
+
+    def prefill(slot: int, *rows: torch.Tensor) -> torch.Tensor:
+        o, state = recurrent.chunk_kda(*rows, cache[slot], scale)
+        cache[slot].copy_(state)
+        return o
+
+    return _over_rows(ctx, (q, k, v, g, beta), decode, prefill)
+
+
 def ssd(
     ctx: StepContext,
     layer: int,
@@ -136,6 +164,9 @@ _LIB.define(
     " -> Tensor"
 )
 _LIB.define(
+    "kda(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor layer, float scale) -> Tensor"
+)
+_LIB.define(
     "ssd(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, Tensor layer,"
     " int chunk_size) -> Tensor"
 )
@@ -149,12 +180,17 @@ def _gated_delta_op(q, k, v, g, beta, layer, scale):
     return gated_delta(_context("gated_delta"), int(layer), q, k, v, g, beta, scale)
 
 
+def _kda_op(q, k, v, g, beta, layer, scale):
+    return kda(_context("kda"), int(layer), q, k, v, g, beta, scale)
+
+
 def _ssd_op(x, dt, A, B, C, D, layer, chunk_size):
     return ssd(_context("ssd"), int(layer), x, dt, A, B, C, D, chunk_size)
 
 
 _LIB.impl("causal_conv", _conv_op, "CompositeExplicitAutograd")
 _LIB.impl("gated_delta", _gated_delta_op, "CompositeExplicitAutograd")
+_LIB.impl("kda", _kda_op, "CompositeExplicitAutograd")
 _LIB.impl("ssd", _ssd_op, "CompositeExplicitAutograd")
 
 
@@ -164,6 +200,11 @@ def _(x, weight, bias, layer, activation):
 
 
 @torch.library.register_fake("warmboot::gated_delta")
+def _(q, k, v, g, beta, layer, scale):
+    return v.new_empty(v.shape)
+
+
+@torch.library.register_fake("warmboot::kda")
 def _(q, k, v, g, beta, layer, scale):
     return v.new_empty(v.shape)
 
@@ -191,6 +232,13 @@ def call_gated_delta(module, step, q, k, v, g, beta, scale: float):
     if index is not None:
         return torch.ops.warmboot.gated_delta(q, k, v, g, beta, index, scale)
     return gated_delta(step, step.layer, q, k, v, g, beta, scale)
+
+
+def call_kda(module, step, q, k, v, g, beta, scale: float):
+    index = layer_index(module)
+    if index is not None:
+        return torch.ops.warmboot.kda(q, k, v, g, beta, index, scale)
+    return kda(step, step.layer, q, k, v, g, beta, scale)
 
 
 def call_ssd(module, step, x, dt, A, B, C, D, chunk_size: int):

@@ -26,8 +26,16 @@ from warmboot.models.layers.moe import FusedExperts
 from warmboot.models.layers.norm import RMSNorm
 from warmboot.models.layers.rope import RopeSpec, RotaryEmbedding
 from warmboot.models.layers.state import StateMixer
-from warmboot.models.registry import UnsupportedModelError
+from warmboot.models.registry import TOWER_KEY, UnsupportedModelError
 
+TOWER_RENAMES = (
+    (r"^model\.language_model\.", "model."),  # NOTE: transformers 5's names
+    (r"^language_model\.model\.", "model."),  # NOTE: older saves' names
+    (r"^language_model\.lm_head\.", "lm_head."),
+)
+"""A multimodal checkpoint's language-model tensors under the text model's names."""
+TOWER_OTHERS = r"^(model\.)?(visual|vision_tower|vision_model|multi_modal_projector)\."
+"""Its other towers' tensors: not read (``registry.TEXT_TOWERS``)."""
 RunLayer = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 """Runs one decoder layer: ``(layer, x, positions) -> x`` (the compiled step's graph)."""
 
@@ -222,6 +230,10 @@ class CausalLM(nn.Module):
     # -- checkpoint names ------------------------------------------------------------------------
     def map_name(self, name: str) -> tuple[str, int | None] | None:
         """Checkpoint name -> (our parameter, shard index or None); None: ignored by design."""
+        if self.cfg.get(TOWER_KEY):  # NOTE: a multimodal checkpoint's language model
+            if re.search(TOWER_OTHERS, name):
+                return None
+            name = next((re.sub(p, r, name) for p, r in TOWER_RENAMES if re.search(p, name)), name)
         if any(re.search(p, name) for p in self.ignored):
             return None
         for pattern, repl in self.renames:

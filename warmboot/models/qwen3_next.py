@@ -4,8 +4,8 @@ gated full attention (``full_attention``), as ``layer_types`` lists them (defaul
 rotary and a sigmoid output gate (``Attention(output_gate=True)``); every RMSNorm scales by
 ``1 + w`` but the DeltaNet's gated output norm. The MLP is dense (Qwen3.5) or Qwen2-MoE's
 sparse block with a gated shared expert (Qwen3-Next, Qwen3.5-MoE). Qwen3.5's releases
-(``Qwen3_5ForConditionalGeneration``, with a vision tower) are refused by architecture for now;
-their text models (``Qwen3_5ForCausalLM``) are served."""
+(``Qwen3_5ForConditionalGeneration``, with a vision tower) are served as their language model
+(``registry.TEXT_TOWERS``: text requests; one with an image is refused by the API)."""
 
 from __future__ import annotations
 

@@ -66,11 +66,14 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Qwen3_5MoeForCausalLM": ("qwen3_next", "Qwen3_5MoeForCausalLM"),
     "Lfm2ForCausalLM": ("lfm2", "Lfm2ForCausalLM"),
     "Lfm2MoeForCausalLM": ("lfm2", "Lfm2MoeForCausalLM"),
+    "Lfm3ForCausalLM": ("lfm3", "Lfm3ForCausalLM"),
+    "OlmoHybridForCausalLM": ("olmo_hybrid", "OlmoHybridForCausalLM"),
     "GraniteMoeHybridForCausalLM": ("granitemoehybrid", "GraniteMoeHybridForCausalLM"),
     "Mamba2ForCausalLM": ("mamba2", "Mamba2ForCausalLM"),
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
     "BambaForCausalLM": ("bamba", "BambaForCausalLM"),
     "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
+    "KimiLinearForCausalLM": ("kimi_linear", "KimiLinearForCausalLM"),
 }
 """Every architecture served; a test checks each against transformers."""
 
@@ -124,13 +127,46 @@ MODEL_TYPES: dict[str, str] = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "lfm2": "Lfm2ForCausalLM",
     "lfm2_moe": "Lfm2MoeForCausalLM",
+    "lfm3": "Lfm3ForCausalLM",
+    "olmo_hybrid": "OlmoHybridForCausalLM",
     "granitemoehybrid": "GraniteMoeHybridForCausalLM",
     "mamba2": "Mamba2ForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "bamba": "BambaForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
 }
 """``model_type`` -> architecture, for configs without ``architectures``."""
+
+
+TEXT_TOWERS: dict[str, str] = {
+    # a multimodal checkpoint's architecture: the architecture of its text tower
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+"""Multimodal checkpoints served as their language model: text in, text out (a request with
+an image is refused by the API, never served without it). ``text_tower`` reads the config,
+``models.base.TOWER_RENAMES`` the tensors; the vision tower's are ignored."""
+TOWER_KEY = "text_tower_of"
+"""Set in a text tower's config: the multimodal architecture it came from."""
+_TOP_LEVEL = ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id",
+              "quantization_config")  # fmt: skip
+
+
+def text_tower(cfg: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's config (``TEXT_TOWERS``) as its text tower's: the
+    ``text_config`` with the fields a multimodal config keeps at the top level (the tied
+    head, the special tokens, a quantization) taken from there; any other config as it is."""
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in TEXT_TOWERS), None) if isinstance(archs, list) else None
+    if arch is None:
+        return cfg
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise UnsupportedModelError(f"{arch} config without a text_config object")
+    text = text | {k: cfg[k] for k in _TOP_LEVEL if cfg.get(k) is not None}
+    dtype = text.get("dtype") or cfg.get("dtype") or cfg.get("torch_dtype")
+    return text | {"architectures": [TEXT_TOWERS[arch]], TOWER_KEY: arch, "dtype": dtype}
 
 
 def resolve_architecture(cfg: dict[str, Any]) -> str:

@@ -22,7 +22,9 @@ class Attention(nn.Module):
     projection with ``norm_before_split``), rope (None: a NoPE layer), attention, o_proj;
     ``sinks``: a learned per-head logit in the softmax denominator (GPT-OSS); ``output_gate``:
     the q projection gives each head its query, then as many gate values, and the output is
-    multiplied by their sigmoid before o_proj (Qwen3-Next, Qwen3.5)."""
+    multiplied by their sigmoid before o_proj (Qwen3-Next, Qwen3.5); ``head_gate``: a separate
+    bias-free ``g_proj`` gives one gate per head, each head's output multiplied by its sigmoid
+    (LFM3)."""
 
     def __init__(
         self,
@@ -40,6 +42,7 @@ class Attention(nn.Module):
         norm_before_split: bool = False,
         sinks: bool = False,
         output_gate: bool = False,
+        head_gate: bool = False,
     ):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -48,6 +51,7 @@ class Attention(nn.Module):
         q_rows = 2 * self.q_size if output_gate else self.q_size
         self.qkv_proj = Linear(hidden, [q_rows, self.kv_size, self.kv_size], bias=qkv_bias)
         self.o_proj = Linear(self.q_size, hidden, bias=o_bias)
+        self.g_proj = Linear(hidden, num_heads) if head_gate else None
         self.q_norm, self.k_norm = q_norm, k_norm
         self.norm_before_split = norm_before_split
         self.rope = rope
@@ -72,5 +76,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope is not None:
             q, k = self.rope(positions, q, k)
-        o = attend(q, k, v).reshape(n, self.q_size)
+        o = attend(q, k, v)
+        if self.g_proj is not None:
+            heads = o.reshape(n, self.num_heads, self.head_dim)
+            o = heads * torch.sigmoid(self.g_proj(x))[..., None]
+        o = o.reshape(n, self.q_size)
         return self.o_proj(o if gate is None else o * torch.sigmoid(gate))

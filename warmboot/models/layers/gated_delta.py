@@ -22,7 +22,9 @@ from warmboot.models.layers.state import Conv1dWeight, GatedRMSNorm, StateMixer
 
 class GatedDeltaNet(StateMixer):
     """``in_shards``: the output sizes of the checkpoint tensors stacked into ``in_proj``, whose
-    rows are q, k, v, z, b, a once loaded; default: qkv, z, b and a apart (Qwen3.5's)."""
+    rows are q, k, v, z, b, a once loaded; default: qkv, z, b and a apart (Qwen3.5's).
+    ``beta_scale``: multiplies ``sigmoid(b)``; 2 lets the state's eigenvalues go negative
+    (OLMo hybrid's ``linear_allow_neg_eigval``)."""
 
     kind = "gated_delta"
 
@@ -36,11 +38,13 @@ class GatedDeltaNet(StateMixer):
         conv_kernel: int,
         eps: float,
         in_shards: list[int] | None = None,
+        beta_scale: float = 1.0,
     ):
         super().__init__()
         if num_v_heads % num_k_heads:
             raise ValueError(f"{num_v_heads} value heads do not group over {num_k_heads} key heads")
         self.nk, self.nv, self.dk, self.dv = num_k_heads, num_v_heads, head_k_dim, head_v_dim
+        self.beta_scale = beta_scale
         key, value = num_k_heads * head_k_dim, num_v_heads * head_v_dim
         self.sizes = [2 * key + value, value, num_v_heads, num_v_heads]  # qkv, z, b, a
         self.qkv_sizes = [key, key, value]
@@ -66,6 +70,8 @@ class GatedDeltaNet(StateMixer):
             q = q.repeat_interleave(self.nv // self.nk, dim=1)
             k = k.repeat_interleave(self.nv // self.nk, dim=1)
         beta = b.sigmoid()
+        if self.beta_scale != 1.0:
+            beta = beta * self.beta_scale
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         v = v.reshape(n, self.nv, self.dv)
         o = state_ops.call_gated_delta(self, step, q, k, v, g, beta, self.dk**-0.5)
