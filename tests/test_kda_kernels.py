@@ -111,16 +111,29 @@ def test_kimi_empty_and_bfloat16():
 
 
 # --------------------------------------------------------------------------- transformers
-hf_kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
-# its torch code itself, past the hub-kernel wrappers (which would pick fla where installed)
-hf_chunk = inspect.unwrap(hf_kimi.chunk_kimi_delta_attention)
-hf_recurrent = inspect.unwrap(hf_kimi.recurrent_kimi_delta_attention)
 HF_KW = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+
+@pytest.fixture(scope="module")
+def hf_kimi():
+    """transformers' Kimi Linear code, imported when a test runs: at collection its hub-kernel
+    imports would load triton before the Triton tests set ``TRITON_INTERPRET``."""
+    return pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+
+
+@pytest.fixture(scope="module")
+def hf_fns(hf_kimi):
+    """Its torch functions themselves, past the hub-kernel wrappers (fla where installed)."""
+    unwrap = inspect.unwrap
+    return unwrap(hf_kimi.chunk_kimi_delta_attention), unwrap(
+        hf_kimi.recurrent_kimi_delta_attention
+    )
 
 
 @pytest.mark.parametrize("strong_decay", [False, True])
 @pytest.mark.parametrize("T,L", [(4, 9), (64, 1), (64, 70), (16, 48)])
-def test_kimi_chunked_matches_transformers(T, L, strong_decay):
+def test_kimi_chunked_matches_transformers(T, L, strong_decay, hf_fns):
+    hf_chunk, hf_recurrent = hf_fns
     Dk = 8
     q, k, v, decay, beta, state = kda_inputs(L, Dk=Dk, seed=L, strong_decay=strong_decay)
     o, final = chunk_kda(q, k, v, decay, beta, state, 1 / Dk**0.5, chunk_size=T)
@@ -133,7 +146,8 @@ def test_kimi_chunked_matches_transformers(T, L, strong_decay):
     close(final, final_hf[0])
 
 
-def test_kimi_step_matches_transformers():
+def test_kimi_step_matches_transformers(hf_fns):
+    hf_recurrent = hf_fns[1]
     Dk = 8
     q, k, v, decay, beta, states = kda_inputs(1, Dk=Dk, seed=7, batch=3)
     args = (t[:, None] for t in (q, k, v, decay, beta))
@@ -175,7 +189,7 @@ def _step(n: int, decode: bool, states: dict) -> SimpleNamespace:
     return SimpleNamespace(layer=0, states=[states], meta=meta)
 
 
-def test_kimi_layer_matches_transformers():
+def test_kimi_layer_matches_transformers(hf_kimi):
     from transformers import DynamicCache, KimiLinearConfig
 
     cfg = KimiLinearConfig(
