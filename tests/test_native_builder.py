@@ -129,7 +129,9 @@ def test_a_killed_builder_leaves_no_compiler_and_its_successor_resumes(stand_in)
 
 
 def test_a_failed_build_names_the_compilers_words(stand_in, tmp_path):
-    """A compiler error: no library, and the reason carries what the compiler said."""
+    """A compiler error: no library, and the reason carries what the compiler said; a process
+    that starts later serves without the library and starts no build of its own (``make
+    native`` or ``library()`` tries again)."""
     (tmp_path / "cc1plus").write_text("#!/bin/sh\necho 'error: stand-in refuses' >&2\nexit 1\n")
     code = "from warmboot.kernels import native as n; print(n.library(), n.unavailable_reason())"
     out = _python(code, stand_in)
@@ -137,3 +139,9 @@ def test_a_failed_build_names_the_compilers_words(stand_in, tmp_path):
     assert out.stdout.startswith("None the native kernels did not build or load: ")
     assert "error: stand-in refuses" in out.stdout, out.stdout
     assert not _processes(stand_in["WARMBOOT_TEST_CC1"])
+    calls = len(_calls(stand_in))
+    code = "from warmboot.kernels import native as n; print(n.ready(), n.unavailable_reason())"
+    out = _python(code, stand_in)  # NOTE: an engine's start after the failure: no new build
+    assert out.stdout.startswith("False the native kernels did not build ("), out.stdout
+    time.sleep(1)
+    assert len(_calls(stand_in)) == calls, "no build per process start after a failure"

@@ -84,6 +84,10 @@ def ready() -> bool:
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if _built() or compiler is None or _unbuildable():
         return library() is not None
+    failed = _target(compiler).parent / builder.FAILED
+    if failed.exists():  # NOTE: no new build per process start; ``make native`` tries again
+        _state["path"], _state["reason"] = None, f"the native kernels did not build ({failed})"
+        return False
     if "builder" not in _state:
         _state["builder"] = None  # NOTE: on a thread: the spec imports cpp_extension (0.1 s)
         threading.Thread(target=_spawn_builder, args=(compiler,), daemon=True).start()
