@@ -34,8 +34,12 @@ def one_run(spec: dict) -> dict:
     from bench.decode import prompts_for
     from warmboot import LLM, SamplingParams
 
-    llm = LLM(spec["model"], wait_for_compile=spec["wait"], max_num_seqs=max(spec["batch"], 8),
-              max_num_batched_tokens=max(2048, spec["batch"] * spec["prompt_len"]))  # fmt: skip
+    llm = LLM(
+        spec["model"],
+        wait_for_compile=spec["wait"],
+        max_num_seqs=max(spec["batch"], 8),
+        max_num_batched_tokens=max(2048, spec["batch"] * spec["prompt_len"]),
+    )
     t1 = time.perf_counter()
     vocab = llm.engine.model_config.vocab_size
     prompts = prompts_for(spec["batch"], spec["prompt_len"], vocab, seed=spec["batch"])
@@ -67,8 +71,9 @@ def run_vllm(model: str, batch: int, prompt_len: int, new_tokens: int) -> dict |
         return None
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     prompts = prompts_for(batch, prompt_len, vocab, seed=batch)
-    engine = vllm_cpu.VllmDecoder(model, dtype="auto", max_model_len=prompt_len + new_tokens + 8,
-                                  max_num_seqs=max(batch, 8))  # fmt: skip
+    engine = vllm_cpu.VllmDecoder(
+        model, dtype="auto", max_model_len=prompt_len + new_tokens + 8, max_num_seqs=max(batch, 8)
+    )
     try:
         generate_s = engine.run(prompts, new_tokens)[0]
     finally:
@@ -103,8 +108,9 @@ def main() -> None:
                 for wait in (False, True):
                     inductor = warm_dir if caches == "warm" else tempfile.mkdtemp(prefix="wb-i-")
                     got = run_child(base | {"batch": batch, "wait": wait}, inductor)
-                    rows.append({"round": rnd, "batch": batch, "caches": caches,
-                                 "case": CASES[wait]} | got)  # fmt: skip
+                    rows.append(
+                        {"round": rnd, "batch": batch, "caches": caches, "case": CASES[wait]} | got
+                    )
                     print(json.dumps(rows[-1]), flush=True)
             if not args.no_vllm:
                 got = run_vllm(model, batch, args.prompt_len, args.new_tokens)
@@ -144,8 +150,10 @@ def write_report(args, rows: list[dict]) -> None:
                 r.get("steps", "") for r in rows if all(r[k] == v for k, v in match.items())
             )
             init, gen = (_median(rows, k, **match) for k in ("import_and_init_s", "generate_s"))
-            lines.append(f"| {batch} | {caches} | {case} | {init:.1f} | {gen:.1f} | {total:.1f} "
-                         f"| {json.dumps(steps) if steps else '-'} |")  # fmt: skip
+            lines.append(
+                f"| {batch} | {caches} | {case} | {init:.1f} | {gen:.1f} | {total:.1f} "
+                f"| {json.dumps(steps) if steps else '-'} |"
+            )
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, caches in zip(axes, ("cold", "warm"), strict=True):

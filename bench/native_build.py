@@ -60,12 +60,21 @@ def main() -> None:
     while library is None:
         now = time.perf_counter() - t0
         if started < args.processes and now >= started * args.interval:
-            procs.append(subprocess.Popen([sys.executable, "-c", code], env=env,
-                                          stdout=subprocess.PIPE, text=True))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True
+                )
+            )
             started += 1
         alive = sum(p.poll() is None for p in procs)
-        samples.append({"t": now, "compilers": compilers(), "processes": alive,
-                        "available_gib": available_gib()})  # fmt: skip
+        samples.append(
+            {
+                "t": now,
+                "compilers": compilers(),
+                "processes": alive,
+                "available_gib": available_gib(),
+            }
+        )
         found = list(cache.glob("native/*/*/warmboot_native.so"))
         library = found[0] if found else None
         time.sleep(0.2)
@@ -74,17 +83,29 @@ def main() -> None:
     time.sleep(1.0)
     left = compilers()
     t1 = time.perf_counter()
-    load = subprocess.run([sys.executable, "-c", "from warmboot.kernels import native as n; "
-                           "print(n.library())"], env=env, capture_output=True, text=True)  # fmt: skip
+    load = subprocess.run(
+        [sys.executable, "-c", "from warmboot.kernels import native as n; print(n.library())"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     load_s = time.perf_counter() - t1
     objects = len(list(cache.glob("native/*/*/objects/*.o")))
-    row = {"processes": args.processes, "interval_s": args.interval, "lifetime_s": args.lifetime,
-           "library_s": built_s, "process_lifetimes_s": lived,
-           "max_compilers": max(s["compilers"] for s in samples),
-           "min_available_gib": min(s["available_gib"] for s in samples),
-           "start_available_gib": samples[0]["available_gib"], "compilers_after": left,
-           "next_process_load_s": load_s, "loaded": load.stdout.strip().startswith(str(cache)),
-           "objects_left": objects, "cpus": os.cpu_count()}  # fmt: skip
+    row = {
+        "processes": args.processes,
+        "interval_s": args.interval,
+        "lifetime_s": args.lifetime,
+        "library_s": built_s,
+        "process_lifetimes_s": lived,
+        "max_compilers": max(s["compilers"] for s in samples),
+        "min_available_gib": min(s["available_gib"] for s in samples),
+        "start_available_gib": samples[0]["available_gib"],
+        "compilers_after": left,
+        "next_process_load_s": load_s,
+        "loaded": load.stdout.strip().startswith(str(cache)),
+        "objects_left": objects,
+        "cpus": os.cpu_count(),
+    }
     write_report(args, row, samples)
 
 
@@ -114,8 +135,11 @@ def write_report(args, row: dict, samples: list[dict]) -> None:
     ts = [s["t"] for s in samples]
     ax.step(ts, [s["compilers"] for s in samples], where="post", label="compilers (cc1plus)")
     ax.step(ts, [s["processes"] for s in samples], where="post", label="engine processes alive")
-    ax.set(xlabel="seconds from the first process's start", ylabel="count",
-           title="first build of the native library")  # fmt: skip
+    ax.set(
+        xlabel="seconds from the first process's start",
+        ylabel="count",
+        title="first build of the native library",
+    )
     ax.legend()
     save_report(args.out, "native_build", meta, [row | {"samples": samples}], lines, fig)
 

@@ -75,8 +75,9 @@ def test_kimi_chunked_matches_float64_loop(T, L, strong_decay):
 
 def test_kimi_step_matches_float64_loop():
     q, k, v, decay, beta, states = kda_inputs(1, seed=5, batch=4)  # 4 sequences, one token
-    expected = [naive_kda(*(t[b : b + 1] for t in (q, k, v, decay, beta)), states[b], 0.4)
-                for b in range(4)]  # fmt: skip
+    expected = [
+        naive_kda(*(t[b : b + 1] for t in (q, k, v, decay, beta)), states[b], 0.4) for b in range(4)
+    ]
     o = recurrent_kda_step(q, k, v, decay, beta, states, 0.4)
     close(o, torch.cat([e[0] for e in expected]))
     close(states, torch.stack([e[1] for e in expected]))
@@ -160,9 +161,12 @@ def test_kimi_step_matches_transformers(hf_fns):
 def _ours_from(m, cfg) -> KimiDeltaAttention:
     """Our layer with transformers' layer's weights, as the loader would stack them."""
     ours = KimiDeltaAttention(
-        cfg.hidden_size, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim,
+        cfg.hidden_size,
+        cfg.linear_num_heads,
+        cfg.linear_head_dim,
+        cfg.linear_conv_kernel_dim,
         cfg.rms_norm_eps,
-    )  # fmt: skip
+    )
     fg = m.forget_gate
     parts = (m.q_proj, m.k_proj, m.v_proj, fg.f_a_proj, m.g_a_proj, m.b_proj)
     with torch.no_grad():
@@ -193,10 +197,17 @@ def test_kimi_layer_matches_transformers(hf_kimi):
     from transformers import DynamicCache, KimiLinearConfig
 
     cfg = KimiLinearConfig(
-        hidden_size=16, num_hidden_layers=1, layer_types=["linear_attention"],
-        mlp_layer_types=["dense"], vocab_size=8, linear_num_heads=3, linear_head_dim=6,
-        linear_conv_kernel_dim=3, num_attention_heads=2, num_key_value_heads=2,
-    )  # fmt: skip
+        hidden_size=16,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+        mlp_layer_types=["dense"],
+        vocab_size=8,
+        linear_num_heads=3,
+        linear_head_dim=6,
+        linear_conv_kernel_dim=3,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     torch.manual_seed(0)
     m = hf_kimi.KimiLinearDeltaAttention(cfg, 0).eval()
     g = torch.Generator().manual_seed(1)

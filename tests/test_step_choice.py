@@ -16,8 +16,15 @@ from warmboot.kernels.step_ops import onednn_bf16
 
 
 def _engine(path, dtype: str, eager: bool | None, **kw) -> LLM:
-    return LLM(str(path), dtype=dtype, enforce_eager=eager, max_model_len=64, block_size=4,
-               num_kv_blocks=64, **kw)  # fmt: skip
+    return LLM(
+        str(path),
+        dtype=dtype,
+        enforce_eager=eager,
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=64,
+        **kw,
+    )
 
 
 def _greedy(llm: LLM, prompts) -> list[list[int]]:

@@ -23,8 +23,15 @@ from warmboot.config import ModelConfig
 from warmboot.models.checkpoint import check_servable
 from warmboot.models.registry import UnsupportedModelError
 
-VISION = dict(depth=1, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=48,
-              num_position_embeddings=16, patch_size=4)  # fmt: skip
+VISION = dict(
+    depth=1,
+    hidden_size=32,
+    intermediate_size=48,
+    num_heads=2,
+    out_hidden_size=48,
+    num_position_embeddings=16,
+    patch_size=4,
+)
 RELEASES = {
     "qwen3_5": ("Qwen3_5Config", "Qwen3_5ForConditionalGeneration"),
     "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
@@ -70,10 +77,15 @@ def _served(path, prompts) -> list[tuple[list[int], list[float]]]:
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     return [
-        (o.outputs[0].token_ids, [lp[t].logprob for lp, t in
-                                  zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)])
+        (
+            o.outputs[0].token_ids,
+            [
+                lp[t].logprob
+                for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids, strict=True)
+            ],
+        )
         for o in outs
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.parametrize(("kind", "tie"), [("qwen3_5", True), ("qwen3_5_moe", False)])

@@ -74,56 +74,36 @@ def conv(
     return _over_rows(ctx, (x,), decode, prefill)
 
 
-def gated_delta(
-    ctx: StepContext,
-    layer: int,
-    q: torch.Tensor,  # (N, H, Dk), not yet L2-normalised
-    k: torch.Tensor,  # (N, H, Dk)
-    v: torch.Tensor,  # (N, H, Dv)
-    g: torch.Tensor,  # (N, H) log decay
-    beta: torch.Tensor,  # (N, H)
-    scale: float,
-) -> torch.Tensor:  # (N, H, Dv)
-    cache = ctx.states[layer]["recurrent"]  # (slots, H, Dk, Dv) float32
+def gated_delta(ctx: StepContext, layer: int, q, k, v, g, beta, scale: float) -> torch.Tensor:
+    """q, k (N, H, Dk) not yet L2-normalised, v (N, H, Dv), g (N, H) log decay, beta (N, H)
+    -> (N, H, Dv), over the layer's ``recurrent`` state (slots, H, Dk, Dv) float32."""
+    step, chunked = recurrent.recurrent_gated_delta_step, recurrent.chunk_gated_delta_rule
+    return _delta_rule(ctx, layer, (q, k, v, g, beta), scale, step, chunked)
+
+
+def kda(ctx: StepContext, layer: int, q, k, v, g, beta, scale: float) -> torch.Tensor:
+    """As ``gated_delta`` with ``g`` (N, H, Dk): a log decay per key channel (Kimi)."""
+    step, chunked = recurrent.recurrent_kda_step, recurrent.chunk_kda
+    return _delta_rule(ctx, layer, (q, k, v, g, beta), scale, step, chunked)
+
+
+def _delta_rule(ctx, layer: int, rows: tuple, scale: float, step, chunked) -> torch.Tensor:
+    """A delta rule's decode rows through ``step`` and each prefill through ``chunked``, from
+    and back into the layer's ``recurrent`` state."""
+    cache = ctx.states[layer]["recurrent"]
 
     def decode(slots: torch.Tensor, *rows: torch.Tensor) -> torch.Tensor:
         state = cache[slots]
-        o = recurrent.recurrent_gated_delta_step(*rows, state, scale)
+        o = step(*rows, state, scale)
         cache[slots] = state
         return o
 
     def prefill(slot: int, *rows: torch.Tensor) -> torch.Tensor:
-        o, state = recurrent.chunk_gated_delta_rule(*rows, cache[slot], scale)
+        o, state = chunked(*rows, cache[slot], scale)
         cache[slot].copy_(state)
         return o
 
-    return _over_rows(ctx, (q, k, v, g, beta), decode, prefill)
-
-
-def kda(
-    ctx: StepContext,
-    layer: int,
-    q: torch.Tensor,  # (N, H, Dk), not yet L2-normalised
-    k: torch.Tensor,  # (N, H, Dk)
-    v: torch.Tensor,  # (N, H, Dv)
-    g: torch.Tensor,  # (N, H, Dk) log decay per key channel
-    beta: torch.Tensor,  # (N, H)
-    scale: float,
-) -> torch.Tensor:  # (N, H, Dv)
-    cache = ctx.states[layer]["recurrent"]  # (slots, H, Dk, Dv) float32
-
-    def decode(slots: torch.Tensor, *rows: torch.Tensor) -> torch.Tensor:
-        state = cache[slots]
-        o = recurrent.recurrent_kda_step(*rows, state, scale)
-        cache[slots] = state
-        return o
-
-    def prefill(slot: int, *rows: torch.Tensor) -> torch.Tensor:
-        o, state = recurrent.chunk_kda(*rows, cache[slot], scale)
-        cache[slot].copy_(state)
-        return o
-
-    return _over_rows(ctx, (q, k, v, g, beta), decode, prefill)
+    return _over_rows(ctx, rows, decode, prefill)
 
 
 def ssd(

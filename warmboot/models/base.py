@@ -258,5 +258,20 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
 
+def checked_kinds(types: list[str], num_layers: int, kinds, family: str = "") -> list[str]:
+    """A hybrid's per-layer kinds (``layer_types``), refused by name where their count is not
+    the layer count or a kind is not one of ``kinds``."""
+    if len(types) != num_layers:
+        raise UnsupportedModelError(
+            f"layer_types lists {len(types)} layers, num_hidden_layers is {num_layers}"
+        )
+    unknown = sorted(set(types) - set(kinds))
+    if unknown:
+        raise UnsupportedModelError(
+            f"{family}layer kind(s) {unknown} are not served; served: {', '.join(sorted(kinds))}"
+        )
+    return list(types)
+
+
 def _has_spec(module: nn.Module) -> bool:
     return isinstance(getattr(module, "spec", None), AttentionSpec)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from warmboot.kernels.backend import AttentionSpec
+from warmboot.models.base import checked_kinds
 from warmboot.models.granite import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.decoder import DecoderLayer
@@ -27,14 +28,7 @@ def hybrid_layer_types(cfg, default: str = MAMBA) -> list[str]:
     or ``layers_block_type`` (every layer ``default`` when neither is given)."""
     types = cfg.get("layer_types") or cfg.get("layers_block_type") or [default] * cfg.num_layers
     types = [LEGACY.get(t, t) for t in types]
-    if len(types) != cfg.num_layers:
-        raise UnsupportedModelError(
-            f"layer_types lists {len(types)} layers, num_hidden_layers is {cfg.num_layers}"
-        )
-    unknown = sorted(set(types) - {MAMBA, ATTENTION})
-    if unknown:
-        raise UnsupportedModelError(f"layer kind(s) {unknown} are not served")
-    return types
+    return checked_kinds(types, cfg.num_layers, (MAMBA, ATTENTION))
 
 
 def mamba_mixer(cfg, inner: int | None = None, **overrides) -> Mamba2Mixer:

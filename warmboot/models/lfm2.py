@@ -13,14 +13,13 @@ import dataclasses
 import torch
 from torch import nn
 
-from warmboot.models.base import STACKED
+from warmboot.models.base import STACKED, checked_kinds
 from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.decoder import DecoderLayer
 from warmboot.models.layers.moe import FusedExperts, Router, SparseMoE
 from warmboot.models.layers.norm import RMSNorm
 from warmboot.models.layers.short_conv import ShortConv
 from warmboot.models.llama import LlamaForCausalLM
-from warmboot.models.registry import UnsupportedModelError
 
 KINDS = ("conv", "full_attention")
 
@@ -54,14 +53,7 @@ class Lfm2ForCausalLM(LlamaForCausalLM):
         if types is None:
             full = cfg.get("full_attn_idxs", list(range(cfg.num_layers)))
             types = [KINDS[i in full] for i in range(cfg.num_layers)]
-        if len(types) != cfg.num_layers:
-            raise UnsupportedModelError(
-                f"layer_types lists {len(types)} layers, num_hidden_layers is {cfg.num_layers}"
-            )
-        unknown = sorted(set(types) - set(KINDS))
-        if unknown:
-            raise UnsupportedModelError(f"LFM2 layer kind(s) {unknown} are not served")
-        return types
+        return checked_kinds(types, cfg.num_layers, KINDS, "LFM2 ")
 
     def make_norm(self, size: int | tuple[int, ...]) -> nn.Module:
         return RMSNorm(size, self.cfg.get("norm_eps", 1e-5))

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from warmboot.config import ModelConfig
-from warmboot.models.base import CausalLM
+from warmboot.models.base import CausalLM, checked_kinds
 from warmboot.models.ernie4_5 import Float32RotaryEmbedding
 from warmboot.models.glm4 import Glm4DecoderLayer
 from warmboot.models.layers.decoder import DecoderLayer
@@ -85,16 +85,7 @@ class Lfm3ForCausalLM(Lfm2ForCausalLM):
         types = self.cfg.get("layer_types")
         if types is None:
             types = [_default_kind(i) for i in range(n)]
-        if len(types) != n:
-            raise UnsupportedModelError(
-                f"layer_types lists {len(types)} layers, num_hidden_layers is {n}"
-            )
-        unknown = sorted(set(types) - set(KINDS))
-        if unknown:
-            raise UnsupportedModelError(
-                f"LFM3 layer kind(s) {unknown} are not served; served: {', '.join(KINDS)}"
-            )
-        return list(types)
+        return checked_kinds(types, n, KINDS, "LFM3 ")
 
     def make_layer(self, index: int) -> nn.Module:
         cfg = self.cfg

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from warmboot.models.base import STACKED, CausalLM
+from warmboot.models.base import STACKED, CausalLM, checked_kinds
 from warmboot.models.ernie4_5 import Float32RotaryEmbedding
 from warmboot.models.layers.decoder import DecoderLayer
 from warmboot.models.layers.gated_delta import GatedDeltaNet
@@ -84,16 +84,7 @@ class OlmoHybridForCausalLM(Olmo2ForCausalLM):
             types = [KINDS[i % 4 == 3] for i in range(n)]
             if KINDS[1] not in types:
                 types[-1] = KINDS[1]
-        if len(types) != n:
-            raise UnsupportedModelError(
-                f"layer_types lists {len(types)} layers, num_hidden_layers is {n}"
-            )
-        unknown = sorted(set(types) - set(KINDS))
-        if unknown:
-            raise UnsupportedModelError(
-                f"OLMo hybrid layer kind(s) {unknown} are not served; served: {', '.join(KINDS)}"
-            )
-        return list(types)
+        return checked_kinds(types, n, KINDS, "OLMo hybrid ")
 
     def make_norm(self, size: int | tuple[int, ...]) -> nn.Module:
         return Olmo2RMSNorm(size, self.cfg.get("rms_norm_eps", 1e-6))

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from warmboot.models.base import STACKED, CausalLM
+from warmboot.models.base import STACKED, CausalLM, checked_kinds
 from warmboot.models.layers.decoder import DecoderLayer
 from warmboot.models.layers.gated_delta import GatedDeltaNet
 from warmboot.models.layers.norm import GemmaRMSNorm
@@ -41,16 +41,7 @@ class Qwen3_5ForCausalLM(QwenMoeMixin, LlamaForCausalLM):
         if types is None:
             every = cfg.get("full_attention_interval", 4)
             types = [KINDS[(i + 1) % every == 0] for i in range(cfg.num_layers)]
-        if len(types) != cfg.num_layers:
-            raise UnsupportedModelError(
-                f"layer_types lists {len(types)} layers, num_hidden_layers is {cfg.num_layers}"
-            )
-        unknown = sorted(set(types) - set(KINDS))
-        if unknown:
-            raise UnsupportedModelError(
-                f"layer kind(s) {unknown} are not served; served: {', '.join(KINDS)}"
-            )
-        return types
+        return checked_kinds(types, cfg.num_layers, KINDS)
 
     def make_norm(self, size: int | tuple[int, ...]) -> nn.Module:
         return GemmaRMSNorm(size, self.cfg.get("rms_norm_eps", 1e-6))

@@ -149,8 +149,13 @@ an image is refused by the API, never served without it). ``text_tower`` reads t
 ``models.base.TOWER_RENAMES`` the tensors; the vision tower's are ignored."""
 TOWER_KEY = "text_tower_of"
 """Set in a text tower's config: the multimodal architecture it came from."""
-_TOP_LEVEL = ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id",
-              "quantization_config")  # fmt: skip
+_TOP_LEVEL = (
+    "tie_word_embeddings",
+    "eos_token_id",
+    "bos_token_id",
+    "pad_token_id",
+    "quantization_config",
+)
 
 
 def text_tower(cfg: dict[str, Any]) -> dict[str, Any]:

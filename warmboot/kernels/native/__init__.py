@@ -304,9 +304,13 @@ def _start_builder(compiler: str, wait: bool = False) -> subprocess.Popen:
     argv = [sys.executable, builder.__file__, *(["--wait"] if wait else []), json.dumps(spec)]
     with open(target.parent / "build.log", "ab") as log_file:
         return subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log_file, stderr=log_file,
-            start_new_session=True, close_fds=True,
-        )  # fmt: skip
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=log_file,
+            start_new_session=True,
+            close_fds=True,
+        )
 
 
 def _target(compiler: str) -> Path:

@@ -155,9 +155,12 @@ def _link(spec: dict, objects: list[Path], target: Path) -> None:
 def _start(argv: list[str], err: Path) -> subprocess.Popen:
     with open(err, "wb") as stderr:
         return subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
             preexec_fn=_own_group,
-        )  # fmt: skip
+        )
 
 
 def _own_group() -> None:
