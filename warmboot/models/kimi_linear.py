@@ -35,8 +35,9 @@ from warmboot.models.base import EXPERT_PROJECTIONS
 from warmboot.models.deepseek import DeepseekV3ForCausalLM, _refuser
 from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.decoder import DecoderLayer
-from warmboot.models.layers.kda import CONV_SHARDS, IN_SHARDS, KimiDeltaAttention
+from warmboot.models.layers.kda import IN_SHARDS, KimiDeltaAttention
 from warmboot.models.layers.mla import MLAttention
+from warmboot.models.layers.state import QKV_CONVS
 
 LINEAR, FULL = "linear_attention", "full_attention"
 MLP_KINDS = ("dense", "sparse")
@@ -116,7 +117,7 @@ class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
         (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),
         (r"\.self_attn\.forget_gate\.", ".self_attn."),  # NOTE: transformers' module
     )
-    stacked = DeepseekV3ForCausalLM.stacked | {c: ("conv1d", i) for i, c in enumerate(CONV_SHARDS)}
+    stacked = DeepseekV3ForCausalLM.stacked | {c: ("conv1d", i) for i, c in enumerate(QKV_CONVS)}
     expert_projections = EXPERT_PROJECTIONS | {
         "w1": ("gate_up_proj", 0),
         "w3": ("gate_up_proj", 1),

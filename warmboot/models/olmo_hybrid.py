@@ -17,7 +17,6 @@ theta rotates the attention layers (tables and rotation in float32, as transform
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from warmboot.models.base import STACKED, CausalLM, checked_kinds
@@ -25,28 +24,16 @@ from warmboot.models.ernie4_5 import Float32RotaryEmbedding
 from warmboot.models.layers.decoder import DecoderLayer
 from warmboot.models.layers.gated_delta import GatedDeltaNet
 from warmboot.models.layers.rope import RopeSpec
-from warmboot.models.layers.state import Conv1dWeight
+from warmboot.models.layers.state import QKV_CONVS, JoinedConv1dWeight
 from warmboot.models.olmo2 import Olmo2ForCausalLM, Olmo2RMSNorm, PostNormDecoderLayer
 from warmboot.models.registry import UnsupportedModelError
 
 KINDS = ("linear_attention", "full_attention")
 DELTA_PROJECTIONS = "qkvgba"
 """The DeltaNet's checkpoint projections, in ``GatedDeltaNet.in_proj``'s row order."""
-CONV_SHARDS = ("q_conv1d", "k_conv1d", "v_conv1d")
 """The DeltaNet convs as transformers saves them (it loads them concatenated, ``conv1d``)."""
 DELTA_NORM_EPS = 1e-5
 """The eps of the DeltaNet's gated output norm (FLA's default, whatever ``rms_norm_eps``)."""
-
-
-class SplitConv1dWeight(Conv1dWeight):
-    """The q, k and v convs as one over their concatenated channels: the loader joins the
-    per-projection tensors of a checkpoint that stores them apart."""
-
-    def shard_count(self, leaf: str) -> int:
-        return len(CONV_SHARDS)
-
-    def join_shards(self, leaf: str, parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts)
 
 
 class OlmoHybridForCausalLM(Olmo2ForCausalLM):
@@ -62,7 +49,7 @@ class OlmoHybridForCausalLM(Olmo2ForCausalLM):
     stacked = (
         STACKED
         | {f"delta_{p}": ("in_proj", i) for i, p in enumerate(DELTA_PROJECTIONS)}
-        | {name: ("conv1d", i) for i, name in enumerate(CONV_SHARDS)}
+        | {name: ("conv1d", i) for i, name in enumerate(QKV_CONVS)}
     )
     ignored = (*CausalLM.ignored, r"^(model\.)?mtp\.")
     """Multi-token-prediction weights (not served)."""
@@ -115,7 +102,7 @@ class OlmoHybridForCausalLM(Olmo2ForCausalLM):
             in_shards=[key, key, value, value, nv, nv],
             beta_scale=2.0 if cfg.get("linear_allow_neg_eigval", True) else 1.0,
         )
-        net.conv1d = SplitConv1dWeight(2 * key + value, net.conv1d.kernel, bias=False)
+        net.conv1d = JoinedConv1dWeight(2 * key + value, net.conv1d.kernel)
         return net
 
     def attention_options(self, index: int) -> dict:

@@ -21,26 +21,10 @@ from torch import nn
 from warmboot.kernels import state_ops
 from warmboot.kernels.backend import StateSpec
 from warmboot.models.layers.linear import Linear
-from warmboot.models.layers.state import Conv1dWeight, StateMixer
+from warmboot.models.layers.state import JoinedConv1dWeight, StateMixer
 
 IN_SHARDS = ("q_proj", "k_proj", "v_proj", "f_a_proj", "g_a_proj", "b_proj")
 """The checkpoint projections stacked into ``in_proj``, in its row order."""
-CONV_SHARDS = ("q_conv1d", "k_conv1d", "v_conv1d")
-"""The checkpoint convs stacked into ``conv1d``, in its channel order."""
-
-
-class StackedConv1d(Conv1dWeight):
-    """The q, k and v convs as one depthwise conv (without bias) over the concatenated
-    channels; the loader joins per-projection checkpoint tensors along the channels."""
-
-    def __init__(self, channels: int, kernel: int):
-        super().__init__(channels, kernel, bias=False)
-
-    def shard_count(self, leaf: str) -> int:
-        return len(CONV_SHARDS)
-
-    def join_shards(self, leaf: str, parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts)
 
 
 class SigmoidGatedRMSNorm(nn.Module):
@@ -67,7 +51,7 @@ class KimiDeltaAttention(StateMixer):
         width = num_heads * head_dim
         self.in_proj = Linear(hidden, [width, width, width, head_dim, head_dim, num_heads])
         self.sizes = [3 * width, head_dim, head_dim, num_heads]  # qkv, f_a, g_a, b
-        self.conv1d = StackedConv1d(3 * width, conv_kernel)
+        self.conv1d = JoinedConv1dWeight(3 * width, conv_kernel)
         self.f_b_proj = Linear(head_dim, width)
         self.g_b_proj = Linear(head_dim, width)
         self.A_log = nn.Parameter(torch.empty(num_heads))

@@ -43,6 +43,24 @@ class Conv1dWeight(nn.Module):
         return self.weight.squeeze(1)
 
 
+QKV_CONVS = ("q_conv1d", "k_conv1d", "v_conv1d")
+"""A checkpoint's separate q, k and v convs (Kimi Linear, OLMo hybrid), in channel order."""
+
+
+class JoinedConv1dWeight(Conv1dWeight):
+    """Depthwise convs over consecutive channel groups (q, k, v) as one, without bias: the
+    loader joins a checkpoint's per-group tensors (``QKV_CONVS``) along the channels."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__(channels, kernel, bias=False)
+
+    def shard_count(self, leaf: str) -> int:
+        return len(QKV_CONVS)
+
+    def join_shards(self, leaf: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts)
+
+
 class GatedRMSNorm(nn.Module):
     """``rmsnorm(x) * silu(gate)`` scaled by ``weight``, in float32: the norm before the gate
     (Qwen3-Next's), or with ``gate_first`` the gate before the norm (Mamba 2's). ``group_size``:
