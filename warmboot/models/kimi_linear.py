@@ -30,13 +30,12 @@ import torch
 from torch import nn
 
 from warmboot.config import ModelConfig
-from warmboot.kernels.backend import AttentionSpec, KVLayout
+from warmboot.kernels.backend import KVLayout
 from warmboot.models.base import EXPERT_PROJECTIONS
 from warmboot.models.deepseek import DeepseekV3ForCausalLM, _refuser
 from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.decoder import DecoderLayer
 from warmboot.models.layers.kda import IN_SHARDS, KimiDeltaAttention
-from warmboot.models.layers.mla import MLAttention
 from warmboot.models.layers.state import QKV_CONVS
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -163,21 +162,11 @@ class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
         size = cfg.hidden_size
         return DecoderLayer(mixer, self.make_mlp(index), self.make_norm(size), self.make_norm(size))
 
-    def make_attention(self, index: int) -> nn.Module:
-        cfg = self.cfg
-        nope, rope = cfg.get("qk_nope_head_dim"), cfg.get("qk_rope_head_dim")
-        return MLAttention(
-            cfg.hidden_size,
-            cfg.num_heads,
-            q_lora_rank=cfg.get("q_lora_rank"),
-            kv_lora_rank=cfg.get("kv_lora_rank"),
-            nope_dim=nope,
-            rope_dim=rope,
-            v_dim=cfg.get("v_head_dim"),
-            rope=NoRope(),
-            spec=AttentionSpec(scale=(nope + rope) ** -0.5),
-            bias=bool(cfg.get("attention_bias", False)),
-        )
+    def latent_rope(self, spec, dim: int) -> nn.Module:
+        return NoRope()  # NOTE: Kimi's latent attention has no rope (mla_use_nope)
+
+    def softmax_scale(self, qk_head_dim: int) -> float:
+        return qk_head_dim**-0.5
 
     def make_mlp(self, index: int) -> nn.Module:
         cfg = self.cfg
