@@ -189,6 +189,7 @@ def _step(n: int, decode: bool, states: dict) -> SimpleNamespace:
         decode_state_slots=torch.tensor([0]),
         prefills=prefills,
         state_slots=[0],
+        state_saves=[],
     )
     return SimpleNamespace(layer=0, states=[states], meta=meta)
 

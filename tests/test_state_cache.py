@@ -5,6 +5,8 @@ misordered, refusals of inconsistent configs, and tier-A restores of hybrids."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from tests.test_model_loading import _copy, _edit_config, _serve
 from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM, SamplingParams
 from warmboot.device.inputs import InputBuilder
+from warmboot.device.pools import StateMoves
 from warmboot.models.registry import UnsupportedModelError
 
 KIND = "qwen3_5"
@@ -56,7 +59,7 @@ def test_the_state_does_not_grow_with_the_context(tiny_model_dir):
     recurrent = 4 * 8 * 12 * 4  # value heads x Dk x Dv, float32
     assert stats["state_bytes_per_request"] == 2 * (conv + recurrent)
     assert stats["state_slots_total"] == 2 * 4 + 2  # NOTE: one per request slot
-    assert "state layers" in stats["prefix_caching_off"]
+    assert stats["prefix_caching_off"] is None and stats["state_checkpoints_total"] == 2 * 4
 
 
 @pytest.mark.parametrize(
@@ -102,13 +105,13 @@ def _reference_spread(hf, prompt: list[int], tokens: list[int], lps: list[float]
 
 def _drop_state(monkeypatch) -> None:
     """Every state zeroed before every step: nothing carried between a request's steps."""
-    clear = runner_module.clear_states
+    prepare = runner_module.prepare_states
 
-    def clear_all(states, slots, upload):
+    def clear_all(states, moves, upload):
         rows = next(t for layer in states if layer for t in layer.values()).shape[0]
-        clear(states, list(range(rows)), upload)
+        prepare(states, StateMoves(clear=list(range(rows))), upload)
 
-    monkeypatch.setattr(runner_module, "clear_states", clear_all)
+    monkeypatch.setattr(runner_module, "prepare_states", clear_all)
 
 
 def _misorder(monkeypatch) -> None:
@@ -126,7 +129,12 @@ def _misorder(monkeypatch) -> None:
 
 def _keep_old_state(monkeypatch) -> None:
     """A new request's slot is not cleared: it starts from a finished request's state."""
-    monkeypatch.setattr(runner_module, "clear_states", lambda states, slots, upload: None)
+    prepare = runner_module.prepare_states
+
+    def no_clears(states, moves, upload):
+        prepare(states, replace(moves, clear=[]), upload)
+
+    monkeypatch.setattr(runner_module, "prepare_states", no_clears)
 
 
 @pytest.mark.parametrize("fault", [_drop_state, _misorder, _keep_old_state])

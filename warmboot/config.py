@@ -80,6 +80,10 @@ class ModelFilesError(FileNotFoundError):
     """A file the model directory must hold is missing."""
 
 
+ATTENTION_FREE = ("MambaForCausalLM", "FalconMambaForCausalLM")
+"""Architectures whose configs name no attention heads (Mamba 1)."""
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture facts the engine needs, parsed from a checkpoint's ``config.json``;
@@ -119,9 +123,12 @@ class ModelConfig:
         cfg = text_tower(cfg)  # NOTE: a multimodal checkpoint: its language model's config
         arch = resolve_architecture(cfg)
         try:
-            # NOTE: attention-free Mamba 2 names only its SSM heads (no KV is ever allocated)
-            attention_free = "num_attention_heads" not in cfg and "num_heads" in cfg
-            num_heads = cfg["num_heads" if attention_free else "num_attention_heads"]
+            # NOTE: attention-free Mamba 2 names only its SSM heads, Mamba 1 no heads at all
+            # (no KV is ever allocated)
+            attention_free = "num_attention_heads" not in cfg and (
+                "num_heads" in cfg or arch in ATTENTION_FREE
+            )
+            num_heads = cfg.get("num_heads", 1) if attention_free else cfg["num_attention_heads"]
             eos = cfg.get("eos_token_id")
             return cls(
                 architecture=arch,
@@ -176,8 +183,14 @@ class CacheConfig:
     num_blocks: int | None = None
     """Force an exact number of KV blocks (tests use this to force preemption)."""
     enable_prefix_caching: bool = True
+    state_checkpoints: int | None = None
+    """Models with state layers: request states kept at block boundaries for the prefix cache
+    (``core.state_prefix``); None: two per seat within a quarter of the default KV budget; 0:
+    none, so such a model computes every prompt in full."""
 
     def __post_init__(self) -> None:
+        if self.state_checkpoints is not None and self.state_checkpoints < 0:
+            raise ValueError(f"state_checkpoints must be >= 0, got {self.state_checkpoints}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks < 1:

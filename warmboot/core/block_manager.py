@@ -15,7 +15,7 @@ last step holding the sequence retires.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from warmboot.core.blocks import Block, Blocks, NoFreeBlocksError, PoolState, chain_hash
@@ -119,9 +119,15 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache --------------------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int], root: bytes | None = None) -> list[int]:
+    def find_cached_prefix(
+        self,
+        token_ids: Sequence[int],
+        root: bytes | None = None,
+        usable: Callable[[list[int]], int] | None = None,
+    ) -> list[int]:
         """Block ids of the longest cached run of full blocks at the start of ``token_ids``
-        (``root``: what the KV depends on besides the tokens, the first block's parent).
+        (``root``: what the KV depends on besides the tokens, the first block's parent), cut to
+        its first ``usable(run)`` blocks when given (``core.state_prefix``).
 
         NOTE: the block holding the last token is never returned: its logits must be computed.
         """
@@ -139,6 +145,8 @@ class BlockManager:
                 break
             hits.append(block_id)
             parent = block_hash
+        if usable is not None:
+            hits = hits[: usable(hits)]
         self.prefix_queries += 1
         self.prefix_hits += bool(hits)
         return hits

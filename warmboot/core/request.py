@@ -131,6 +131,13 @@ class Request:
             return FinishReason.LENGTH
         return None
 
+    def suppressed_tokens(self, sample: bool) -> tuple[int, ...]:
+        """Stops the sampler must not pick for a row that samples (``min_tokens`` not reached)."""
+        if not sample or self.num_planned_outputs >= self.params.min_tokens:
+            return ()
+        eos = () if self.params.ignore_eos else tuple(self.eos_token_ids)
+        return eos + self.params.stop_token_ids
+
     def take_prompt_logprob_targets(self, start: int, n: int) -> tuple[int, tuple[int, ...]]:
         """The prompt tokens a chunk at ``start..start+n`` predicts that no earlier step was
         asked for (position ``p`` predicts prompt token ``p + 1``), marked as asked for now:

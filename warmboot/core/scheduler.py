@@ -46,6 +46,7 @@ from warmboot.core.block_manager import BlockManager
 from warmboot.core.fair_queue import Entry, FairTurns, WaitingQueue
 from warmboot.core.request import FinishReason, Request, RequestStatus
 from warmboot.core.shared_steps import MIN_UNITS, SharedSteps, shared_cut
+from warmboot.core.state_prefix import KVPrefix
 from warmboot.core.step_cost import MIN_SAMPLES, StepCost
 from warmboot.core.step_load import claims_behind, running_load
 from warmboot.core.types import RunnerOutput, ScheduledRequest, SchedulerOutput, TokenEvent
@@ -64,9 +65,10 @@ def _priority(req: Request) -> int:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: BlockManager):
-        self.config = config
-        self.kv = kv
+    def __init__(self, config: SchedulerConfig, kv: BlockManager, prefix: KVPrefix | None = None):
+        self.config, self.kv = config, kv
+        self.prefix = prefix or KVPrefix(kv)
+        """Prefix lookups (``core.state_prefix``: with states kept for state layers)."""
         self.waiting = WaitingQueue()
         self.turns = FairTurns()
         self.step_cost = StepCost(config.prompt_logprob_token_weight, bool(config.max_step_ms))
@@ -256,7 +258,7 @@ class Scheduler:
         prompt); the budget it used, or None (no blocks, or not whole)."""
         req = entry.req
         cold = req.num_computed_tokens or req.wants_prompt_logprobs
-        prefix = [] if cold else self.kv.find_cached_prefix(req.all_token_ids, req.prefix_root)
+        prefix = [] if cold else self.prefix.find(req)
         start = len(prefix) * self.kv.block_size  # NOTE: a cached prefix is read, not free
         n, cost = self._chunk(req, req.num_tokens - start, budget, start)
         if (whole and start + n < req.num_tokens) or (cost > budget and out.scheduled):
@@ -319,13 +321,10 @@ class Scheduler:
         if device_fed:  # NOTE: only the newest token can be unknown to the host
             assert req.num_inflight == 1 and len(token_ids) == n - 1
             token_ids.append(-1)
-        suppress: tuple[int, ...] = ()
-        if sample and req.num_planned_outputs < req.params.min_tokens:
-            eos = () if req.params.ignore_eos else tuple(req.eos_token_ids)
-            suppress = eos + req.params.stop_token_ids
         lp_from, targets = 0, ()
         if req.params.prompt_logprobs is not None:  # NOTE: inline test: a step builds 100s
             lp_from, targets = req.take_prompt_logprob_targets(start, n)
+        suppress = req.suppressed_tokens(sample)
         req.num_computed_tokens += n
         req.num_inflight += sample
         req.served_at = self.shared.step
@@ -341,6 +340,7 @@ class Scheduler:
             device_fed=device_fed,
             prompt_logprobs_from=lp_from,
             prompt_logprob_targets=targets,
+            **self.prefix.plan(req, start, n),
         )
 
     def _preempt(self, req: Request) -> None:
@@ -354,13 +354,14 @@ class Scheduler:
 
     # -- update --------------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> list[TokenEvent]:
-        """Commit a step: append its sampled tokens, check token stops, cache full blocks."""
+        """Commit a step: append its sampled tokens, check token stops, cache what it computed."""
         rows = {rid: i for i, rid in enumerate(result.req_ids)}
         events = []
         for s in out.scheduled:
             req = self.requests.get(s.req_id)
             if req is None:
                 continue  # finished while the step ran: a zombie row, its token is dropped
+            self.prefix.computed(req, s)  # NOTE: before a stop frees its blocks
             prompt_lps = result.prompt_logprobs.get(s.req_id)
             if prompt_lps is not None and not s.sample:
                 events.append(TokenEvent(req.request_id, [], [], prompt_logprobs=prompt_lps))
@@ -377,9 +378,6 @@ class Scheduler:
                     TokenEvent(req.request_id, [token], [logprobs], reason, req.stop_reason,
                                prompt_logprobs=prompt_lps)
                 )  # fmt: skip
-            if req.status is RequestStatus.RUNNING:
-                known = min(req.num_computed_tokens, req.num_known_tokens)
-                self.kv.cache_full_blocks(req.request_id, req.all_token_ids, known, req.prefix_root)
         return events
 
     def _remove(self, req: Request) -> None:
@@ -396,5 +394,6 @@ class Scheduler:
         if waiting_client is not None:
             self.waiting.promote(waiting_client)
         self.kv.free(req.request_id)
+        self.prefix.forget(req)
         self._finished_since_step.append(req.request_id)
         del self.requests[req.request_id]

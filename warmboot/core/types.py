@@ -40,6 +40,11 @@ class ScheduledRequest:
     prompt_logprob_targets: tuple[int, ...] = ()
     """The prompt tokens those positions predict (one per position, in order); empty when the
     request asked for no prompt logprobs or has them all."""
+    state_load: int | None = None
+    """State layers: the checkpoint row this chunk's states start from (``core.state_prefix``);
+    None: from the request's own slot (zeros at position 0)."""
+    state_saves: tuple[tuple[int, int], ...] = ()
+    """State layers: (tokens into this chunk, checkpoint row) to copy the states into there."""
 
     @property
     def num_tokens(self) -> int:

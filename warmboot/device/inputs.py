@@ -10,6 +10,7 @@ import torch
 
 from warmboot.core.types import ScheduledRequest
 from warmboot.device.graphs import DecodeGraphs
+from warmboot.device.pools import StateMoves
 from warmboot.device.slots import RequestSlots
 from warmboot.device.staging import Staging, StepInputs, host_tensor
 from warmboot.kernels.backend import AttentionMetadata, KVLayout, PrefillSeq
@@ -103,7 +104,7 @@ class InputBuilder:
             meta.decode_block_tables = self._decode_tables(staging, decodes, pad, width, slots)
             lens = [s.start_pos + 1 for s in decodes] + [1] * pad
             meta.decode_seq_lens = staging.put("seq_lens", lens)
-        fresh = self._state_slots(meta, staging, rows, num_decodes, slots)
+        moves = self._state_slots(meta, staging, rows, num_decodes, slots)
         sampling = [i for i, s in enumerate(rows) if s.sample]
         step = StepInputs(
             rows=rows,
@@ -114,7 +115,7 @@ class InputBuilder:
             sample_index=staging.put("sample_index", [last_index[i] for i in sampling]),
             last_index=last_index,
             graph_batch=graph_batch,
-            fresh_slots=fresh,
+            state_moves=moves,
         )
         if any(s.prompt_logprob_targets for s in rows):
             self._prompt_rows(step)
@@ -127,15 +128,25 @@ class InputBuilder:
         rows: list[ScheduledRequest],
         num_decodes: int,
         slots: RequestSlots,
-    ) -> list[int]:
-        """Each sequence's state slot (its request slot) into ``meta``; returns those of the
-        sequences that start at position 0, whose state starts from zeros."""
+    ) -> StateMoves:
+        """Each sequence's state slot (its request slot) into ``meta``, with the prefills'
+        midway saves; returns the step's copies between state rows (``StateMoves``)."""
+        moves = StateMoves()
         if not self.with_states:
-            return []
+            return moves
         meta.state_slots = [slots.slot_of(s.req_id) for s in rows]
         if num_decodes:
             meta.decode_state_slots = staging.put("state_slots", meta.state_slots[:num_decodes])
-        return [slot for s, slot in zip(rows, meta.state_slots, strict=True) if s.start_pos == 0]
+        for s, slot in zip(rows, meta.state_slots, strict=True):
+            if s.state_load is not None:
+                moves.load.append((s.state_load, slot))
+            elif s.start_pos == 0:
+                moves.clear.append(slot)
+            moves.keep += [(slot, row) for at, row in s.state_saves if at == s.num_tokens]
+        midway = [tuple(c for c in s.state_saves if c[0] < s.num_tokens) for s in rows]
+        if any(midway):
+            meta.state_saves = midway[num_decodes:]
+        return moves
 
     def _prompt_rows(self, step: StepInputs) -> None:
         """Where in the batch the rows that want prompt logprobs predict which tokens."""

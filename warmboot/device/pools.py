@@ -6,10 +6,13 @@ from __future__ import annotations
 import math
 import mmap
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from warmboot.kernels.backend import KVLayout, StateSpec
+
+Upload = Callable[[torch.Tensor], torch.Tensor]
 
 
 class Pools:
@@ -54,17 +57,43 @@ class Pools:
         return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 
-def clear_states(
-    states: list[dict[str, torch.Tensor] | None],
-    slots: list[int],
-    upload: Callable[[torch.Tensor], torch.Tensor],
-) -> None:
-    """Zero the state rows ``slots`` of every state layer (sequences that start at position 0:
-    a new request, or a preempted one computed again, starts from nothing). ``upload``: the
-    runner's host -> device copy (no host sync on CUDA)."""
-    if not slots:
-        return
-    index = upload(torch.tensor(slots))
-    for layer in states:
-        for tensor in (layer or {}).values():
+@dataclass
+class StateMoves:
+    """A step's copies between state rows (``core.state_prefix``): before its forward each
+    sequence that starts at position 0 has its slot zeroed (``clear``) and one that starts at
+    a cached prefix has it loaded from a checkpoint row (``load``: (row, slot)); after it,
+    ``keep``: (slot, row) copies the states a sequence ends the step with. Interior saves (a
+    boundary inside a prefill chunk) are the state ops' (``AttentionMetadata.state_saves``)."""
+
+    clear: list[int] = field(default_factory=list)
+    load: list[tuple[int, int]] = field(default_factory=list)
+    keep: list[tuple[int, int]] = field(default_factory=list)
+
+
+States = list[dict[str, torch.Tensor] | None]
+
+
+def prepare_states(states: States, moves: StateMoves, upload: Upload) -> None:
+    """Zero the ``clear`` slots and copy the ``load`` checkpoints into theirs, in every state
+    layer. ``upload``: the runner's host -> device copy (no host sync on CUDA)."""
+    if moves.clear:
+        index = upload(torch.tensor(moves.clear))
+        for tensor in _tensors(states):
             tensor.index_fill_(0, index, 0)
+    _copy_rows(states, moves.load, upload)
+
+
+def keep_states(states: States, moves: StateMoves, upload: Upload) -> None:
+    _copy_rows(states, moves.keep, upload)
+
+
+def _copy_rows(states: States, pairs: list[tuple[int, int]], upload: Upload) -> None:
+    if not pairs:
+        return
+    src, dst = (upload(torch.tensor(rows)) for rows in zip(*pairs, strict=True))
+    for tensor in _tensors(states):
+        tensor.index_copy_(0, dst, tensor.index_select(0, src))
+
+
+def _tensors(states: States) -> list[torch.Tensor]:
+    return [t for layer in states if layer for t in layer.values()]

@@ -17,7 +17,7 @@ from warmboot.core.types import RunnerOutput, ScheduledRequest, SchedulerOutput,
 from warmboot.device.compiled import CompiledSteps, CompileStats
 from warmboot.device.graphs import DecodeGraphs
 from warmboot.device.inputs import InputBuilder
-from warmboot.device.pools import Pools, clear_states
+from warmboot.device.pools import Pools, keep_states, prepare_states
 from warmboot.device.sampler import Sampler, prompt_logprobs
 from warmboot.device.sampling_state import SamplingState
 from warmboot.device.slots import RequestSlots
@@ -44,11 +44,8 @@ class ModelRunner:
         max_num_batched_tokens: int,
         cpu_threads: int | None = None,
     ):
-        self.model_cfg = model_cfg
-        self.dtype = dtype
-        self.device = device
-        self.attention = attention
-        self.block_size = block_size
+        self.model_cfg, self.dtype, self.device = model_cfg, dtype, device
+        self.attention, self.block_size = attention, block_size
         self.model: CausalLM | None = None
         self.specs: list[AttentionSpec] = []
         """The model's per-layer attention facts (read once, not per step)."""
@@ -57,8 +54,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None] = []
         self.state_caches: list[dict[str, torch.Tensor] | None] = []
-        """Per layer: K and V pages, or a state layer's tensors (a row per request slot and a
-        scratch row) (``device.pools``); None where the layer has the other kind."""
+        """Per layer: K and V pages, or a state layer's tensors (``device.pools``: a row per
+        request slot, ``scratch_state_slot`` written only by compile warm-ups, then
+        ``checkpoint_rows``: states kept at block boundaries for ``core.state_prefix``)."""
         self.pools = Pools(device, dtype)
         self.sampler = Sampler()
         self.cpu_threads = cpu_threads
@@ -72,8 +70,7 @@ class ModelRunner:
         self.token_buffer = torch.zeros(num_request_slots, dtype=torch.int64, device=device)
         """Per request slot: the last sampled token (written by sample, read by forward)."""
         self.slots = RequestSlots(num_request_slots)
-        self.scratch_state_slot = num_request_slots
-        """The state row past the request slots, written only by compile warm-ups."""
+        self.scratch_state_slot, self.checkpoint_rows = num_request_slots, range(0)
         self._finished: set[str] = set()
         """Finished requests whose slot is still used by an in-flight (zombie) row."""
         tokens = max(max_num_batched_tokens, max_num_seqs)
@@ -112,15 +109,16 @@ class ModelRunner:
         layers = self.kv_layout.num_attention_layers(self.model_cfg.num_layers)
         return layers * self.kv_layout.bytes_per_token(self.dtype.itemsize)
 
-    def state_bytes_per_request(self) -> int:
-        """State bytes one request keeps across the state layers, at any context length."""
-        return self.kv_layout.state_bytes(self.dtype.itemsize)
-
-    def state_slots(self) -> tuple[int, int]:
-        """(total, in use): one per request slot (live requests and those a step in flight
-        still writes); none for a model without state layers."""
+    def state_stats(self) -> dict[str, int]:
+        """State slots (one per request slot: live requests and those a step in flight still
+        writes), the bytes one request keeps at any context length, and checkpoint rows."""
         has = self.kv_layout.has_state
-        return (self.slots.num_slots, len(self.slots.live)) if has else (0, 0)
+        return dict(
+            state_slots_total=self.slots.num_slots if has else 0,
+            state_slots_used=len(self.slots.live) if has else 0,
+            state_bytes_per_request=self.kv_layout.state_bytes(self.dtype.itemsize),
+            state_checkpoints_total=len(self.checkpoint_rows),
+        )
 
     def kv_bytes_per_block(self) -> int:
         return self.block_size * self.kv_bytes_per_token()
@@ -137,14 +135,17 @@ class ModelRunner:
             k_cache, v_cache, heads, specs[0].scale, windows, max_q, max_k
         )
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        """``num_blocks`` for the block manager plus the scratch block (idle runner only)."""
+    def allocate_kv_cache(self, num_blocks: int, checkpoints: int = 0) -> None:
+        """``num_blocks`` for the block manager plus the scratch block, and state rows for
+        ``checkpoints`` states kept for the prefix cache (idle runner only)."""
         self.kv_caches, self.state_caches = [], []  # NOTE: drop the old pools first
         self.pools.release()
         self.inputs.reset_tables(scratch_block=num_blocks)
         layout, layers = self.kv_layout, self.model_cfg.num_layers
         self.kv_caches = self.pools.kv(layout, layers, num_blocks + 1, self.block_size)
-        self.state_caches = self.pools.states(layout, self.scratch_state_slot + 1)
+        first = self.scratch_state_slot + 1
+        self.checkpoint_rows = range(first, first + checkpoints)
+        self.state_caches = self.pools.states(layout, first + checkpoints)
         if self.compiled is not None:  # NOTE: the graphs look the caches up per step
             self.compiled.kv_caches = self.kv_caches
             self.compiled.state_caches = self.state_caches
@@ -217,10 +218,8 @@ class ModelRunner:
         graphs.capture(getattr(self.stream, "stream", None))
         self.graphs = graphs
 
-    @property
-    def scratch_block(self) -> int:
-        """KV block past the managed pool, written only by graph padding rows."""
-        return self.inputs.scratch_block
+    scratch_block = property(lambda self: self.inputs.scratch_block)
+    """KV block past the managed pool, written only by graph padding rows."""
 
     # -- per-request state ---------------------------------------------------------------------
     def _park(self, req_id: str, finished: bool) -> None:
@@ -284,7 +283,7 @@ class ModelRunner:
                 input_ids[up(fed_index)] = self.token_buffer[up(fed_slots)]
 
         def forward() -> None:
-            clear_states(self.state_caches, step.fresh_slots, self._upload)
+            prepare_states(self.state_caches, step.state_moves, self._upload)
             if step.graph_batch:
                 logits = self.graphs.run(
                     step.graph_batch, step.input_ids, step.positions, step.meta, patch
@@ -294,6 +293,7 @@ class ModelRunner:
             input_ids = up(step.input_ids)
             patch(input_ids)
             hidden = hidden_fn(input_ids, up(step.positions), step.meta.to(up))
+            keep_states(self.state_caches, step.state_moves, up)
             if step.sample_rows:
                 handle.logits = logits_fn(hidden[up(step.sample_index)])
             if step.prompt_rows:
@@ -358,10 +358,12 @@ class ModelRunner:
             self.slots.park(s.req_id)
         hidden_fn, logits_fn = self._forward_fns()
         with torch.inference_mode(), torch_threads(self.cpu_threads):
-            clear_states(self.state_caches, step.fresh_slots, self._upload)
             up = self._upload
+            prepare_states(self.state_caches, step.state_moves, up)
             ids, positions, meta = up(step.input_ids), up(step.positions), step.meta.to(up)
-            return logits_fn(hidden_fn(ids, positions, meta))
+            hidden = hidden_fn(ids, positions, meta)
+            keep_states(self.state_caches, step.state_moves, up)
+            return logits_fn(hidden)
 
     # -- checks --------------------------------------------------------------------------------
     def in_flight(self) -> list[StepHandle]:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from warmboot.core.types import ScheduledRequest, SchedulerOutput
+from warmboot.device.pools import StateMoves
 from warmboot.device.streams import Event
 from warmboot.kernels.backend import AttentionMetadata
 
@@ -93,8 +94,8 @@ class StepInputs:
     """Batch positions whose next-token logprobs those rows want, rows in order."""
     prompt_targets: torch.Tensor | None = None
     """The prompt tokens those positions predict."""
-    fresh_slots: list[int] = field(default_factory=list)
-    """State slots of the sequences that start at position 0: zeroed before the forward."""
+    state_moves: StateMoves = field(default_factory=StateMoves)
+    """State rows zeroed or loaded before the forward and kept after it."""
 
 
 @dataclass

@@ -45,6 +45,7 @@ class LLM:
         kv_cache_memory_bytes: int | None = None,
         num_kv_blocks: int | None = None,
         enable_prefix_caching: bool = True,
+        state_checkpoints: int | None = None,
         attention_backend: str = "auto",
         pipelined: bool | None = None,
         cuda_graphs: bool | None = None,
@@ -74,6 +75,7 @@ class LLM:
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 num_blocks=num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
+                state_checkpoints=state_checkpoints,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

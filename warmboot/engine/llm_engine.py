@@ -12,6 +12,7 @@ from warmboot.core.errors import InvalidRequestError
 from warmboot.core.output_processor import CompletionState, OutputProcessor, RequestGroup
 from warmboot.core.request import FinishReason, Request
 from warmboot.core.scheduler import Scheduler
+from warmboot.core.state_prefix import StatePrefix
 from warmboot.device.grammar_requests import GrammarRequests
 from warmboot.engine.loop import StepParts, make_loop
 from warmboot.engine.startup import Startup
@@ -47,10 +48,11 @@ class LLMEngine:
         """A fresh block manager, scheduler, output processor and loop (idle engine)."""
         cache = self.config.cache
         prefix_caching = cache.enable_prefix_caching and self.prefix_caching_off is None
-        self.block_manager = BlockManager(
-            self.facts.num_kv_blocks, cache.block_size, prefix_caching
-        )
-        self.scheduler = Scheduler(self.sched_config, self.block_manager)
+        kv = BlockManager(self.facts.num_kv_blocks, cache.block_size, prefix_caching)
+        rows = self.runner.checkpoint_rows
+        prefix = StatePrefix(kv, rows) if rows and prefix_caching else None
+        self.block_manager = kv
+        self.scheduler = Scheduler(self.sched_config, kv, prefix)
         self.outputs = OutputProcessor(self.tokenizer)
         parts = StepParts(
             self.scheduler, self.block_manager, self.runner, self.grammars, self.outputs
@@ -60,10 +62,10 @@ class LLMEngine:
     @property
     def prefix_caching_off(self) -> str | None:
         """Why prefix caching is off for this model whatever the settings, or None."""
-        if self.runner.kv_layout.has_state:
+        if self.runner.kv_layout.has_state and not self.runner.checkpoint_rows:
             return (
-                "state layers: a cached prefix's KV would not restore their per-request state, "
-                "so every prompt is computed in full"
+                "state layers without kept states (state_checkpoints=0): a cached prefix's KV "
+                "would not restore their per-request state, so every prompt is computed in full"
             )
         return None
 
@@ -177,9 +179,9 @@ class LLMEngine:
             "prefix_cache_queries": kv.prefix_queries,
             "prefix_cache_hits": kv.prefix_hits,
             "prefix_caching_off": self.prefix_caching_off,
-            "state_slots_total": self.runner.state_slots()[0],
-            "state_slots_used": self.runner.state_slots()[1],
-            "state_bytes_per_request": self.runner.state_bytes_per_request(),
+            **self.runner.state_stats(),
+            "state_checkpoints_kept": self.scheduler.prefix.num_kept,
+            "state_prefix_hits": self.scheduler.prefix.loads,
             "preemptions": self.scheduler.num_preemptions,
             "express_steps": self.scheduler.num_express,
             "shared_steps": self.scheduler.shared.steps,

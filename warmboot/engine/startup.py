@@ -33,7 +33,7 @@ from warmboot.config import EngineConfig, ModelConfig, ModelFilesError, Schedule
 from warmboot.core.block_manager import BlockManager
 from warmboot.device.runner import ModelRunner
 from warmboot.device.step_choice import StepChoice
-from warmboot.engine import progress, shutdown
+from warmboot.engine import memory, progress, shutdown
 from warmboot.engine import settings as resolve
 from warmboot.engine.background_compile import ModelCompile
 from warmboot.engine.settings import RuntimeFacts, Settings
@@ -51,8 +51,6 @@ if TYPE_CHECKING:
     from warmboot.snapshot.boot import SnapshotBoot
 
 log = logging.getLogger("warmboot.startup")
-CPU_DEFAULT_KV_BYTES = 512 << 20
-GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass(frozen=True)
@@ -161,8 +159,9 @@ class Startup(GraphPhases):
             with self.phase("native_library"):
                 log.info("%s", self.snapshot.native_library())
         with self.phase("allocate_kv"):
-            num_blocks = self._num_kv_blocks(runner, settings)
-            runner.allocate_kv_cache(num_blocks)
+            checkpoints = memory.state_checkpoints(self.config.cache, runner, settings)
+            num_blocks = memory.num_kv_blocks(self.config.cache, runner, settings, checkpoints)
+            runner.allocate_kv_cache(num_blocks, checkpoints)
         facts = RuntimeFacts(
             device=str(settings.device),
             dtype=str(settings.dtype).removeprefix("torch."),
@@ -250,30 +249,6 @@ class Startup(GraphPhases):
                 return True
         log.info("snapshot not used, booting cold: %s", snap.reason)
         return False
-
-    def _num_kv_blocks(self, runner: ModelRunner, settings: Settings) -> int:
-        cache, per_block = self.config.cache, runner.kv_bytes_per_block()
-        sched = settings.scheduler
-        if cache.num_blocks is not None:
-            blocks = cache.num_blocks
-        elif per_block == 0:  # NOTE: attention-free (Mamba 2): blocks only count tokens
-            blocks = -(-sched.max_num_seqs * sched.max_model_len // cache.block_size)
-        elif cache.kv_cache_memory_bytes is not None:
-            blocks = cache.kv_cache_memory_bytes // per_block
-        elif settings.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(settings.device)
-            blocks = int(free - (1 - GPU_MEMORY_UTILIZATION) * total) // per_block
-        else:
-            full = sched.max_num_seqs * sched.max_model_len
-            blocks = min(-(-full // cache.block_size), CPU_DEFAULT_KV_BYTES // per_block)
-        capacity = blocks * cache.block_size
-        if capacity < sched.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens ({blocks} blocks), fewer than "
-                f"max_model_len={sched.max_model_len}; raise the KV memory budget "
-                "or lower max_model_len"
-            )
-        return blocks
 
     # -- from a booted engine to ready ---------------------------------------------------------
     def finish(self, engine: BootingEngine) -> StartInfo:

@@ -44,6 +44,9 @@ class AttentionMetadata:
     (``StateSpec``); empty for a model without state layers."""
     decode_state_slots: torch.Tensor | None = None
     """(num_decode_tokens,) int64 on the device: ``state_slots`` of the decode rows."""
+    state_saves: list[tuple[tuple[int, int], ...]] = field(default_factory=list)
+    """Per prefill (empty: none): (tokens into its chunk, row) where the state ops copy the
+    states into a checkpoint row midway (``core.state_prefix``)."""
     upload: Callable[[torch.Tensor], torch.Tensor] = field(default=lambda t: t, repr=False)
     """Host -> device copy for tensors a backend builds per step (set by ``to``)."""
 

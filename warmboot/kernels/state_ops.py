@@ -16,6 +16,10 @@ again and a batch of unequal lengths all give the tokens of one whole-prompt for
   channel (``g`` shaped as ``k``) over the layer's ``recurrent`` state (Kimi Linear).
 - ``warmboot::ssd(x, dt, A, B, C, D, layer, chunk_size)``: Mamba 2's state space over the
   layer's ``recurrent`` state.
+- ``warmboot::selective_scan(x, dt, A, B, C, D, layer)``: Mamba 1's selective scan (a decay
+  per channel and state index) over the layer's ``recurrent`` state (Mamba, Jamba).
+- ``warmboot::lightning(q, k, v, slope, layer)``: linear attention with a fixed decay per head
+  over the layer's ``recurrent`` state (MiniMax's lightning attention).
 
 A compiled step calls them as opaque ops with the layer's number (``STEP_INDEX``), as it calls
 ``paged_attention``; an eager step calls the same functions through its ``StepContext``.
@@ -27,16 +31,25 @@ from collections.abc import Callable
 
 import torch
 
+from warmboot.kernels import lightning as lightning_attention
 from warmboot.kernels import recurrent
+from warmboot.kernels.selective_scan import selective_scan_chunk, selective_scan_step
 from warmboot.kernels.step_ops import STEP_INDEX, StepContext, _context
 
 Decode = Callable[..., torch.Tensor]
 Prefill = Callable[..., torch.Tensor]
 
 
-def _over_rows(ctx: StepContext, tensors: tuple, decode: Decode, prefill: Prefill) -> torch.Tensor:
+def _over_rows(
+    ctx: StepContext, tensors: tuple, decode: Decode, prefill: Prefill, kept: tuple
+) -> torch.Tensor:
     """``decode(slots, *rows)`` over the decode rows and ``prefill(slot, *rows)`` per prefill
-    chunk, concatenated in the step's row order (contiguous, as the ops' fakes say)."""
+    chunk, concatenated in the step's row order (contiguous, as the ops' fakes say).
+
+    ``kept``: the state tensors the op writes (rows: slots, then checkpoint rows). A prefill
+    with midway saves (``AttentionMetadata.state_saves``, for the prefix cache) runs in pieces
+    that each continue from the slot's state, copying ``kept``'s slot row into the checkpoint
+    row after each piece; so every op of a state layer must pass all it writes."""
     meta = ctx.meta
     if meta is None:
         raise RuntimeError("a state layer ran in a step without attention metadata")
@@ -44,9 +57,16 @@ def _over_rows(ctx: StepContext, tensors: tuple, decode: Decode, prefill: Prefil
     outs = []
     if d:
         outs.append(decode(meta.decode_state_slots, *(t[:d] for t in tensors)))
-    for p, slot in zip(meta.prefills, meta.state_slots[d:], strict=True):
-        rows = slice(p.query_start, p.query_start + p.query_len)
-        outs.append(prefill(slot, *(t[rows] for t in tensors)))
+    saves = meta.state_saves or [()] * len(meta.prefills)
+    for p, slot, cuts in zip(meta.prefills, meta.state_slots[d:], saves, strict=True):
+        start = p.query_start
+        for at, row in cuts:
+            outs.append(prefill(slot, *(t[start : p.query_start + at] for t in tensors)))
+            for state in kept:
+                state[row].copy_(state[slot])
+            start = p.query_start + at
+        end = p.query_start + p.query_len
+        outs.append(prefill(slot, *(t[start:end] for t in tensors)))
     return outs[0].contiguous() if len(outs) == 1 else torch.cat(outs)
 
 
@@ -71,7 +91,7 @@ def conv(
         cache[slot].copy_(state)
         return y
 
-    return _over_rows(ctx, (x,), decode, prefill)
+    return _over_rows(ctx, (x,), decode, prefill, (cache,))
 
 
 def gated_delta(ctx: StepContext, layer: int, q, k, v, g, beta, scale: float) -> torch.Tensor:
@@ -103,7 +123,7 @@ def _delta_rule(ctx, layer: int, rows: tuple, scale: float, step, chunked) -> to
         cache[slot].copy_(state)
         return o
 
-    return _over_rows(ctx, rows, decode, prefill)
+    return _over_rows(ctx, rows, decode, prefill, (cache,))
 
 
 def ssd(
@@ -130,7 +150,40 @@ def ssd(
         cache[slot].copy_(state)
         return y
 
-    return _over_rows(ctx, (x, dt, B, C), decode, prefill)
+    return _over_rows(ctx, (x, dt, B, C), decode, prefill, (cache,))
+
+
+def selective_scan(
+    ctx: StepContext,
+    layer: int,
+    x: torch.Tensor,  # (N, d_inner)
+    dt: torch.Tensor,  # (N, d_inner), softplus'd
+    A: torch.Tensor,  # (d_inner, d_state)
+    B: torch.Tensor,  # (N, d_state)
+    C: torch.Tensor,  # (N, d_state)
+    D: torch.Tensor,  # (d_inner,)
+) -> torch.Tensor:  # (N, d_inner)
+    cache = ctx.states[layer]["recurrent"]  # (slots, d_inner, d_state) float32
+
+    def decode(slots: torch.Tensor, x, dt, B, C) -> torch.Tensor:
+        state = cache[slots]
+        y = selective_scan_step(x, dt, A, B, C, D, state)
+        cache[slots] = state
+        return y
+
+    def prefill(slot: int, x, dt, B, C) -> torch.Tensor:
+        y, state = selective_scan_chunk(x, dt, A, B, C, D, cache[slot])
+        cache[slot].copy_(state)
+        return y
+
+    return _over_rows(ctx, (x, dt, B, C), decode, prefill, (cache,))
+
+
+def lightning(ctx: StepContext, layer: int, q, k, v, slope: torch.Tensor) -> torch.Tensor:
+    """q, k, v (N, H, D), slope (H,) the per-head decay rates -> (N, H, D), over the layer's
+    ``recurrent`` state (slots, H, D, D) float32; run as the delta rules are."""
+    step, chunked = lightning_attention.lightning_step, lightning_attention.lightning_prefill
+    return _delta_rule(ctx, layer, (q, k, v), slope, step, chunked)
 
 
 # -- the ops a compiled step calls (declared functional: their one side effect, the state
@@ -146,9 +199,14 @@ _LIB.define(
 _LIB.define(
     "kda(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor layer, float scale) -> Tensor"
 )
+_LIB.define("lightning(Tensor q, Tensor k, Tensor v, Tensor slope, Tensor layer) -> Tensor")
 _LIB.define(
     "ssd(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, Tensor layer,"
     " int chunk_size) -> Tensor"
+)
+_LIB.define(
+    "selective_scan(Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, Tensor D, Tensor layer)"
+    " -> Tensor"
 )
 
 
@@ -164,14 +222,24 @@ def _kda_op(q, k, v, g, beta, layer, scale):
     return kda(_context("kda"), int(layer), q, k, v, g, beta, scale)
 
 
+def _lightning_op(q, k, v, slope, layer):
+    return lightning(_context("lightning"), int(layer), q, k, v, slope)
+
+
 def _ssd_op(x, dt, A, B, C, D, layer, chunk_size):
     return ssd(_context("ssd"), int(layer), x, dt, A, B, C, D, chunk_size)
+
+
+def _selective_scan_op(x, dt, A, B, C, D, layer):
+    return selective_scan(_context("selective_scan"), int(layer), x, dt, A, B, C, D)
 
 
 _LIB.impl("causal_conv", _conv_op, "CompositeExplicitAutograd")
 _LIB.impl("gated_delta", _gated_delta_op, "CompositeExplicitAutograd")
 _LIB.impl("kda", _kda_op, "CompositeExplicitAutograd")
 _LIB.impl("ssd", _ssd_op, "CompositeExplicitAutograd")
+_LIB.impl("selective_scan", _selective_scan_op, "CompositeExplicitAutograd")
+_LIB.impl("lightning", _lightning_op, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("warmboot::causal_conv")
@@ -192,6 +260,16 @@ def _(q, k, v, g, beta, layer, scale):
 @torch.library.register_fake("warmboot::ssd")
 def _(x, dt, A, B, C, D, layer, chunk_size):
     return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("warmboot::selective_scan")
+def _(x, dt, A, B, C, D, layer):
+    return x.new_empty(x.shape)
+
+
+@torch.library.register_fake("warmboot::lightning")
+def _(q, k, v, slope, layer):
+    return v.new_empty(v.shape)
 
 
 # -- what a state layer calls: the op in a compiled step, the function in an eager one ---------
@@ -226,3 +304,17 @@ def call_ssd(module, step, x, dt, A, B, C, D, chunk_size: int):
     if index is not None:
         return torch.ops.warmboot.ssd(x, dt, A, B, C, D, index, chunk_size)
     return ssd(step, step.layer, x, dt, A, B, C, D, chunk_size)
+
+
+def call_selective_scan(module, step, x, dt, A, B, C, D):
+    index = layer_index(module)
+    if index is not None:
+        return torch.ops.warmboot.selective_scan(x, dt, A, B, C, D, index)
+    return selective_scan(step, step.layer, x, dt, A, B, C, D)
+
+
+def call_lightning(module, step, q, k, v, slope):
+    index = layer_index(module)
+    if index is not None:
+        return torch.ops.warmboot.lightning(q, k, v, slope, index)
+    return lightning(step, step.layer, q, k, v, slope)

@@ -73,7 +73,13 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "NemotronHForCausalLM": ("nemotron_h", "NemotronHForCausalLM"),
     "BambaForCausalLM": ("bamba", "BambaForCausalLM"),
     "FalconH1ForCausalLM": ("falcon_h1", "FalconH1ForCausalLM"),
+    "Zamba2ForCausalLM": ("zamba2", "Zamba2ForCausalLM"),
+    "JambaForCausalLM": ("jamba", "JambaForCausalLM"),
+    "MambaForCausalLM": ("mamba", "MambaForCausalLM"),
+    "FalconMambaForCausalLM": ("mamba", "FalconMambaForCausalLM"),
     "KimiLinearForCausalLM": ("kimi_linear", "KimiLinearForCausalLM"),
+    "MiniMaxForCausalLM": ("minimax", "MiniMaxForCausalLM"),
+    "BailingHybridForCausalLM": ("bailing_hybrid", "BailingHybridForCausalLM"),
 }
 """Every architecture served; a test checks each against transformers."""
 
@@ -134,7 +140,13 @@ MODEL_TYPES: dict[str, str] = {
     "nemotron_h": "NemotronHForCausalLM",
     "bamba": "BambaForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
+    "zamba2": "Zamba2ForCausalLM",
+    "jamba": "JambaForCausalLM",
+    "mamba": "MambaForCausalLM",
+    "falcon_mamba": "FalconMambaForCausalLM",
     "kimi_linear": "KimiLinearForCausalLM",
+    "minimax": "MiniMaxForCausalLM",
+    "bailing_hybrid": "BailingHybridForCausalLM",
 }
 """``model_type`` -> architecture, for configs without ``architectures``."""
 

@@ -115,4 +115,9 @@ class MLAttention(nn.Module):
         entry = torch.cat([c.unsqueeze(1), k_pe], dim=-1)  # (N, 1, r + rope)
         out = attend(torch.cat([q_lat, q_pe], dim=-1), entry, entry)  # (N, H, r + rope)
         o = torch.bmm(out[..., : self.rank].transpose(0, 1), w_uv.transpose(1, 2))  # (H, N, v)
-        return self.o_proj(o.transpose(0, 1).reshape(n, h * self.v_dim))
+        return self.project_out(x, o.transpose(0, 1))
+
+    def project_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs ``o`` (N, H, v) through ``o_proj`` (a gated variant gates them
+        by ``x`` first)."""
+        return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.v_dim))
