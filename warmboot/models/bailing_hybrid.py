@@ -26,26 +26,19 @@ SiLU (the KDA conv's too), groups that do not divide the experts or hold the top
 from __future__ import annotations
 
 import dataclasses
-import re
 from types import MappingProxyType
 from typing import Any
 
 import torch
 
 from warmboot.config import ModelConfig
-from warmboot.kernels.backend import AttentionSpec, KVLayout
-from warmboot.models.base import checked_kinds
+from warmboot.kernels.backend import AttentionSpec
 from warmboot.models.deepseek import DeepseekV3ForCausalLM, _refuser
-from warmboot.models.layers.activation import GatedMLP
+from warmboot.models.kimi_linear import FULL, LINEAR, MLP_KINDS, KdaHybrid, renamed_settings
 from warmboot.models.layers.bailing_kda import IN_SHARDS, BailingDeltaAttention
-from warmboot.models.layers.decoder import DecoderLayer
 from warmboot.models.layers.linear import Linear
 from warmboot.models.layers.mla import MLAttention
 from warmboot.models.layers.state import QKV_CONVS
-
-LINEAR, FULL = "linear_attention", "full_attention"
-MLP_KINDS = ("dense", "sparse")
-_KDA_WEIGHT = re.compile(r"^layers\.(\d+)\.self_attn\.(\w+)\.weight$")
 
 SETTINGS: dict[str, tuple[tuple[str, ...], Any]] = {
     # DeepSeek's name: (the names a Ling config may use, transformers' default)
@@ -91,12 +84,7 @@ def as_deepseek(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """A Ling config under DeepSeek-V3's names, with transformers' defaults, its
     ``layer_types`` and ``mlp_layer_types`` spelled out and the linear-attention sizes."""
     refuse = _refuser("BailingHybridForCausalLM")
-    out = dict(hf)
-    for ours, (names, default) in SETTINGS.items():
-        given = {n: hf[n] for n in names if hf.get(n) is not None}
-        if len(set(map(repr, given.values()))) > 1:
-            refuse(f"settings that disagree: {given}")
-        out[ours] = next(iter(given.values()), default)
+    out = renamed_settings(hf, SETTINGS, refuse)
     for ours, (names, default) in LINEAR_SETTINGS.items():
         out[ours] = next((hf[n] for n in names if hf.get(n) is not None), default)
     group, dense = out["layer_group_size"], out["first_k_dense_replace"]
@@ -122,7 +110,7 @@ class GatedMLAttention(MLAttention):
         return super().project_out(x, o * gate.unsqueeze(-1))
 
 
-class BailingHybridForCausalLM(DeepseekV3ForCausalLM):
+class BailingHybridForCausalLM(KdaHybrid):
     renames = (
         (r"^model\.word_embeddings\.", "model.embed_tokens."),  # NOTE: the official names
         (r"^model\.", ""),
@@ -132,6 +120,7 @@ class BailingHybridForCausalLM(DeepseekV3ForCausalLM):
         (r"\.mlp\.gate\.expert_bias$", ".mlp.gate.e_score_correction_bias"),
         (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),
     )
+    in_shards = IN_SHARDS
     stacked = DeepseekV3ForCausalLM.stacked | {c: ("conv1d", i) for i, c in enumerate(QKV_CONVS)}
 
     def __init__(self, cfg: ModelConfig):
@@ -145,24 +134,13 @@ class BailingHybridForCausalLM(DeepseekV3ForCausalLM):
         kv_heads = cfg.hf.get("num_key_value_heads", 32)  # NOTE: transformers' default
         if kv_heads is not None and kv_heads != cfg.num_heads:
             refuse(f"num_key_value_heads {kv_heads} != {cfg.num_heads} heads")
-        if cfg.get("hidden_act") != "silu":
-            refuse(f"hidden_act {cfg.get('hidden_act')!r} (only silu)")
-        checked_kinds(cfg.get("layer_types"), cfg.num_layers, (LINEAR, FULL), "Ling hybrid ")
-        mlp = cfg.get("mlp_layer_types")
-        if len(mlp) != cfg.num_layers or not set(mlp) <= set(MLP_KINDS):
-            refuse(f"mlp_layer_types {mlp} ({cfg.num_layers} of {', '.join(MLP_KINDS)})")
-        sizes = [cfg.get(name) for name in LINEAR_SETTINGS]
-        if not all(isinstance(s, int) and s > 0 for s in sizes):
-            refuse(f"linear attention heads / head dim / conv kernel {sizes}")
         if not isinstance(cfg.get("kda_lower_bound"), int | float):
             refuse(f"kda_lower_bound {cfg.get('kda_lower_bound')!r}")
 
     # -- composition ----------------------------------------------------------------------------
-    def make_layer(self, index: int) -> torch.nn.Module:
+    def kda_mixer(self) -> torch.nn.Module:
         cfg = self.cfg
-        if cfg.get("layer_types")[index] == FULL:
-            return super().make_layer(index)
-        mixer = BailingDeltaAttention(
+        return BailingDeltaAttention(
             cfg.hidden_size,
             cfg.get("linear_num_heads"),
             cfg.get("linear_head_dim"),
@@ -170,8 +148,6 @@ class BailingHybridForCausalLM(DeepseekV3ForCausalLM):
             cfg.get("rms_norm_eps"),
             float(cfg.get("kda_lower_bound")) if cfg.get("kda_safe_gate") else None,
         )
-        size = cfg.hidden_size
-        return DecoderLayer(mixer, self.make_mlp(index), self.make_norm(size), self.make_norm(size))
 
     def make_attention(self, index: int) -> torch.nn.Module:
         cfg = self.cfg
@@ -188,32 +164,3 @@ class BailingHybridForCausalLM(DeepseekV3ForCausalLM):
             spec=AttentionSpec(scale=self.softmax_scale(nope + rope)),
             bias=bool(cfg.get("attention_bias", False)),
         )
-
-    def make_mlp(self, index: int) -> torch.nn.Module:
-        cfg = self.cfg
-        if cfg.get("mlp_layer_types")[index] == "dense":
-            return GatedMLP(cfg.hidden_size, cfg.get("intermediate_size"), cfg.get("hidden_act"))
-        return super().make_mlp(index)  # NOTE: first_k_dense_replace is 0 here: sparse
-
-    # -- facts and names ------------------------------------------------------------------------
-    def kv_layout(self) -> KVLayout:
-        """The latent cache of the attention layers (``MLAttention.kv_layout``) and the KDA
-        layers' states."""
-        cfg = self.cfg
-        return self.with_states(
-            KVLayout(1, 1, cfg.get("kv_lora_rank") + cfg.get("qk_rope_head_dim"))
-        )
-
-    def map_name(self, name: str) -> tuple[str, int | None] | None:
-        """DeepSeek's names, and a KDA layer's six input projections into its ``in_proj``."""
-        mapped = super().map_name(name)
-        if mapped is None or mapped[1] is not None:
-            return mapped
-        found = _KDA_WEIGHT.match(mapped[0])
-        if found and found[2] in IN_SHARDS and self.cfg.get("layer_types")[int(found[1])] == LINEAR:
-            return f"layers.{found[1]}.self_attn.in_proj.weight", IN_SHARDS.index(found[2])
-        return mapped
-
-    def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``A_log``: one per head, however a checkpoint shapes it."""
-        return tensor.reshape(-1) if name.endswith(".self_attn.A_log") else tensor

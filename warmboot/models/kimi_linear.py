@@ -31,7 +31,7 @@ from torch import nn
 
 from warmboot.config import ModelConfig
 from warmboot.kernels.backend import KVLayout
-from warmboot.models.base import EXPERT_PROJECTIONS
+from warmboot.models.base import EXPERT_PROJECTIONS, checked_kinds
 from warmboot.models.deepseek import DeepseekV3ForCausalLM, _refuser
 from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.decoder import DecoderLayer
@@ -40,6 +40,7 @@ from warmboot.models.layers.state import QKV_CONVS
 
 LINEAR, FULL = "linear_attention", "full_attention"
 MLP_KINDS = ("dense", "sparse")
+LINEAR_SIZES = ("linear_num_heads", "linear_head_dim", "linear_conv_kernel_dim")
 _KDA_WEIGHT = re.compile(r"^layers\.(\d+)\.self_attn\.(\w+)\.weight$")
 
 SETTINGS: dict[str, tuple[tuple[str, ...], Any]] = {
@@ -73,12 +74,7 @@ def as_deepseek(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
     """A Kimi Linear config under DeepSeek-V3's names, with transformers' defaults, its
     ``layer_types`` and ``mlp_layer_types`` spelled out and the linear-attention sizes."""
     refuse = _refuser("KimiLinearForCausalLM")
-    out = dict(hf)
-    for ours, (names, default) in SETTINGS.items():
-        given = {n: hf[n] for n in names if hf.get(n) is not None}
-        if len(set(map(repr, given.values()))) > 1:
-            refuse(f"settings that disagree: {given}")
-        out[ours] = next(iter(given.values()), default)
+    out = renamed_settings(hf, SETTINGS, refuse)
     lin = hf.get("linear_attn_config") or {}
     for ours, (inner, top, default) in LINEAR_SETTINGS.items():
         out[ours] = lin.get(inner, hf.get(top) if hf.get(top) is not None else default)
@@ -88,6 +84,18 @@ def as_deepseek(hf: dict[str, Any], num_layers: int) -> dict[str, Any]:
     out["mlp_layer_types"] = mlp
     # DeepSeek's code reads these: every layer's MLP kind is listed, routing is V3's
     return out | dict(first_k_dense_replace=0, topk_method="noaux_tc", mlp_bias=False)
+
+
+def renamed_settings(hf: dict[str, Any], settings: dict, refuse) -> dict[str, Any]:
+    """``hf`` with each of ``settings``' DeepSeek names (``ours: (names, default)``) set from
+    the names a config gives (refused where two disagree), else transformers' default."""
+    out = dict(hf)
+    for ours, (names, default) in settings.items():
+        given = {n: hf[n] for n in names if hf.get(n) is not None}
+        if len(set(map(repr, given.values()))) > 1:
+            refuse(f"settings that disagree: {given}")
+        out[ours] = next(iter(given.values()), default)
+    return out
 
 
 def _layer_types(lin: dict, num_layers: int, refuse) -> list[str]:
@@ -109,41 +117,25 @@ class NoRope(nn.Module):
         return q, k
 
 
-class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
-    renames = (
-        (r"^model\.", ""),
-        (r"\.block_sparse_moe\.", ".mlp."),  # NOTE: Moonshot's name of the sparse MLP
-        (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),
-        (r"\.self_attn\.forget_gate\.", ".self_attn."),  # NOTE: transformers' module
-    )
-    stacked = DeepseekV3ForCausalLM.stacked | {c: ("conv1d", i) for i, c in enumerate(QKV_CONVS)}
-    expert_projections = EXPERT_PROJECTIONS | {
-        "w1": ("gate_up_proj", 0),
-        "w3": ("gate_up_proj", 1),
-        "w2": ("down_proj", 0),
-    }
+class KdaHybrid(DeepseekV3ForCausalLM):
+    """DeepSeek-V3's blocks with Kimi-delta-attention state layers where ``layer_types`` says
+    ``linear_attention`` and dense MLPs where ``mlp_layer_types`` says ``dense`` (Kimi Linear,
+    Ling's hybrid): a family gives its mixer (``kda_mixer``) and the checkpoint projections
+    it stacks into the mixer's ``in_proj`` (``in_shards``)."""
 
-    def __init__(self, cfg: ModelConfig):
-        hf = MappingProxyType(as_deepseek(dict(cfg.hf), cfg.num_layers))
-        super().__init__(dataclasses.replace(cfg, hf=hf))
+    in_shards: tuple[str, ...] = ()
 
     @classmethod
     def check(cls, cfg: ModelConfig) -> None:
         refuse = _refuser(cfg.architecture)
         super().check(cfg)
-        if cfg.get("mla_use_nope") is False:
-            refuse("mla_use_nope: false (transformers applies no rope, Moonshot's code does)")
-        if cfg.num_kv_heads != cfg.num_heads:
-            refuse(f"num_key_value_heads {cfg.num_kv_heads} != {cfg.num_heads} heads")
         if cfg.get("hidden_act") != "silu":
             refuse(f"hidden_act {cfg.get('hidden_act')!r} (only silu)")
-        if cfg.get("n_group") > 1 and cfg.get("use_grouped_topk") is False:
-            refuse("use_grouped_topk: false over several groups (transformers groups anyway)")
-        for key, kinds in (("layer_types", (LINEAR, FULL)), ("mlp_layer_types", MLP_KINDS)):
-            listed = cfg.get(key)
-            if len(listed) != cfg.num_layers or not set(listed) <= set(kinds):
-                refuse(f"{key} {listed} ({cfg.num_layers} of {', '.join(kinds)})")
-        sizes = [cfg.get(name) for name in LINEAR_SETTINGS]
+        checked_kinds(cfg.get("layer_types"), cfg.num_layers, (LINEAR, FULL))
+        mlp = cfg.get("mlp_layer_types")
+        if len(mlp) != cfg.num_layers or not set(mlp) <= set(MLP_KINDS):
+            refuse(f"mlp_layer_types {mlp} ({cfg.num_layers} of {', '.join(MLP_KINDS)})")
+        sizes = [cfg.get(name) for name in LINEAR_SIZES]
         if not all(isinstance(s, int) and s > 0 for s in sizes):
             refuse(f"linear attention heads / head dim / conv kernel {sizes}")
 
@@ -152,21 +144,12 @@ class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
         cfg = self.cfg
         if cfg.get("layer_types")[index] == FULL:
             return super().make_layer(index)
-        mixer = KimiDeltaAttention(
-            cfg.hidden_size,
-            cfg.get("linear_num_heads"),
-            cfg.get("linear_head_dim"),
-            cfg.get("linear_conv_kernel_dim"),
-            cfg.get("rms_norm_eps"),
-        )
         size = cfg.hidden_size
+        mixer = self.kda_mixer()
         return DecoderLayer(mixer, self.make_mlp(index), self.make_norm(size), self.make_norm(size))
 
-    def latent_rope(self, spec, dim: int) -> nn.Module:
-        return NoRope()  # NOTE: Kimi's latent attention has no rope (mla_use_nope)
-
-    def softmax_scale(self, qk_head_dim: int) -> float:
-        return qk_head_dim**-0.5
+    def kda_mixer(self) -> nn.Module:
+        raise NotImplementedError
 
     def make_mlp(self, index: int) -> nn.Module:
         cfg = self.cfg
@@ -189,10 +172,59 @@ class KimiLinearForCausalLM(DeepseekV3ForCausalLM):
         if mapped is None or mapped[1] is not None:
             return mapped
         found = _KDA_WEIGHT.match(mapped[0])
-        if found and found[2] in IN_SHARDS and self.cfg.get("layer_types")[int(found[1])] == LINEAR:
-            return f"layers.{found[1]}.self_attn.in_proj.weight", IN_SHARDS.index(found[2])
+        shards = self.in_shards
+        if found and found[2] in shards and self.cfg.get("layer_types")[int(found[1])] == LINEAR:
+            return f"layers.{found[1]}.self_attn.in_proj.weight", shards.index(found[2])
         return mapped
 
     def transform(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """``A_log``: one per head, stored (1, 1, H, 1) by Moonshot and transformers."""
+        """``A_log``: one per head, however a checkpoint shapes it ((1, 1, H, 1) by Moonshot
+        and transformers)."""
         return tensor.reshape(-1) if name.endswith(".self_attn.A_log") else tensor
+
+
+class KimiLinearForCausalLM(KdaHybrid):
+    renames = (
+        (r"^model\.", ""),
+        (r"\.block_sparse_moe\.", ".mlp."),  # NOTE: Moonshot's name of the sparse MLP
+        (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),
+        (r"\.self_attn\.forget_gate\.", ".self_attn."),  # NOTE: transformers' module
+    )
+    in_shards = IN_SHARDS
+    stacked = DeepseekV3ForCausalLM.stacked | {c: ("conv1d", i) for i, c in enumerate(QKV_CONVS)}
+    expert_projections = EXPERT_PROJECTIONS | {
+        "w1": ("gate_up_proj", 0),
+        "w3": ("gate_up_proj", 1),
+        "w2": ("down_proj", 0),
+    }
+
+    def __init__(self, cfg: ModelConfig):
+        hf = MappingProxyType(as_deepseek(dict(cfg.hf), cfg.num_layers))
+        super().__init__(dataclasses.replace(cfg, hf=hf))
+
+    @classmethod
+    def check(cls, cfg: ModelConfig) -> None:
+        refuse = _refuser(cfg.architecture)
+        super().check(cfg)
+        if cfg.get("mla_use_nope") is False:
+            refuse("mla_use_nope: false (transformers applies no rope, Moonshot's code does)")
+        if cfg.num_kv_heads != cfg.num_heads:
+            refuse(f"num_key_value_heads {cfg.num_kv_heads} != {cfg.num_heads} heads")
+        if cfg.get("n_group") > 1 and cfg.get("use_grouped_topk") is False:
+            refuse("use_grouped_topk: false over several groups (transformers groups anyway)")
+
+    def kda_mixer(self) -> nn.Module:
+        cfg = self.cfg
+        return KimiDeltaAttention(
+            cfg.hidden_size,
+            cfg.get("linear_num_heads"),
+            cfg.get("linear_head_dim"),
+            cfg.get("linear_conv_kernel_dim"),
+            cfg.get("rms_norm_eps"),
+        )
+
+    def latent_rope(self, spec, dim: int) -> nn.Module:
+        return NoRope()  # NOTE: Kimi's latent attention has no rope (mla_use_nope)
+
+    def softmax_scale(self, qk_head_dim: int) -> float:
+        return qk_head_dim**-0.5
