@@ -122,6 +122,7 @@ class _EngineCollector:
         graph_steps.add_metric([], float(state.get("graph_steps") or 0))
         yield graph_steps
         yield from _memory_families(state)
+        yield from _state_families(state)
         yield from _start_families(state)
         yield from _helper_families(state)
 
@@ -139,6 +140,29 @@ def _helper_families(state: dict):
         for way, count in zip(("solo", "lent"), steps, strict=True):
             family.add_metric([way], float(count))
         yield family
+
+
+def _state_families(state: dict):
+    """Models with state layers: state slots and the states kept for the prefix cache
+    (``core.state_prefix``); absent for other models."""
+    if not state.get("state_slots_total"):
+        return
+    gauges = {
+        "state_slots_used": "Per-request state slots in use (live and still written by a step)",
+        "state_slots_total": "Per-request state slots",
+        "state_checkpoints_kept": "Request states kept at block boundaries for the prefix cache",
+        "state_checkpoints_total": "Rows for states kept at block boundaries",
+    }
+    for key, doc in gauges.items():
+        name = "warmboot_" + key.replace("_total", "_capacity")
+        gauge = GaugeMetricFamily(name, doc)
+        gauge.add_metric([], float(state.get(key, 0)))
+        yield gauge
+    hits = CounterMetricFamily(
+        "warmboot_state_prefix_hits", "Requests that started from a kept state (prefix hit)"
+    )
+    hits.add_metric([], float(state.get("state_prefix_hits", 0)))
+    yield hits
 
 
 def _memory_families(state: dict):
