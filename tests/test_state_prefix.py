@@ -222,3 +222,14 @@ def test_the_resume_check_fails_when_a_kept_state_is_lost(fault, monkeypatch, ti
     errors = [max(abs(a - b) for a, b in zip(g[1][0], w[1][0], strict=True)) for g, w in pairs]
     assert max(errors[:2]) < LOGPROB_TOL, "the first two prompts compute in full, as without"
     assert got[2][0] != want[2][0] or errors[2] > LOGPROB_TOL, f"{fault.__name__} unnoticed"
+
+
+def test_kept_states_outlive_a_kv_pool_resize(tiny_model_dir):
+    """A process checkpoint shrinks the KV pool and grows it back: the rows stay."""
+    from tests.test_state_cache import _llm
+
+    llm = _llm(tiny_model_dir("qwen3_5"))
+    before = llm.stats()["state_checkpoints_total"]
+    llm.engine.resize_kv_cache(40)
+    stats = llm.stats()
+    assert stats["state_checkpoints_total"] == before > 0 and stats["prefix_caching_off"] is None

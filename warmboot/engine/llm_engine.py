@@ -245,7 +245,7 @@ class LLMEngine:
         process checkpoint so the image stays small, grown back after the restore."""
         if self.has_unfinished_requests():
             raise RuntimeError("resize_kv_cache needs an idle engine")
-        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.allocate_kv_cache(num_blocks, len(self.runner.checkpoint_rows))
         self.facts = replace(self.facts, num_kv_blocks=num_blocks)
         self._new_core()
         self.startup.recapture_graphs(self)
