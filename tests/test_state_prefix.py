@@ -85,13 +85,15 @@ def test_a_shared_system_prompt_resumes_from_its_third_request():
     assert d.runner.loads == [("r2", 20)] and d.sched.prefix.loads == 1
 
 
-def test_an_identical_prompt_resumes_at_its_last_full_block():
+@pytest.mark.parametrize(("length", "resumed"), [(18, 16), (16, 12)])
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_an_identical_prompt_resumes_at_its_last_full_block(length, resumed, pipelined):
+    """The lookup stops short of the block holding the last token (its logits are wanted)."""
     d = _driver()
-    prompt = list(range(1, 19))  # 18 tokens: the lookup stops short of the last token's block
     for name in ("a", "b"):
-        d.add(make_request(name, prompt, max_tokens=2))
-        d.run()
-    assert d.runner.loads == [("b", 16)]
+        d.add(make_request(name, list(range(1, length + 1)), max_tokens=3))
+        d.run_pipelined() if pipelined else d.run()
+    assert d.runner.loads == [("b", resumed)]
 
 
 def test_a_conversation_resumes_its_next_turn_from_its_last_decode_boundary():

@@ -325,6 +325,7 @@ class Scheduler:
         if req.params.prompt_logprobs is not None:  # NOTE: inline test: a step builds 100s
             lp_from, targets = req.take_prompt_logprob_targets(start, n)
         suppress = req.suppressed_tokens(sample)
+        states = self.prefix.plan(req, start, n)  # NOTE: before the counts move on
         req.num_computed_tokens += n
         req.num_inflight += sample
         req.served_at = self.shared.step
@@ -340,7 +341,7 @@ class Scheduler:
             device_fed=device_fed,
             prompt_logprobs_from=lp_from,
             prompt_logprob_targets=targets,
-            **self.prefix.plan(req, start, n),
+            **states,
         )
 
     def _preempt(self, req: Request) -> None:

@@ -49,7 +49,8 @@ class KVPrefix:
         return self.kv.find_cached_prefix(req.all_token_ids, req.prefix_root)
 
     def plan(self, req: Request, start: int, n: int) -> dict:
-        """What a chunk of ``req`` from ``start`` does with kept states (``ScheduledRequest``)."""
+        """What a chunk of ``req`` from ``start`` does with kept states (``ScheduledRequest``),
+        planned before the chunk is counted (``req.num_tokens``: its tokens so far)."""
         return {}
 
     def computed(self, req: Request, s: ScheduledRequest) -> None:
@@ -90,7 +91,8 @@ class StatePrefix(KVPrefix):
         self._lru: OrderedDict[int, bytes | None] = OrderedDict((r, None) for r in rows)
         """Every row, least recently used first, with the key it holds (None: none yet)."""
         self._owner: dict[int, tuple[str, int]] = {}
-        """Claimed rows not yet keyed: the (request, block) whose state a step writes there."""
+        """Per claimed row: the (request, blocks) whose state the step that claimed it writes
+        there (a row is keyed only if that is still so when the step comes back)."""
         self._seats: dict[str, _Seat] = {}
 
     @property
@@ -179,7 +181,9 @@ class StatePrefix(KVPrefix):
         while len(seat.hashes) <= block:
             i = len(seat.hashes)
             parent = seat.hashes[-1] if seat.hashes else req.prefix_root
-            seat.hashes.append(chain_hash(parent, tuple(tokens[i * bs : (i + 1) * bs])))
+            chunk = tuple(tokens[i * bs : (i + 1) * bs])
+            assert len(chunk) == bs, "hashed a block whose tokens are not all known"
+            seat.hashes.append(chain_hash(parent, chunk))
         return seat.hashes[block]
 
     def check_invariants(self) -> None:
