@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 from warmboot.kernels import lightning as lightning_attention
-from warmboot.kernels import recurrent
+from warmboot.kernels import recurrent, state_steps
 from warmboot.kernels.selective_scan import selective_scan_chunk, selective_scan_step
 from warmboot.kernels.step_ops import STEP_INDEX, StepContext, _context
 
@@ -81,6 +81,9 @@ def conv(
     cache = ctx.states[layer]["conv"]  # (slots, C, K - 1)
 
     def decode(slots: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        y = state_steps.conv_step(cache, slots, x, weight, bias, activation)
+        if y is not None:  # NOTE: in place on the slots' rows (no gather/scatter)
+            return y
         state = cache[slots]
         y = recurrent.causal_conv1d_step(x, weight, bias, state, activation)
         cache[slots] = state
@@ -98,21 +101,28 @@ def gated_delta(ctx: StepContext, layer: int, q, k, v, g, beta, scale: float) ->
     """q, k (N, H, Dk) not yet L2-normalised, v (N, H, Dv), g (N, H) log decay, beta (N, H)
     -> (N, H, Dv), over the layer's ``recurrent`` state (slots, H, Dk, Dv) float32."""
     step, chunked = recurrent.recurrent_gated_delta_step, recurrent.chunk_gated_delta_rule
-    return _delta_rule(ctx, layer, (q, k, v, g, beta), scale, step, chunked)
+    fused = state_steps.gated_delta_step
+    return _delta_rule(ctx, layer, (q, k, v, g, beta), scale, step, chunked, fused)
 
 
 def kda(ctx: StepContext, layer: int, q, k, v, g, beta, scale: float) -> torch.Tensor:
     """As ``gated_delta`` with ``g`` (N, H, Dk): a log decay per key channel (Kimi)."""
     step, chunked = recurrent.recurrent_kda_step, recurrent.chunk_kda
-    return _delta_rule(ctx, layer, (q, k, v, g, beta), scale, step, chunked)
+    fused = state_steps.kda_step
+    return _delta_rule(ctx, layer, (q, k, v, g, beta), scale, step, chunked, fused)
 
 
-def _delta_rule(ctx, layer: int, rows: tuple, scale: float, step, chunked) -> torch.Tensor:
+def _delta_rule(
+    ctx, layer: int, rows: tuple, scale: float, step, chunked, fused=None
+) -> torch.Tensor:
     """A delta rule's decode rows through ``step`` and each prefill through ``chunked``, from
     and back into the layer's ``recurrent`` state."""
     cache = ctx.states[layer]["recurrent"]
 
     def decode(slots: torch.Tensor, *rows: torch.Tensor) -> torch.Tensor:
+        o = fused(cache, slots, *rows, scale) if fused is not None else None
+        if o is not None:  # NOTE: the native step, in place on the slots' rows
+            return o
         state = cache[slots]
         o = step(*rows, state, scale)
         cache[slots] = state
@@ -140,6 +150,9 @@ def ssd(
     cache = ctx.states[layer]["recurrent"]  # (slots, H, P, S) float32
 
     def decode(slots: torch.Tensor, x, dt, B, C) -> torch.Tensor:
+        y = state_steps.ssd_step(cache, slots, x, dt, A, B, C, D)
+        if y is not None:
+            return y
         state = cache[slots]
         y = recurrent.ssd_step(x, dt, A, B, C, D, state)
         cache[slots] = state
