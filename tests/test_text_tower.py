@@ -123,3 +123,23 @@ def test_a_quantized_release_is_refused_by_its_top_level_config():
         check_servable(Path("/nonexistent"), ModelConfig.from_dict(cfg))
     with pytest.raises(UnsupportedModelError, match="without a text_config"):
         ModelConfig.from_dict({"architectures": ["Qwen3_5ForConditionalGeneration"]})
+
+
+def test_models_says_a_release_is_served_text_only(tmp_path):
+    """``/v1/models`` names the release whose language model is served; an image part is a
+    400 naming the content part."""
+    import httpx
+
+    from tests.server_harness import MODEL_NAME, running_server, tiny_llm
+    from warmboot.server.engine_holder import EngineHolder
+
+    _release("qwen3_5", True, tmp_path / "release")
+    llm = tiny_llm(tmp_path / "release", max_num_seqs=2, enforce_eager=True)
+    with running_server(EngineHolder.ready(llm.engine)) as url:
+        card = httpx.get(url + "/v1/models").json()["data"][0]
+        image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+        body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": [image]}]}
+        refused = httpx.post(url + "/v1/chat/completions", json=body)
+    assert card["input_modalities"] == ["text"]
+    assert card["served_text_only"].startswith("Qwen3_5ForConditionalGeneration")
+    assert refused.status_code == 400 and "image" in refused.text, refused.text

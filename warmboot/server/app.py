@@ -24,6 +24,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
 from warmboot import __version__
+from warmboot.models.registry import TOWER_KEY
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
 from warmboot.server import chunks as chunks_mod
@@ -40,7 +41,7 @@ from warmboot.server.chat_render import chat_prompt
 from warmboot.server.config import ServerConfig
 from warmboot.server.delivery import json_body, sse, until_disconnect
 from warmboot.server.engine_holder import EngineHolder
-from warmboot.server.errors import ApiError, install_errors
+from warmboot.server.errors import install_errors, model_not_found
 from warmboot.server.fields import UnsupportedParameter
 from warmboot.server.guard import Guard
 from warmboot.server.messages_api import CountTokensRequest, MessageBuilder, MessagesRequest
@@ -122,9 +123,12 @@ class _Api:
 
     def _card(self) -> dict:
         card = {"id": self.config.served_model_name, "object": "model", "owned_by": "warmboot"}
-        card["created"] = 0
-        if self.holder.llm is not None:
-            card["max_model_len"] = self.holder.llm.max_model_len
+        card["created"], llm = 0, self.holder.llm
+        if llm is not None:
+            card["max_model_len"] = llm.max_model_len
+            if release := llm.engine.model_config.get(TOWER_KEY):  # NOTE: a multimodal release
+                text = f"{release}'s language model (images are refused)"
+                card |= {"input_modalities": ["text"], "served_text_only": text}
         return card
 
     async def version(self) -> dict:
@@ -193,14 +197,7 @@ class _Api:
 
     def _check_model(self, model: str) -> None:
         if model != self.config.served_model_name:
-            raise ApiError(
-                404,
-                f"the model {model!r} does not exist; this server serves "
-                f"{self.config.served_model_name!r}",
-                "invalid_request_error",
-                "model",
-                "model_not_found",
-            )
+            raise model_not_found(model, self.config.served_model_name)
 
     def _meta(self, prefix: str, params: SamplingParams, llm, body) -> R.ResponseMeta:
         """``body``: the request; its ``request_id`` (vLLM's) names the response."""

@@ -35,6 +35,12 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+def model_not_found(model: str, served: str) -> ApiError:
+    """A 404 in OpenAI's shape for a request naming a model this server does not serve."""
+    message = f"the model {model!r} does not exist; this server serves {served!r}"
+    return ApiError(404, message, "invalid_request_error", "model", "model_not_found")
+
+
 ANTHROPIC_PATH = "/v1/messages"
 """Where errors take Anthropic's shape (the Messages API's routes)."""
 _ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
