@@ -180,8 +180,10 @@ def report(meta: dict, memory: dict, rates: dict, contexts: list[int], out: Path
         "gathered, stepped by torch ops and scattered back). Load average (1 min) before and",
         f"after the runs: {meta['load']} on a machine shared with other work.",
         "",
-        "vLLM's CPU build was not run in this session (whether its CPU backend serves these",
-        "hybrid layers was not checked). Where the hybrid trails its twin (short contexts),",
+        "vLLM's CPU build (0.32.0) cannot load this model here: its Qwen3.5 class imports",
+        "torchvision, which its CPU venv lacks. It serves a Granite 4-shaped dense hybrid in",
+        "float32 and Qwen3-Next in bf16: `hybrid_vllm/decode.md` (`bench.hybrid_vllm`) has",
+        "warmboot beside it on the Granite one. Where the hybrid trails its twin (short contexts),",
         "most of the gap is its larger projections (a DeltaNet layer's in_proj + out_proj",
         "outweigh a gated attention layer's q/k/v/o here), read once a token.",
     ]

@@ -11,7 +11,8 @@ computes from the start (never a reuse that changes the output).
 Where states are kept (each a copy of the request's states, no extra compute):
 - where the request's cached KV run ended at admission (``mark``): where it left an earlier
   request's tokens, so where the next request with that prefix leaves too (a shared system
-  prompt or document resumes from its third request on);
+  prompt or document resumes whole from its third request on; the second from the first's
+  last prefill chunk end before it);
 - at the last block boundary of a whole prompt (short of the token whose logits are wanted):
   an identical prompt (``n > 1``, a retry) resumes;
 - as it goes, in one row per request that moves along with it: the last boundary of each
