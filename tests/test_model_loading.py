@@ -1,5 +1,5 @@
-"""What a checkpoint may hold: every tensor is read or refused by name; quantized
-checkpoints, adapters, pickles and unknown architectures are refused saying why (and
+"""What a checkpoint may hold: every tensor is read or refused by name; quantizations not
+served, adapters, pickles and unknown architectures are refused saying why (and
 ``warmboot serve`` exits non-zero for them); a config without ``architectures`` resolves
 from ``model_type``; rope tables follow ``max_model_len``; a family restores from a snapshot."""
 
@@ -66,18 +66,38 @@ def test_stored_rope_buffers_are_ignored_by_design(path, tmp_path, hf):
     assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 8)
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "fp8", "compressed-tensors", "bitsandbytes"])
-def test_a_quantization_config_is_refused(method, path, tmp_path):
+W8A8 = {
+    "targets": ["Linear"],
+    "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+    "input_activations": {"num_bits": 8, "type": "int", "dynamic": True},
+}
+
+
+@pytest.mark.parametrize(
+    "quant, match",
+    [
+        ({"quant_method": "fp8"}, "quant_method 'fp8' .FP8 weights with FP8 activations"),
+        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'.*not served"),
+        ({"quant_method": "mxfp4"}, "quant_method 'mxfp4' .MXFP4"),
+        ({"quant_method": "gptq", "bits": 3}, r"quantization_config.bits = 3 is not served"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version = 'gemv'"),
+        (
+            {"quant_method": "compressed-tensors", "config_groups": {"group_0": W8A8}},
+            r"config_groups.group_0.input_activations = 'quantized' is not served .weight-only",
+        ),
+    ],
+)
+def test_a_quantization_that_is_not_served_is_refused_by_name(quant, match, path, tmp_path):
     bad = _copy(path, tmp_path)
-    _edit_config(bad, quantization_config={"quant_method": method, "bits": 4})
-    with pytest.raises(UnsupportedModelError, match=f"quant_method '{method}'.*not supported"):
+    _edit_config(bad, quantization_config=quant)
+    with pytest.raises(UnsupportedModelError, match=match):
         _llm(bad)
 
 
-def test_an_autogptq_quantize_config_is_refused(path, tmp_path):
+def test_an_autogptq_quantize_config_over_dense_weights_is_refused(path, tmp_path):
     bad = _copy(path, tmp_path)
     (bad / "quantize_config.json").write_text(json.dumps({"bits": 4, "group_size": 128}))
-    with pytest.raises(UnsupportedModelError, match="quant_method 'gptq"):
+    with pytest.raises(UnsupportedModelError, match="config says gptq W4A16 g128.*no linear"):
         _llm(bad)
 
 
@@ -142,13 +162,13 @@ def test_serve_exits_nonzero_with_the_reason(problem, path, tmp_path):
     expected = {
         "missing": "does not exist",
         "architecture": "unsupported architecture .'GPT2LMHeadModel'",
-        "quantized": "quant_method 'awq'",
+        "quantized": "quant_method 'bitsandbytes'",
         "unread_tensor": r"layers\.0\.mlp\.up_proj\.bias",
     }[problem]
     if problem == "architecture":
         _edit_config(model, architectures=["GPT2LMHeadModel"])
     elif problem == "quantized":
-        _edit_config(model, quantization_config={"quant_method": "awq"})
+        _edit_config(model, quantization_config={"quant_method": "bitsandbytes"})
     elif problem == "unread_tensor":
         _add_tensor(model, "model.layers.0.mlp.up_proj.bias", torch.randn(100))
     done = _serve(model, tmp_path)

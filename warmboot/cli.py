@@ -10,7 +10,6 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -159,6 +158,12 @@ def _sandbox_arg(p: argparse.ArgumentParser, engine_process: bool = False) -> No
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto")
+    p.add_argument(
+        "-q",
+        "--quantization",
+        default=None,
+        help="auto (the checkpoint's), gptq, awq, compressed-tensors",
+    )
     p.add_argument("--max-model-len", type=int, default=None)
     loop = p.add_mutually_exclusive_group()
     loop.add_argument(
@@ -233,6 +238,7 @@ def _engine_kwargs(args, model: str) -> dict:
         model=model,
         dtype=args.dtype,
         device=args.device,
+        quantization=args.quantization,
         max_model_len=args.max_model_len,
         pipelined=args.pipelined,
         enforce_eager=args.enforce_eager,
@@ -287,6 +293,7 @@ def _serve(args) -> int:
     hint = spare_hints.launch_id(args.model, args.snapshot_store, args.sandbox)
     if local.in_child(args.engine_process, {"device": args.device}):  # NOTE: a spare imports torch
         engine_process.prestart(cpus, args.cpu_threads, hint, args.snapshot_store)
+    from warmboot.server.config import read_chat_template
     from warmboot.server.engine_holder import EngineHolder, process_age, unservable
 
     started_at = time.monotonic() - process_age()
@@ -294,11 +301,11 @@ def _serve(args) -> int:
         from warmboot.models.demo import ensure_default_model
 
         args.model = str(ensure_default_model())
-    reason = unservable(args.model)
+    reason = unservable(args.model, args.quantization)
     if reason is not None:
         print(f"error: cannot serve {args.model}: {reason}", file=sys.stderr)
         return 2
-    chat_template = _read_chat_template(args.chat_template)
+    chat_template = read_chat_template(args.chat_template)
     # NOTE: the engine starts (or a restore runs) while the HTTP stack below is imported,
     # once its path is chosen: its imports slowed the launcher's key and lookup (GIL)
     chosen = threading.Event()
@@ -371,19 +378,6 @@ def _boot(args, cpus: tuple[int, ...], chosen: threading.Event, hint: str | None
         return launch(cfg)
     finally:
         chosen.set()
-
-
-def _read_chat_template(value: str | None) -> str | None:
-    """``--chat-template``: a file's text, or the value itself when it reads as a template
-    (as vLLM: a value without any of ``{}`` or a newline must be a file that exists)."""
-    if value is None:
-        return None
-    path = Path(value).expanduser()
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
-    if not any(c in value for c in "{}\n"):
-        raise FileNotFoundError(f"--chat-template {value!r}: no such file")
-    return value
 
 
 def _demo(args) -> int:

@@ -266,6 +266,9 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0
     attention_backend: str = "auto"
+    quantization: str | None = None
+    """vLLM's ``quantization``: None or ``auto`` serves the checkpoint's own
+    (``quantization_config``); a method name must match it (``models.quant_config``)."""
     pipelined: bool | None = None
     """Pipelined decode loop; None picks it where it pays (CUDA, CPUs with >= 4 cores)."""
     cuda_graphs: bool | None = None

@@ -272,13 +272,16 @@ def packed_view(model: CausalLM, table: PackedLinears, pack: bool = True) -> Cau
         for slot, module in enumerate(experts):
             module.method = OpExperts(slot)
         if pack:
-            linears = [m for m in layer.modules() if isinstance(m, Linear)]
+            linears = [m for m in layer.modules() if isinstance(m, Linear) and m.method.packable]
             table.add_layer(linears)
             for slot, linear in enumerate(linears):
                 linear.method = PackedMethod(slot)
             for mlp in (m for m in layer.modules() if isinstance(m, GatedMLP)):
-                mlp.fused_silu = mlp.act is F.silu and native_silu(mlp.gate_up_proj.weight.dtype)
-    if pack:
+                packed = mlp.gate_up_proj.method.packable
+                mlp.fused_silu = (
+                    packed and mlp.act is F.silu and native_silu(mlp.gate_up_proj.weight.dtype)
+                )
+    if pack and view.lm_head.method.packable:
         table.set_head(view.lm_head.weight, view.lm_head.bias)
         view.lm_head.method = PackedMethod(HEAD_SLOT)
         view.lm_head.register_buffer(STEP_INDEX, torch.tensor(-1), persistent=False)

@@ -47,6 +47,7 @@ class LLM:
         enable_prefix_caching: bool = True,
         state_checkpoints: int | None = None,
         attention_backend: str = "auto",
+        quantization: str | None = None,
         pipelined: bool | None = None,
         cuda_graphs: bool | None = None,
         enforce_eager: bool | None = None,
@@ -59,15 +60,13 @@ class LLM:
         pretune_attention: bool | None = None,
         wait_for_compile: bool = False,
     ):
+        # NOTE: the keyword arguments EngineConfig takes as they are (one name each)
+        same = dict(dtype=dtype, device=device, seed=seed, quantization=quantization)
+        same |= dict(attention_backend=attention_backend, pipelined=pipelined)
+        same |= dict(cuda_graphs=cuda_graphs, enforce_eager=enforce_eager)
         config = EngineConfig(
             model=str(model),
-            dtype=dtype,
-            device=device,
-            seed=seed,
-            attention_backend=attention_backend,
-            pipelined=pipelined,
-            cuda_graphs=cuda_graphs,
-            enforce_eager=enforce_eager,
+            **same,
             compile_steps=compile_steps,
             cpu_threads=cpu_threads,
             cache=CacheConfig(

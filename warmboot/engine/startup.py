@@ -140,7 +140,7 @@ class Startup(GraphPhases):
             if not self.model_dir.is_dir():
                 raise ModelFilesError(f"model directory {self.model_dir} does not exist")
             model_config = ModelConfig.from_dir(self.model_dir)
-            check_servable(self.model_dir, model_config)
+            check_servable(self.model_dir, model_config, config.quantization)
             self.model_class = ARCHITECTURES[model_config.architecture]
             settings = resolve.resolve(config, model_config, self.max_model_len)
         with self.phase("tokenizer"):

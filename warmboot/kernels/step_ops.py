@@ -117,11 +117,12 @@ class PackedLinears:
             [(self.pack(s) if w is None else w, b) for s, (w, b) in zip(src, row, strict=True)]
             for src, row in zip(self._sources, self.layers, strict=True)
         ]
-        if self.head is None:
+        if self.head is None and self._head_source is not None:
             self.head = self.pack(self._head_source)
 
     def _sources_flat(self) -> list[torch.Tensor]:
-        return [w for row in self._sources for w in row] + [self._head_source]
+        head = [] if self._head_source is None else [self._head_source]
+        return [w for row in self._sources for w in row] + head
 
     def lookup(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight, bias = (

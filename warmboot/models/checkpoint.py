@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from warmboot.config import ModelConfig, ModelFilesError
+from warmboot.models.quant_config import QuantScheme, quant_scheme
 from warmboot.models.registry import UnsupportedModelError
 
 if TYPE_CHECKING:
@@ -20,35 +21,31 @@ ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_mo
 PICKLES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "consolidated.00.pth")
 
 
-def preflight(model_dir: str | Path) -> ModelConfig:
+def preflight(model_dir: str | Path, quantization: str | None = None) -> ModelConfig:
     """Everything that can be checked without reading weights: the directory, its config
-    (a served architecture), no quantization or adapters, and the weight files."""
+    (a served architecture), a served quantization, no adapters, and the weight files."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelFilesError(f"model directory {model_dir} does not exist")
     cfg = ModelConfig.from_dir(model_dir)
-    check_servable(model_dir, cfg)
+    check_servable(model_dir, cfg, quantization)
     checkpoint_files(model_dir)
     return cfg
 
 
-def check_servable(model_dir: Path, cfg: ModelConfig) -> None:
-    """Refuse what cannot be served exactly, before any weight is read."""
-    quant = cfg.get("quantization_config")
-    if quant is None and (model_dir / "quantize_config.json").is_file():
-        quant = {"quant_method": "gptq (quantize_config.json)"}  # NOTE: AutoGPTQ's own file
-    if quant is not None:
-        method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else quant
-        raise UnsupportedModelError(
-            f"{model_dir}: quantized checkpoints (quant_method {method!r}) are not supported "
-            "yet; serve the full-precision weights"
-        )
+def check_servable(
+    model_dir: Path, cfg: ModelConfig, quantization: str | None = None
+) -> QuantScheme | None:
+    """Refuse what cannot be served exactly, before any weight is read; the checkpoint's
+    quantization (None: full precision), checked against ``quantization`` (``LLM``'s)."""
+    scheme = quant_scheme(model_dir, cfg, quantization)
     adapters = [name for name in ADAPTER_FILES if (model_dir / name).exists()]
     if adapters:
         raise UnsupportedModelError(
             f"{model_dir}: LoRA adapter files {adapters} are not supported yet; merge the "
             "adapter into the base weights (peft's merge_and_unload) or remove the files"
         )
+    return scheme
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -75,11 +72,23 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     )
 
 
+def checkpoint_names(model_dir: Path) -> list[str]:
+    """Every tensor name of the checkpoint (headers only: no tensor is read)."""
+    from safetensors import safe_open
+
+    names: list[str] = []
+    for path in checkpoint_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
 def iter_checkpoint(
-    model_dir: Path, skip: Callable[[str], bool] | None = None
+    model_dir: Path, skip: Callable[[str], bool] | None = None, integers: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint, by name (memory-mapped; floating point only); those
-    ``skip`` names are not read (the family's harmless buffers, e.g. a bool causal mask)."""
+    """Every tensor of the checkpoint, by name (memory-mapped; floating point only unless
+    ``integers``: a quantized checkpoint's); those ``skip`` names are not read (the family's
+    harmless buffers, e.g. a bool causal mask)."""
     import torch
     from safetensors import SafetensorError, safe_open
 
@@ -93,9 +102,13 @@ def iter_checkpoint(
             if skip is not None and skip(name):
                 continue
             tensor = f.get_tensor(name)
-            if tensor.dtype not in floats:
+            if tensor.dtype not in floats and not (integers and _integer(tensor)):
                 raise UnsupportedModelError(
                     f"{path.name}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}; "
-                    "quantized weights are not supported yet"
+                    "a checkpoint without a served quantization_config has float tensors only"
                 )
             yield name, tensor
+
+
+def _integer(tensor: torch.Tensor) -> bool:
+    return not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype.itemsize <= 4

@@ -16,9 +16,18 @@ from torch import nn
 
 from warmboot.config import ModelConfig
 from warmboot.models.base import CausalLM
-from warmboot.models.checkpoint import check_servable, iter_checkpoint
+from warmboot.models.checkpoint import check_servable, checkpoint_names, iter_checkpoint
 from warmboot.models.layers.linear import Linear
 from warmboot.models.layers.moe import FusedExperts
+from warmboot.models.quant_config import quant_scheme
+from warmboot.models.quant_loader import (
+    apply_scheme,
+    canonical_stream,
+    is_quant_leaf,
+    quantize_modules,
+    quantized_prefixes,
+    snapshot_modules,
+)
 from warmboot.models.registry import UnsupportedModelError, model_class
 
 
@@ -35,18 +44,37 @@ def load_model(
     device: torch.device,
     max_positions: int,
     progress: Callable[[int], None] | None = None,
+    quantization: str | None = None,
 ) -> CausalLM:
     """The model with the checkpoint's weights; rope tables for ``max_positions``.
-    ``progress(n)`` hears the bytes of each checkpoint tensor read (a start-up bar)."""
+    ``progress(n)`` hears the bytes of each checkpoint tensor read (a start-up bar);
+    ``quantization``: ``LLM(quantization=)``, checked against the checkpoint's."""
     model_dir = Path(model_dir)
-    check_servable(model_dir, cfg)
+    scheme = check_servable(model_dir, cfg, quantization)
     model = build_model(cfg)
-    tensors = iter_checkpoint(model_dir, skip=lambda name: model.map_name(name) is None)
+    skip = lambda name: model.map_name(name) is None  # noqa: E731
+    tensors = iter_checkpoint(model_dir, skip=skip, integers=scheme is not None)
+    if scheme is not None:
+        prefixes = quantized_prefixes(checkpoint_names(model_dir), scheme)
+        if not prefixes:
+            raise UnsupportedModelError(
+                f"{model_dir}: the config says {scheme.describe()}, but no linear in the "
+                "checkpoint has that format's tensors"
+            )
+        apply_scheme(model, scheme, prefixes)
+        tensors = canonical_stream(tensors, scheme, prefixes)
     if progress is not None:
         tensors = _counted(tensors, progress)
     named = checkpoint_weights(model, tensors, str(model_dir))
-    weights = ((name, t.to(device=device, dtype=param_dtype(name, dtype))) for name, t in named)
+    weights = ((name, _cast(name, t, dtype, device)) for name, t in named)
     return _assign_all(model, weights, dtype, device, max_positions, str(model_dir))
+
+
+def _cast(name: str, t: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """To the engine's dtype, but integer tensors and quantization scales as they are."""
+    if not t.is_floating_point() or is_quant_leaf(name):
+        return t.to(device=device)
+    return t.to(device=device, dtype=param_dtype(name, dtype))
 
 
 def _counted(tensors: Iterable[tuple[str, torch.Tensor]], progress: Callable[[int], None]):
@@ -74,8 +102,17 @@ def assemble_model(
     source: str = "weights",
 ) -> CausalLM:
     """Build on meta and assign weights already under our names, dtype and device (a
-    snapshot restore enters here with the tensors of ``named_parameters()``)."""
-    return _assign_all(build_model(cfg), weights, dtype, device, max_positions, source)
+    snapshot restore enters here with the tensors of ``named_parameters()``; the names tell
+    the quantized linears, the config their scheme)."""
+    model = build_model(cfg)
+    weights = dict(weights)
+    modules = snapshot_modules(weights)
+    if modules:
+        scheme = quant_scheme(Path(source), cfg)
+        if scheme is None:
+            raise UnsupportedModelError(f"{source}: quantized weights, but no quantization_config")
+        quantize_modules(model, scheme, modules)
+    return _assign_all(model, weights.items(), dtype, device, max_positions, source)
 
 
 def _assign_all(model, weights, dtype, device, max_positions, source) -> CausalLM:
@@ -140,6 +177,8 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     current = getattr(module, leaf, None)
     if not isinstance(current, nn.Parameter):
         raise UnsupportedModelError(f"weight {name} has no parameter in {type(model).__name__}")
+    if isinstance(module, Linear):
+        tensor = module.method.loaded(module, leaf, tensor)
     if tuple(current.shape) != tuple(tensor.shape):
         raise UnsupportedModelError(
             f"weight {name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(current.shape)}"

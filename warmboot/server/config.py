@@ -7,6 +7,7 @@ middleware and the CLI can all share it without importing each other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -48,3 +49,16 @@ class ServerConfig:
     proxy; None: the peer address names it (``--client-id-header``)."""
     trust_request_chat_template: bool = False
     """Render a request's own ``chat_template`` (vLLM's flag); refused (400) otherwise."""
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the value itself when it reads as a template
+    (as vLLM: a value without any of ``{}`` or a newline must be a file that exists)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if not any(c in value for c in "{}\n"):
+        raise FileNotFoundError(f"--chat-template {value!r}: no such file")
+    return value

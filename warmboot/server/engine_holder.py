@@ -219,12 +219,12 @@ def _quietly_shut(client: EngineClient) -> None:
         log.debug("shutting down a dead engine failed", exc_info=True)
 
 
-def unservable(model: str) -> str | None:
+def unservable(model: str, quantization: str | None = None) -> str | None:
     """Why ``model`` cannot be served, found without reading weights (``preflight``)."""
     from warmboot.models.checkpoint import preflight
 
     try:
-        preflight(model)
+        preflight(model, quantization)
     except (UnsupportedModelError, ModelFilesError, ValueError) as e:
         return str(e)
     return None

@@ -263,7 +263,14 @@ def _check_dtypes(tensors: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
     """Every weight is the dtype the engine holds it in (``param_dtype``): a float weight
     listed as ``int32`` (same item size, right hash) would otherwise pass and crash the warm-up."""
     from warmboot.models.loader import param_dtype
+    from warmboot.models.quant_loader import quant_dtype_ok, snapshot_modules
 
-    bad = [n for n, t in tensors.items() if t.dtype != param_dtype(n, dtype)]
+    quant = snapshot_modules(tensors)
+
+    def ok(name: str, t: torch.Tensor) -> bool:
+        held = quant_dtype_ok(name, t, quant)
+        return t.dtype == param_dtype(name, dtype) if held is None else held
+
+    bad = [n for n, t in tensors.items() if not ok(n, t)]
     if bad:
         raise ValueError(f"tensors {bad[:3]} are not {dtype_name(dtype)}")

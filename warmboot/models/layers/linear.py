@@ -2,9 +2,10 @@
 
 A ``Linear`` owns its parameters; its ``method`` decides how ``x @ W.T + b`` is computed.
 Full precision (``DenseMethod``) is the default; the compiled CPU step swaps in
-``PackedMethod`` (oneDNN-prepacked weights, ``kernels.step_ops``). Quantized weights and LoRA
-adapters plug in here as further methods: a method may create its own parameters
-(``create_weights``) and is the only code that reads them.
+``PackedMethod`` (oneDNN-prepacked weights, ``kernels.step_ops``); quantized weights are
+``QuantMethod`` (``layers.quant_linear``). A method may create its own parameters
+(``create_weights``), takes them from the loader (``loaded``) and is the only code that reads
+them.
 """
 
 from __future__ import annotations
@@ -18,9 +19,20 @@ class LinearMethod:
     """How a ``Linear`` computes. Subclasses override ``apply`` (and ``create_weights`` when
     their weights are not one dense matrix)."""
 
+    packable = True
+    """Whether a compiled CPU step packs its weight into its own GEMM's layout (``PackedMethod``);
+    a quantized method keeps computing itself."""
+
     def create_weights(self, layer: Linear, bias: bool) -> None:
         layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features))
         layer.bias = nn.Parameter(torch.empty(layer.out_features)) if bias else None
+
+    def loaded(self, layer: Linear, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor for parameter ``leaf`` in the layout the method computes from."""
+        return tensor
+
+    def join_shards(self, layer: Linear, leaf: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -78,7 +90,7 @@ class Linear(nn.Module):
         return len(self.shards)
 
     def join_shards(self, leaf: str, parts: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat(parts)
+        return self.method.join_shards(self, leaf, parts)
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {list(self.shards)}, bias={self.bias is not None}"

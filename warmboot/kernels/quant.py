@@ -1,0 +1,138 @@
+"""Weight-only integer GEMMs: ``y = x @ dequant(W).T + b`` with W kept quantized in memory.
+
+One layout for every format and device, the one stored in snapshots ("panel32"): the codes
+(``u`` in ``[0, 2^bits)``) of 32 output rows side by side per input, so a decode GEMM streams
+each panel once and unpacks it in registers (``csrc/quant_gemm.cpp``):
+
+- 8 bits: uint8 ``(P, K, 32)``, ``[p, k, c]`` the code of row ``32p + c`` at input ``k``;
+- 4 bits: uint8 ``(P, K/2, 32)``, inputs ``2j`` and ``2j + 1`` in the low and high nibble;
+- scales ``(P, G, 32)`` in the checkpoint's float dtype, one per row and group of
+  ``group_size`` consecutive inputs; zero points likewise as uint8 codes, or none (symmetric:
+  ``2^(bits-1)``). Rows past N are zero.
+
+``w[n, k] = (u[n, k] - z[n, g]) * s[n, g]`` with ``g = k // group_size``. A checkpoint whose
+groups are not consecutive inputs (GPTQ's ``desc_act``) carries ``perm``: the GEMM reads
+``x[..., perm]``, the weights being stored in that order.
+
+``warmboot::quant_linear`` is one op (opaque to a compiled step): the native kernel at decode
+sizes on the CPU, else the weight dequantized for the call and torch's GEMM (prefill, where the
+rows amortise it; CUDA until a Triton kernel lands; a CPU without the native library).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import functional as F
+
+from warmboot.kernels import native
+
+COLS = 32
+NATIVE_ROWS = 16
+"""Up to this many rows the native kernel; from there a dequantized weight and torch's GEMM
+(compute-bound sizes, where oneDNN's blocking wins)."""
+
+
+def packed_shapes(n: int, k: int, bits: int, group_size: int) -> tuple[tuple, tuple]:
+    """The shapes of the packed codes and of the per-group tensors."""
+    panels = (n + COLS - 1) // COLS
+    return (panels, k * bits // 8, COLS), (panels, k // group_size, COLS)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes ``(N, K)`` -> the panel layout."""
+    n, k = codes.shape
+    panels = (n + COLS - 1) // COLS
+    rows = torch.zeros(panels * COLS, k, dtype=torch.uint8, device=codes.device)
+    rows[:n] = codes
+    by_input = rows.view(panels, COLS, k).transpose(1, 2)  # (P, K, 32)
+    if bits == 8:
+        return by_input.contiguous()
+    return (by_input[:, 0::2] | (by_input[:, 1::2] << 4)).contiguous()
+
+
+def pack_groups(t: torch.Tensor) -> torch.Tensor:
+    """A per-group tensor ``(N, G)`` -> ``(P, G, 32)``."""
+    n, g = t.shape
+    panels = (n + COLS - 1) // COLS
+    rows = torch.zeros(panels * COLS, g, dtype=t.dtype, device=t.device)
+    rows[:n] = t
+    return rows.view(panels, COLS, g).transpose(1, 2).contiguous()
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The panel layout -> uint8 codes ``(P * 32, K)``."""
+    if bits == 4:
+        pairs = torch.stack((packed & 15, packed >> 4), dim=2)  # (P, K/2, 2, 32)
+        packed = pairs.flatten(1, 2)
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])
+
+
+def unpack_groups(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2).reshape(-1, t.shape[1])
+
+
+def dequantize(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    n: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """The dense ``(N, K)`` weight, computed in float32 and rounded once to ``dtype``."""
+    codes = unpack_codes(packed, bits)[:n].float()
+    s = unpack_groups(scales)[:n].float()
+    z = float(1 << (bits - 1)) if zeros is None else unpack_groups(zeros)[:n].float()
+    if zeros is None:
+        w = (codes - z).view(n, -1, group_size) * s.unsqueeze(-1)
+    else:
+        w = (codes.view(n, -1, group_size) - z.unsqueeze(-1)) * s.unsqueeze(-1)
+    return w.reshape(n, -1).to(dtype)
+
+
+def quant_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    zeros: torch.Tensor | None,
+    perm: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    out_features: int,
+    bits: int,
+    group_size: int,
+) -> torch.Tensor:
+    if perm is not None:
+        x = x.index_select(-1, perm)
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows <= NATIVE_ROWS and _native(x):
+        args = (x, packed, scales, zeros, bias, out_features, bits, group_size)
+        return torch.ops.warmboot_cpu.quant_linear(*args)
+    w = dequantize(packed, scales, zeros, bits, group_size, out_features, x.dtype)
+    return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def _native(x: torch.Tensor) -> bool:
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if _NATIVE.get("op") is None:
+        if not native.ready():
+            return False
+        _NATIVE["op"] = hasattr(torch.ops.warmboot_cpu, "quant_linear")
+    return _NATIVE["op"]
+
+
+_NATIVE: dict[str, bool] = {}
+
+# NOTE: on a Library, as step_ops' per-layer ops (custom_op's wrapper costs ~12 us a call)
+_LIB = torch.library.Library("warmboot", "FRAGMENT")
+_LIB.define(
+    "quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, Tensor? perm, "
+    "Tensor? bias, int out_features, int bits, int group_size) -> Tensor"
+)
+_LIB.impl("quant_linear", quant_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("warmboot::quant_linear")
+def _(x, packed, scales, zeros, perm, bias, out_features, bits, group_size):
+    return x.new_empty((*x.shape[:-1], out_features))

@@ -1,0 +1,177 @@
+"""Each format's tensors of one quantized linear -> one layout (``QuantScheme``'s checkpoint
+to what ``QuantMethod`` loads): ``weight`` uint8 codes ``(N, K)`` in ``[0, 2^bits)``,
+``weight_scale`` ``(N, G)`` in the checkpoint's dtype, ``weight_zero`` uint8 codes ``(N, G)``
+(asymmetric schemes only: a symmetric one's zero is ``2^(bits-1)``), and ``weight_perm``
+``(K,)`` where the groups are not consecutive inputs (``g_idx``): the codes come in that order.
+
+The layouts (checked against the libraries' own pack and dequantize code):
+- compressed-tensors ``pack-quantized``: ``weight_packed`` int32 ``(N, K*bits/32)``, signed
+  values plus ``2^(bits-1)``, packed along K low bits first; asymmetric zero points signed
+  the same way, packed along N (``(N*bits/32, G)``); ``weight_shape``; ``weight_g_idx``.
+- compressed-tensors ``int-quantized``: ``weight`` int8 ``(N, K)``, zero points int8.
+- GPTQ: ``qweight`` int32 ``(K*bits/32, N)`` packed along K; ``qzeros`` int32
+  ``(G, N*bits/32)`` packed along N, v1 checkpoints storing zero - 1; ``scales`` ``(G, N)``;
+  ``g_idx`` ``(K,)``.
+- AWQ (GEMM): ``qweight`` int32 ``(K, N/8)`` and ``qzeros`` ``(G, N/8)`` packed along N with
+  output ``order[i]`` in nibble ``i``; ``scales`` ``(G, N)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from warmboot.models.quant_config import QuantScheme
+from warmboot.models.registry import UnsupportedModelError
+
+LEAVES = {
+    "ct-pack": ({"weight_packed", "weight_scale", "weight_shape"}, {"weight_zero_point"}),
+    "ct-int": ({"weight", "weight_scale"}, {"weight_zero_point"}),
+    "gptq": ({"qweight", "qzeros", "scales"}, {"g_idx"}),
+    "awq": ({"qweight", "qzeros", "scales"}, set()),
+}
+"""Per layout: the leaves a quantized linear must have, and those it may have."""
+MARKER = {"ct-pack": "weight_packed", "ct-int": "weight_scale", "gptq": "qweight", "awq": "qweight"}
+"""The leaf whose presence marks a linear as quantized."""
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def leaves(scheme: QuantScheme) -> set[str]:
+    required, optional = LEAVES[scheme.layout]
+    extra = {"weight_g_idx"} if scheme.layout.startswith("ct") else set()
+    return required | optional | extra
+
+
+def canonical(
+    scheme: QuantScheme, prefix: str, t: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """One linear's tensors (by leaf) in the one layout (by leaf)."""
+    missing = LEAVES[scheme.layout][0] - set(t)
+    if missing:
+        raise UnsupportedModelError(f"{prefix}: quantized linear lacks {sorted(missing)}")
+    convert = {"ct-pack": _ct_pack, "ct-int": _ct_int, "gptq": _gptq, "awq": _awq}
+    codes, scale, zero, g_idx = convert[scheme.layout](scheme, prefix, t)
+    return _grouped(scheme, prefix, codes, scale, zero, g_idx)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order=None) -> torch.Tensor:
+    """int32 words -> one code each (int32), along ``dim``, low bits first (or ``order``:
+    word bits ``i`` hold element ``order[i]``)."""
+    per = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    if order is not None:
+        shifts = shifts[torch.tensor([list(order).index(i) for i in range(per)])]
+    words = packed.to(torch.int32).movedim(dim, -1).unsqueeze(-1)
+    codes = (words >> shifts) & ((1 << bits) - 1)
+    return codes.flatten(-2).movedim(-1, dim)
+
+
+def _ct_pack(scheme, prefix, t):
+    n, k = (int(v) for v in t["weight_shape"].tolist())
+    codes = unpack_int32(_int(prefix, t, "weight_packed"), scheme.bits, 1)[:, :k]
+    zero = None
+    if not scheme.symmetric:
+        packed = _int(prefix, t, "weight_zero_point")
+        zero = unpack_int32(packed, scheme.bits, 0)[:n] if packed.dtype == torch.int32 else None
+        if zero is None:  # NOTE: older exports keep them unpacked and signed
+            zero = packed.to(torch.int32) + (1 << (scheme.bits - 1))
+    return _rows(prefix, codes, n), t["weight_scale"], zero, t.get("weight_g_idx")
+
+
+def _ct_int(scheme, prefix, t):
+    weight = t["weight"]
+    if weight.dtype != torch.int8:
+        raise UnsupportedModelError(f"{prefix}.weight is {weight.dtype}, int-quantized is int8")
+    offset = 1 << (scheme.bits - 1)
+    zero = None
+    if not scheme.symmetric:
+        zero = _int(prefix, t, "weight_zero_point").to(torch.int32) + offset
+    return weight.to(torch.int32) + offset, t["weight_scale"], zero, t.get("weight_g_idx")
+
+
+def _gptq(scheme, prefix, t):
+    codes = unpack_int32(_int(prefix, t, "qweight"), scheme.bits, 0).t()
+    n = codes.shape[0]
+    zero = unpack_int32(_int(prefix, t, "qzeros"), scheme.bits, 1)[:, :n].t()
+    zero = (zero + scheme.zero_offset) & ((1 << scheme.bits) - 1)
+    return codes, t["scales"].t(), zero, t.get("g_idx")
+
+
+def _awq(scheme, prefix, t):
+    if scheme.bits != 4:
+        raise UnsupportedModelError(f"{prefix}: AWQ GEMM packs 4 bits, not {scheme.bits}")
+    codes = unpack_int32(_int(prefix, t, "qweight"), 4, 1, AWQ_ORDER).t()
+    zero = unpack_int32(_int(prefix, t, "qzeros"), 4, 1, AWQ_ORDER).t()
+    return codes, t["scales"].t(), zero, None
+
+
+def _int(prefix: str, t: dict[str, torch.Tensor], leaf: str) -> torch.Tensor:
+    tensor = t.get(leaf)
+    if tensor is None:
+        raise UnsupportedModelError(f"{prefix}: quantized linear lacks {leaf}")
+    if tensor.is_floating_point():
+        raise UnsupportedModelError(f"{prefix}.{leaf} is {tensor.dtype}, not an integer tensor")
+    return tensor
+
+
+def _rows(prefix: str, codes: torch.Tensor, n: int) -> torch.Tensor:
+    if codes.shape[0] != n:
+        raise UnsupportedModelError(
+            f"{prefix}.weight_packed has {codes.shape[0]} rows, weight_shape says {n}"
+        )
+    return codes
+
+
+def _grouped(scheme, prefix, codes, scale, zero, g_idx) -> dict[str, torch.Tensor]:
+    """Shapes checked, groups made consecutive, the zero point dropped where symmetric."""
+    n, k = codes.shape
+    size = scheme.group_size or k
+    if k % size:
+        raise UnsupportedModelError(f"{prefix}: {k} inputs are not whole groups of {size}")
+    groups = k // size
+    scale = scale.reshape(n, -1) if scale.dim() == 1 else scale
+    if tuple(scale.shape) != (n, groups) or not scale.is_floating_point():
+        raise UnsupportedModelError(
+            f"{prefix}: scale is {scale.dtype} {tuple(scale.shape)}, expected a float "
+            f"({n}, {groups}) for {scheme.describe()}"
+        )
+    out = {"weight_scale": scale.contiguous()}
+    perm = _perm(prefix, g_idx, k, size)
+    if perm is not None and not scheme.act_order:
+        raise UnsupportedModelError(f"{prefix}: g_idx is out of order, but act-order is off")
+    if scheme.act_order:
+        perm = torch.arange(k) if perm is None else perm
+        codes = codes[:, perm]
+        out["weight_perm"] = perm
+    if zero is not None:
+        zero = zero.reshape(n, -1) if zero.dim() == 1 else zero
+        if tuple(zero.shape) != (n, groups):
+            raise UnsupportedModelError(
+                f"{prefix}: zero points are {tuple(zero.shape)}, expected ({n}, {groups})"
+            )
+        if scheme.symmetric:
+            if bool((zero != 1 << (scheme.bits - 1)).any()):
+                raise UnsupportedModelError(
+                    f"{prefix}: sym is set but the zero points are not {1 << (scheme.bits - 1)}"
+                )
+        else:
+            out["weight_zero"] = zero.to(torch.uint8).contiguous()
+    if bool((codes < 0).any()) or bool((codes >= 1 << scheme.bits).any()):
+        raise UnsupportedModelError(f"{prefix}: codes outside {scheme.bits} bits")
+    out["weight"] = codes.to(torch.uint8).contiguous()
+    return out
+
+
+def _perm(prefix: str, g_idx: torch.Tensor | None, k: int, size: int) -> torch.Tensor | None:
+    """Input order that makes ``g_idx``'s groups consecutive; None where they already are."""
+    if g_idx is None:
+        return None
+    g_idx = g_idx.to(torch.int64)
+    expected = torch.arange(k) // size
+    if g_idx.shape != (k,):
+        raise UnsupportedModelError(f"{prefix}: g_idx is {tuple(g_idx.shape)}, expected ({k},)")
+    if torch.equal(g_idx, expected):
+        return None
+    perm = torch.sort(g_idx, stable=True).indices
+    if not torch.equal(g_idx[perm], expected):
+        raise UnsupportedModelError(f"{prefix}: g_idx groups are not {size} inputs each")
+    return perm

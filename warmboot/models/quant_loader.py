@@ -1,0 +1,121 @@
+"""Loading a quantized checkpoint: which linears are quantized (the checkpoint says: those with
+the format's tensors; an ``ignore`` list's modules have dense weights), those made
+``QuantMethod`` linears before any weight is read, and each one's tensors turned into the one
+layout (``quant_formats``) as they stream past the loader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from warmboot.models.base import CausalLM
+from warmboot.models.layers.linear import Linear
+from warmboot.models.layers.quant_linear import QuantMethod, quantize_linear
+from warmboot.models.quant_config import QuantScheme
+from warmboot.models.quant_formats import MARKER, canonical, leaves
+from warmboot.models.registry import UnsupportedModelError
+
+QUANT_LEAVES = ("weight_scale", "weight_zero", "weight_perm")
+"""Our quantized parameters beside ``weight`` (a snapshot's names tell its quantized linears)."""
+
+
+def quantized_prefixes(names: Iterable[str], scheme: QuantScheme) -> dict[str, set[str]]:
+    """Checkpoint module name -> the format's leaves it has, for every quantized linear."""
+    names = list(names)
+    marker = MARKER[scheme.layout]
+    found = {n.rpartition(".")[0]: set() for n in names if n.endswith("." + marker)}
+    ours = leaves(scheme)
+    for name in names:
+        prefix, _, leaf = name.rpartition(".")
+        if prefix in found and leaf in ours:
+            found[prefix].add(leaf)
+    return found
+
+
+def apply_scheme(model: CausalLM, scheme: QuantScheme, prefixes: Iterable[str]) -> set[str]:
+    """Make the linears behind checkpoint ``prefixes`` quantized; returns our module names."""
+    modules: set[str] = set()
+    for prefix in prefixes:
+        mapped = model.map_name(prefix + ".weight")
+        if mapped is None:
+            continue
+        modules.add(mapped[0].rpartition(".")[0])
+    quantize_modules(model, scheme, modules)
+    return modules
+
+
+def quantize_modules(model: nn.Module, scheme: QuantScheme, modules: Iterable[str]) -> None:
+    with torch.device("meta"):
+        for name in sorted(modules):
+            module = model.get_submodule(name)
+            if not isinstance(module, Linear):
+                raise UnsupportedModelError(
+                    f"{name} is quantized in the checkpoint, but it is a "
+                    f"{type(module).__name__}: only linear layers are served quantized "
+                    "(quantized experts are not served yet)"
+                )
+            if not isinstance(module.method, QuantMethod):
+                quantize_linear(module, scheme)
+
+
+def snapshot_modules(names: Iterable[str]) -> set[str]:
+    """Our quantized modules, told by a snapshot's parameter names."""
+    return {n.rpartition(".")[0] for n in names if n.rpartition(".")[2] in QUANT_LEAVES}
+
+
+def canonical_stream(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    scheme: QuantScheme,
+    prefixes: dict[str, set[str]],
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with each quantized linear's leaves gathered and replaced by
+    the one layout's (held back until the linear's last leaf has come)."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in tensors:
+        prefix, _, leaf = name.rpartition(".")
+        wanted = prefixes.get(prefix)
+        if wanted is None or leaf not in wanted:
+            yield name, tensor
+            continue
+        got = pending.setdefault(prefix, {})
+        got[leaf] = tensor
+        if set(got) == wanted:
+            del pending[prefix]
+            for out_leaf, out in canonical(scheme, prefix, got).items():
+                yield f"{prefix}.{out_leaf}", out
+    if pending:
+        raise UnsupportedModelError(f"incomplete quantized linears: {sorted(pending)[:4]}")
+
+
+QUANT_DTYPES = {
+    "weight": (torch.uint8,),
+    "weight_zero": (torch.uint8,),
+    "weight_perm": (torch.int64,),
+    "weight_scale": (torch.float16, torch.bfloat16, torch.float32),
+}
+
+
+def quant_dtype_ok(name: str, tensor: torch.Tensor, modules: set[str]) -> bool | None:
+    """Whether a quantized linear's tensor has a dtype it is held in; None: not one."""
+    module, _, leaf = name.rpartition(".")
+    if module not in modules or leaf not in QUANT_DTYPES:
+        return None
+    return tensor.dtype in QUANT_DTYPES[leaf]
+
+
+def is_quant_leaf(name: str) -> bool:
+    return name.rpartition(".")[2] in QUANT_LEAVES
+
+
+def resident_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of the quantized linears' tensors and of every other parameter."""
+    quant = other = 0
+    for name, p in model.named_parameters():
+        module = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+        is_quant = isinstance(getattr(module, "method", None), QuantMethod)
+        size = p.numel() * p.element_size()
+        quant, other = (quant + size, other) if is_quant else (quant, other + size)
+    return {"quantized": quant, "other": other}
