@@ -10,6 +10,10 @@ LMEVAL_STAMP := $(LMEVAL)/.installed
 # LangChain, LiteLLM and schemathesis likewise, for the client tests.
 CLIENTS       := .venv-clients
 CLIENTS_STAMP := $(CLIENTS)/.installed
+# compressed-tensors and AutoAWQ's torch-only code (pure Python) beside the project venv, for
+# the checks of the quantized test checkpoints against the formats' own libraries.
+QUANT       := .venv-quant
+QUANT_STAMP := $(QUANT)/.installed
 
 .PHONY: demo test lint bench clean runsc promtool gpu-wheels native
 .PHONY: check
@@ -23,6 +27,11 @@ $(STAMP): requirements.txt pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps -r requirements.txt
 	$(PY) -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps -e .
 	touch $(STAMP)
+
+$(QUANT_STAMP): tests/quant/requirements.txt $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps \
+		--target $(QUANT)/site -r tests/quant/requirements.txt
+	touch $(QUANT_STAMP)
 
 $(LMEVAL_STAMP): tests/lm_eval/requirements.txt
 	test -x $(LMEVAL)/bin/python || python3 -m venv $(LMEVAL)
@@ -63,7 +72,7 @@ native: $(STAMP)
 demo: $(STAMP) runsc native
 	$(PY) -m warmboot.cli demo
 
-test: $(STAMP) runsc promtool native $(LMEVAL_STAMP) $(CLIENTS_STAMP)
+test: $(STAMP) runsc promtool native $(LMEVAL_STAMP) $(CLIENTS_STAMP) $(QUANT_STAMP)
 	$(PY) -m ruff check warmboot tests bench
 	$(PY) -m pytest -q -ra
 

@@ -111,4 +111,4 @@ def iter_checkpoint(
 
 
 def _integer(tensor: torch.Tensor) -> bool:
-    return not tensor.is_floating_point() and not tensor.is_complex() and tensor.dtype.itemsize <= 4
+    return not tensor.is_floating_point() and not tensor.is_complex()

@@ -49,18 +49,22 @@ def canonical(
     if missing:
         raise UnsupportedModelError(f"{prefix}: quantized linear lacks {sorted(missing)}")
     convert = {"ct-pack": _ct_pack, "ct-int": _ct_int, "gptq": _gptq, "awq": _awq}
-    codes, scale, zero, g_idx = convert[scheme.layout](scheme, prefix, t)
-    return _grouped(scheme, prefix, codes, scale, zero, g_idx)
+    try:
+        codes, scale, zero, g_idx = convert[scheme.layout](scheme, prefix, t)
+        return _grouped(scheme, prefix, codes, scale, zero, g_idx)
+    except (RuntimeError, UnsupportedModelError) as e:
+        held = ", ".join(f"{leaf} {tuple(v.shape)} {v.dtype}" for leaf, v in sorted(t.items()))
+        raise UnsupportedModelError(f"{e} (in the checkpoint: {held})") from None
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order=None) -> torch.Tensor:
     """int32 words -> one code each (int32), along ``dim``, low bits first (or ``order``:
     word bits ``i`` hold element ``order[i]``)."""
     per = 32 // bits
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64)
     if order is not None:
         shifts = shifts[torch.tensor([list(order).index(i) for i in range(per)])]
-    words = packed.to(torch.int32).movedim(dim, -1).unsqueeze(-1)
+    words = (packed.to(torch.int64) & 0xFFFFFFFF).movedim(dim, -1).unsqueeze(-1)
     codes = (words >> shifts) & ((1 << bits) - 1)
     return codes.flatten(-2).movedim(-1, dim)
 
@@ -91,8 +95,11 @@ def _ct_int(scheme, prefix, t):
 def _gptq(scheme, prefix, t):
     codes = unpack_int32(_int(prefix, t, "qweight"), scheme.bits, 0).t()
     n = codes.shape[0]
-    zero = unpack_int32(_int(prefix, t, "qzeros"), scheme.bits, 1)[:, :n].t()
-    zero = (zero + scheme.zero_offset) & ((1 << scheme.bits) - 1)
+    # NOTE: v1 stores zero - 1 subtracted word-wise (a zero of 0 borrows from the next field),
+    # so the one is added back word-wise too
+    ones = sum(scheme.zero_offset << s for s in range(0, 32, scheme.bits))
+    words = _int(prefix, t, "qzeros").to(torch.int64) + ones
+    zero = unpack_int32(words, scheme.bits, 1)[:, :n].t()
     return codes, t["scales"].t(), zero, t.get("g_idx")
 
 
