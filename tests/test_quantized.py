@@ -158,12 +158,15 @@ def test_malformed_quantized_tensors_are_refused_by_name(edit, match, quantized,
         LLM(str(_broken(path, tmp_path, edit)), max_model_len=64, enforce_eager=True)
 
 
-def test_a_quantization_argument_must_match_the_checkpoint(quantized):
+def test_a_quantization_argument_must_match_the_checkpoint(quantized, tiny_model_dir):
     from warmboot.server.engine_holder import unservable
 
     path, _ = quantized("awq-w4-g16")
     assert "contradicts the checkpoint's quant_method 'awq'" in unservable(str(path), "gptq")
     assert unservable(str(path), "awq_marlin") is None  # NOTE: vLLM's name for the same
     assert unservable(str(path), "auto") is None
+    assert "contradicts" in unservable(str(path), "fp8")
     with pytest.raises(UnsupportedModelError, match="quantizing a full-precision checkpoint"):
-        LLM(str(path), quantization="fp8")
+        LLM(str(path), quantization="int8")
+    dense = tiny_model_dir("mistral")
+    assert "quantizing a full-precision checkpoint at load" in unservable(str(dense), "fp8")

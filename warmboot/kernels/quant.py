@@ -27,6 +27,8 @@ from torch.nn import functional as F
 from warmboot.kernels import native
 
 COLS = 32
+FP8 = -8
+"""``bits`` of FP8 e4m3 codes: 8-bit panels whose bytes are e4m3 values (``fp8(u) * s``)."""
 NATIVE_ROWS = 16
 """Up to this many rows the native kernel; from there a dequantized weight and torch's GEMM
 (compute-bound sizes, where oneDNN's blocking wins)."""
@@ -35,7 +37,7 @@ NATIVE_ROWS = 16
 def packed_shapes(n: int, k: int, bits: int, group_size: int) -> tuple[tuple, tuple]:
     """The shapes of the packed codes and of the per-group tensors."""
     panels = (n + COLS - 1) // COLS
-    return (panels, k * bits // 8, COLS), (panels, k // group_size, COLS)
+    return (panels, k * abs(bits) // 8, COLS), (panels, k // group_size, COLS)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -45,7 +47,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     rows = torch.zeros(panels * COLS, k, dtype=torch.uint8, device=codes.device)
     rows[:n] = codes
     by_input = rows.view(panels, COLS, k).transpose(1, 2)  # (P, K, 32)
-    if bits == 8:
+    if bits != 4:
         return by_input.contiguous()
     return (by_input[:, 0::2] | (by_input[:, 1::2] << 4)).contiguous()
 
@@ -81,8 +83,12 @@ def dequantize(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """The dense ``(N, K)`` weight, computed in float32 and rounded once to ``dtype``."""
-    codes = unpack_codes(packed, bits)[:n].float()
     s = unpack_groups(scales)[:n].float()
+    if bits == FP8:
+        codes = unpack_codes(packed, 8)[:n].view(torch.float8_e4m3fn).float()
+        w = codes.view(n, -1, group_size) * s.unsqueeze(-1)
+        return w.reshape(n, -1).to(dtype)
+    codes = unpack_codes(packed, bits)[:n].float()
     z = float(1 << (bits - 1)) if zeros is None else unpack_groups(zeros)[:n].float()
     if zeros is None:
         w = (codes - z).view(n, -1, group_size) * s.unsqueeze(-1)
@@ -105,7 +111,7 @@ def quant_linear(
     if perm is not None:
         x = x.index_select(-1, perm)
     rows = x.numel() // max(x.shape[-1], 1)
-    if rows <= NATIVE_ROWS and _native(x):
+    if rows <= NATIVE_ROWS and bits != FP8 and _native(x):
         args = (x, packed, scales, zeros, bias, out_features, bits, group_size)
         return torch.ops.warmboot_cpu.quant_linear(*args)
     w = dequantize(packed, scales, zeros, bits, group_size, out_features, x.dtype)

@@ -102,7 +102,7 @@ def iter_checkpoint(
             if skip is not None and skip(name):
                 continue
             tensor = f.get_tensor(name)
-            if tensor.dtype not in floats and not (integers and _integer(tensor)):
+            if tensor.dtype not in floats and not (integers and _quantized_dtype(tensor)):
                 raise UnsupportedModelError(
                     f"{path.name}: tensor {name} is {str(tensor.dtype).removeprefix('torch.')}; "
                     "a checkpoint without a served quantization_config has float tensors only"
@@ -110,5 +110,9 @@ def iter_checkpoint(
             yield name, tensor
 
 
-def _integer(tensor: torch.Tensor) -> bool:
-    return not tensor.is_floating_point() and not tensor.is_complex()
+def _quantized_dtype(tensor: torch.Tensor) -> bool:
+    """Integer codes, packed words, shapes and indices; FP8 e4m3 weights."""
+    import torch
+
+    fp8 = tensor.dtype == torch.float8_e4m3fn
+    return fp8 or (not tensor.is_floating_point() and not tensor.is_complex())

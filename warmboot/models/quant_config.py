@@ -4,10 +4,13 @@ server process): which of the served weight-only schemes it is, or a refusal nam
 Served: integer weights of 4 or 8 bits, per output channel or in groups along the input,
 symmetric or with zero points, activations in full precision (W4A16, W8A16), as
 compressed-tensors (``pack-quantized``, ``int-quantized``), GPTQ (with ``desc_act``'s
-``g_idx``) and AWQ (GEMM) store them. Every such weight becomes one layout
-(``models.quant_formats``): codes, a scale per group, a zero-point code per group where not
-symmetric. Schemes that quantize activations (W8A8, FP8) or use other number formats
-(FP8, MXFP4, NVFP4) are refused by name: served approximately they would give other tokens.
+``g_idx``) and AWQ (GEMM) store them; and 8-bit weights whose activations are quantized too
+(``ActQuant``): compressed-tensors' W8A8 int8 and FP8 (``float-quantized``: per tensor,
+channel or block), and ``quant_method: fp8`` with 128x128 blocks (DeepSeek-V3, Qwen3-FP8).
+Every weight becomes one layout (``models.quant_formats``): 8- or 4-bit codes (integers, or
+FP8 e4m3's bits), a scale per row and group of inputs, a zero-point code per group where not
+symmetric. Other number formats (MXFP4, NVFP4) and other options are refused by name: served
+approximately they would give other tokens.
 """
 
 from __future__ import annotations
@@ -19,11 +22,10 @@ from typing import Any
 
 from warmboot.models.registry import UnsupportedModelError
 
-METHODS = ("compressed-tensors", "gptq", "awq")
+METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "marlin": "gptq"}
 """vLLM's names for the same checkpoints run by other kernels (``--quantization``)."""
 NOT_SERVED = {
-    "fp8": "FP8 weights with FP8 activations",
     "mxfp4": "MXFP4 (GPT-OSS's experts)",
     "bitsandbytes": "bitsandbytes",
     "gguf": "GGUF",
@@ -38,8 +40,24 @@ NOT_SERVED = {
 
 
 @dataclass(frozen=True)
+class ActQuant:
+    """How a linear's input is quantized (and dequantized) before its GEMM, as the format's
+    runtime does: ``number`` ``int8`` or ``fp8``; ``strategy`` ``token`` (a scale per row),
+    ``group`` (per row and ``group_size`` inputs) or ``tensor`` (``static``: the checkpoint's
+    ``input_scale``); ``rule``: ``ct`` (compressed-tensors' qparams) or ``kernel`` (the FP8
+    block kernels': amax / 448), ``ue8m0``: scales rounded up to powers of two."""
+
+    number: str
+    strategy: str
+    group_size: int | None = None
+    static: bool = False
+    rule: str = "ct"
+    ue8m0: bool = False
+
+
+@dataclass(frozen=True)
 class QuantScheme:
-    """One weight-only integer scheme for every quantized linear of a checkpoint."""
+    """One scheme for every quantized linear of a checkpoint."""
 
     method: str
     """``compressed-tensors``, ``gptq`` or ``awq``."""
@@ -54,13 +72,21 @@ class QuantScheme:
     act_order: bool = False
     """Groups given by ``g_idx`` (GPTQ's ``desc_act``, compressed-tensors' ``actorder:
     group``): the GEMM reads its inputs in their order (``weight_perm``)."""
+    number: str = "int"
+    """The codes: ``int`` (``(u - z) * s``) or ``fp8`` (e4m3's bits: ``fp8(u) * s``)."""
+    block_rows: int | None = None
+    """Block scales: ``block_rows`` rows share each group's scale (held per row)."""
+    act: ActQuant | None = None
 
     def describe(self) -> str:
         group = f"g{self.group_size}" if self.group_size else "per channel"
+        if self.block_rows:
+            group = f"block {self.block_rows}x{self.group_size}"
         order = ", act-order" if self.act_order else ""
-        return (
-            f"{self.method} W{self.bits}A16 {group}, {'sym' if self.symmetric else 'asym'}{order}"
-        )
+        w = f"W{self.bits}" if self.number == "int" else "FP8 W8"
+        a = "A16" if self.act is None else f"A8 ({self.act.number} per {self.act.strategy})"
+        sym = "sym" if self.symmetric else "asym"
+        return f"{self.method} {w}{a} {group}, {sym}{order}"
 
 
 def requested_method(quantization: str | None) -> str | None:
@@ -71,7 +97,7 @@ def requested_method(quantization: str | None) -> str | None:
     name = ALIASES.get(quantization.lower(), quantization.lower())
     if name in METHODS:
         return name
-    if name in ("int8", "fp8"):
+    if name == "int8":
         raise UnsupportedModelError(
             f"quantization {quantization!r}: quantizing a full-precision checkpoint at load is "
             "not served yet; serve a checkpoint quantized by its tool (compressed-tensors, "
@@ -96,7 +122,8 @@ def quant_scheme(
         if wanted is not None:
             raise UnsupportedModelError(
                 f"{model_dir}: quantization {quantization!r} was asked for, but the checkpoint "
-                "has no quantization_config (it is full precision)"
+                "has no quantization_config (it is full precision); quantizing a "
+                "full-precision checkpoint at load is not served yet"
             )
         return None
     if not isinstance(raw, dict):
@@ -113,7 +140,8 @@ def quant_scheme(
             f"{model_dir}: quantization {quantization!r} contradicts the checkpoint's "
             f"quant_method {method!r}"
         )
-    parse = {"compressed-tensors": _compressed_tensors, "gptq": _gptq, "awq": _awq}[method]
+    parse = {"compressed-tensors": _compressed_tensors, "gptq": _gptq, "awq": _awq, "fp8": _fp8}
+    parse = parse[method]
     return parse(raw)
 
 
@@ -197,18 +225,22 @@ def _ct_group(where: str, group: dict, top_format: object) -> QuantScheme:
     targets = group.get("targets")
     if targets != ["Linear"]:
         raise _refuse(f"{where}.targets", targets, '["Linear"]')
-    for side in ("input_activations", "output_activations"):
-        if group.get(side) is not None:
-            raise _refuse(f"{where}.{side}", "quantized", "weight-only schemes (W4A16, W8A16)")
+    if group.get("output_activations") is not None:
+        raise _refuse(f"{where}.output_activations", "quantized", "none")
     w = group.get("weights") or {}
-    if w.get("type", "int") != "int":
-        raise _refuse(f"{where}.weights.type", w.get("type"), "int")
     if w.get("dynamic"):
         raise _refuse(f"{where}.weights.dynamic", True, "static weights")
     fmt = group.get("format") or top_format
+    act = _ct_act(f"{where}.input_activations", group.get("input_activations"))
+    if w.get("type", "int") == "float":
+        return _ct_float(where, w, fmt, act)
+    if w.get("type", "int") != "int":
+        raise _refuse(f"{where}.weights.type", w.get("type"), "int, float")
     layout = {"pack-quantized": "ct-pack", "int-quantized": "ct-int"}.get(str(fmt))
     if layout is None:
-        raise _refuse("format", fmt, "pack-quantized, int-quantized")
+        raise _refuse("format", fmt, "pack-quantized, int-quantized, float-quantized")
+    if act is not None and (act.number != "int8" or layout != "ct-int"):
+        raise _refuse(f"{where}.input_activations.type", "float", "int with int8 weights")
     bits = _bits(f"{where}.weights.num_bits", w.get("num_bits"))
     if layout == "ct-int" and bits != 8:
         raise _refuse(f"{where}.weights.num_bits", bits, "8 for int-quantized")
@@ -225,4 +257,69 @@ def _ct_group(where: str, group: dict, top_format: object) -> QuantScheme:
         group_size=_group(f"{where}.weights.group_size", size, None),
         symmetric=bool(w.get("symmetric", True)),
         act_order=w.get("actorder") == "group",
+        act=act,
     )
+
+
+def _ct_act(where: str, a: dict | None) -> ActQuant | None:
+    """compressed-tensors' input activations: 8 bits, symmetric; per token or group
+    (dynamic) or per tensor (static, ``input_scale``)."""
+    if a is None:
+        return None
+    number = {"int": "int8", "float": "fp8"}.get(a.get("type", "int"))
+    if number is None or a.get("num_bits") != 8:
+        raise _refuse(where, f"{a.get('type')} {a.get('num_bits')} bits", "int or float, 8 bits")
+    if not a.get("symmetric", True):
+        raise _refuse(f"{where}.symmetric", False, "symmetric activations")
+    strategy, dynamic = a.get("strategy"), a.get("dynamic")
+    served = {("token", True), ("tensor", False), ("group", True)}
+    if (strategy, dynamic) not in served:
+        raise _refuse(
+            where,
+            f"strategy {strategy}, dynamic {dynamic}",
+            "dynamic token or group, static tensor",
+        )
+    size = a.get("group_size") if strategy == "group" else None
+    return ActQuant(number, strategy, size, static=not dynamic)
+
+
+def _ct_float(where: str, w: dict, fmt: object, act: ActQuant | None) -> QuantScheme:
+    """compressed-tensors' FP8 weights (``float-quantized``): a scale per tensor, channel or
+    block."""
+    if fmt != "float-quantized":
+        raise _refuse("format", fmt, "float-quantized for float weights")
+    if w.get("num_bits") != 8 or not w.get("symmetric", True):
+        raise _refuse(f"{where}.weights", f"{w.get('num_bits')} bits", "FP8, symmetric")
+    strategy, rows, size = w.get("strategy"), None, None
+    if strategy == "block":
+        rows, size = _block(f"{where}.weights.block_structure", w.get("block_structure"))
+    elif strategy not in ("tensor", "channel"):
+        raise _refuse(f"{where}.weights.strategy", strategy, "tensor, channel, block")
+    if act is not None and act.number != "fp8":
+        raise _refuse(f"{where}.input_activations.type", "int", "float with FP8 weights")
+    return QuantScheme(
+        "compressed-tensors", "ct-float", 8, size, True, number="fp8", block_rows=rows, act=act
+    )
+
+
+def _block(field: str, block: object) -> tuple[int, int]:
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) for b in block)):
+        raise _refuse(field, block, "[rows, inputs]")
+    rows, size = block
+    _group(field, size, None)
+    return rows, size
+
+
+def _fp8(raw: dict) -> QuantScheme:
+    """``quant_method: fp8`` (DeepSeek-V3/R1, Kimi K2, Qwen3-FP8, GLM-4.5-FP8): e4m3 weights,
+    ``weight_scale_inv`` per block, activations quantized per token and block of inputs."""
+    if raw.get("fmt", "e4m3") != "e4m3":
+        raise _refuse("fmt", raw.get("fmt"), "e4m3")
+    if raw.get("activation_scheme", "dynamic") != "dynamic":
+        raise _refuse("activation_scheme", raw.get("activation_scheme"), "dynamic")
+    rows, size = _block("weight_block_size", raw.get("weight_block_size"))
+    scale_fmt = raw.get("scale_fmt")
+    if scale_fmt not in (None, "ue8m0"):
+        raise _refuse("scale_fmt", scale_fmt, "none, ue8m0")
+    act = ActQuant("fp8", "group", size, rule="kernel", ue8m0=scale_fmt == "ue8m0")
+    return QuantScheme("fp8", "fp8", 8, size, True, number="fp8", block_rows=rows, act=act)

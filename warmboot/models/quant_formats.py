@@ -25,12 +25,21 @@ from warmboot.models.registry import UnsupportedModelError
 
 LEAVES = {
     "ct-pack": ({"weight_packed", "weight_scale", "weight_shape"}, {"weight_zero_point"}),
-    "ct-int": ({"weight", "weight_scale"}, {"weight_zero_point"}),
+    "ct-int": ({"weight", "weight_scale"}, {"weight_zero_point", "input_scale"}),
+    "ct-float": ({"weight", "weight_scale"}, {"input_scale"}),
+    "fp8": ({"weight", "weight_scale_inv"}, set()),
     "gptq": ({"qweight", "qzeros", "scales"}, {"g_idx"}),
     "awq": ({"qweight", "qzeros", "scales"}, set()),
 }
 """Per layout: the leaves a quantized linear must have, and those it may have."""
-MARKER = {"ct-pack": "weight_packed", "ct-int": "weight_scale", "gptq": "qweight", "awq": "qweight"}
+MARKER = {
+    "ct-pack": "weight_packed",
+    "ct-int": "weight_scale",
+    "ct-float": "weight_scale",
+    "fp8": "weight_scale_inv",
+    "gptq": "qweight",
+    "awq": "qweight",
+}
 """The leaf whose presence marks a linear as quantized."""
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -49,9 +58,13 @@ def canonical(
     if missing:
         raise UnsupportedModelError(f"{prefix}: quantized linear lacks {sorted(missing)}")
     convert = {"ct-pack": _ct_pack, "ct-int": _ct_int, "gptq": _gptq, "awq": _awq}
+    convert |= {"ct-float": _float, "fp8": _float}
     try:
         codes, scale, zero, g_idx = convert[scheme.layout](scheme, prefix, t)
-        return _grouped(scheme, prefix, codes, scale, zero, g_idx)
+        out = _grouped(scheme, prefix, codes, scale, zero, g_idx)
+        if "input_scale" in t:
+            out["input_scale"] = t["input_scale"].reshape(1).float()
+        return out
     except (RuntimeError, UnsupportedModelError) as e:
         held = ", ".join(f"{leaf} {tuple(v.shape)} {v.dtype}" for leaf, v in sorted(t.items()))
         raise UnsupportedModelError(f"{e} (in the checkpoint: {held})") from None
@@ -111,6 +124,21 @@ def _awq(scheme, prefix, t):
     return codes, t["scales"].t(), zero, None
 
 
+def _float(scheme, prefix, t):
+    """FP8 e4m3 weights: the codes are their bits; a scale per tensor, row or block (held
+    per row)."""
+    weight = t["weight"]
+    if weight.dtype != torch.float8_e4m3fn:
+        raise UnsupportedModelError(f"{prefix}.weight is {weight.dtype}, not float8_e4m3fn")
+    n = weight.shape[0]
+    scale = t["weight_scale_inv" if scheme.layout == "fp8" else "weight_scale"]
+    if scale.numel() == 1:
+        scale = scale.reshape(1, 1).expand(n, 1)
+    elif scheme.block_rows:
+        scale = scale.repeat_interleave(scheme.block_rows, dim=0)[:n]
+    return weight.view(torch.uint8), scale, None, None
+
+
 def _int(prefix: str, t: dict[str, torch.Tensor], leaf: str) -> torch.Tensor:
     tensor = t.get(leaf)
     if tensor is None:
@@ -162,7 +190,7 @@ def _grouped(scheme, prefix, codes, scale, zero, g_idx) -> dict[str, torch.Tenso
                 )
         else:
             out["weight_zero"] = zero.to(torch.uint8).contiguous()
-    if bool((codes < 0).any()) or bool((codes >= 1 << scheme.bits).any()):
+    if scheme.number == "int" and bool((codes < 0).any() | (codes >= 1 << scheme.bits).any()):
         raise UnsupportedModelError(f"{prefix}: codes outside {scheme.bits} bits")
     out["weight"] = codes.to(torch.uint8).contiguous()
     return out

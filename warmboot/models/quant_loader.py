@@ -18,7 +18,7 @@ from warmboot.models.quant_config import QuantScheme
 from warmboot.models.quant_formats import MARKER, canonical, leaves
 from warmboot.models.registry import UnsupportedModelError
 
-QUANT_LEAVES = ("weight_scale", "weight_zero", "weight_perm")
+QUANT_LEAVES = ("weight_scale", "weight_zero", "weight_perm", "input_scale")
 """Our quantized parameters beside ``weight`` (a snapshot's names tell its quantized linears)."""
 
 
@@ -95,6 +95,7 @@ QUANT_DTYPES = {
     "weight_zero": (torch.uint8,),
     "weight_perm": (torch.int64,),
     "weight_scale": (torch.float16, torch.bfloat16, torch.float32),
+    "input_scale": (torch.float32,),
 }
 
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from warmboot.kernels import quant
+from warmboot.kernels.act_quant import fake_quant
 from warmboot.models.layers.linear import Linear, LinearMethod
 from warmboot.models.quant_config import QuantScheme
 from warmboot.models.registry import UnsupportedModelError
@@ -17,7 +18,8 @@ from warmboot.models.registry import UnsupportedModelError
 
 class QuantMethod(LinearMethod):
     """``scheme``'s linears: parameters ``weight`` (packed codes), ``weight_scale``,
-    ``weight_zero`` (asymmetric schemes), ``weight_perm`` (act-order), ``bias``."""
+    ``weight_zero`` (asymmetric schemes), ``weight_perm`` (act-order), ``input_scale``
+    (static activation scales), ``bias``."""
 
     packable = False  # NOTE: a compiled step keeps it (no bf16 panels of its own)
 
@@ -40,6 +42,8 @@ class QuantMethod(LinearMethod):
         layer.weight_scale = _param(groups, torch.float32)
         layer.weight_zero = None if self.scheme.symmetric else _param(groups, torch.uint8)
         layer.weight_perm = _param((k,), torch.int64) if self.scheme.act_order else None
+        static = self.scheme.act is not None and self.scheme.act.static
+        layer.input_scale = _param((1,), torch.float32) if static else None
         layer.bias = _param((n,), torch.float32) if bias else None
 
     def loaded(self, layer: Linear, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -52,15 +56,19 @@ class QuantMethod(LinearMethod):
         return tensor
 
     def join_shards(self, layer: Linear, leaf: str, parts: list[torch.Tensor]) -> torch.Tensor:
-        if leaf != "weight_perm":
+        if leaf not in ("weight_perm", "input_scale"):
             return torch.cat(parts)
         if any(not torch.equal(p, parts[0]) for p in parts[1:]):
-            raise UnsupportedModelError(
-                f"{layer.shards} stacked projections have different input orders (g_idx)"
-            )
+            what = "input orders (g_idx)" if leaf == "weight_perm" else "input scales"
+            raise UnsupportedModelError(f"{layer.shards} stacked projections have different {what}")
         return parts[0]
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        act = self.scheme.act
+        if act is not None:
+            x = fake_quant(
+                x, act.number, act.strategy, act.group_size, act.rule, act.ue8m0, layer.input_scale
+            )
         return torch.ops.warmboot.quant_linear(
             x,
             layer.weight,
@@ -69,7 +77,7 @@ class QuantMethod(LinearMethod):
             layer.weight_perm,
             layer.bias,
             layer.out_features,
-            self.bits,
+            self.bits if self.scheme.number == "int" else quant.FP8,
             self.group_size(layer),
         )
 
@@ -79,7 +87,7 @@ class QuantMethod(LinearMethod):
             layer.weight,
             layer.weight_scale,
             layer.weight_zero,
-            self.bits,
+            self.bits if self.scheme.number == "int" else quant.FP8,
             self.group_size(layer),
             layer.out_features,
             dtype,
@@ -96,7 +104,7 @@ def _param(shape: tuple, dtype: torch.dtype) -> nn.Parameter:
 def quantize_linear(layer: Linear, scheme: QuantScheme) -> None:
     """Make ``layer`` (built, weights unset) one of ``scheme``'s linears."""
     bias = layer.bias is not None
-    for leaf in ("weight", "bias", "weight_scale", "weight_zero", "weight_perm"):
+    for leaf in ("weight", "bias", "weight_scale", "weight_zero", "weight_perm", "input_scale"):
         if hasattr(layer, leaf):
             delattr(layer, leaf)
     layer.method = QuantMethod(scheme)

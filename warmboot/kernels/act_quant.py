@@ -1,0 +1,62 @@
+"""Activation quantization as the formats' runtimes do it before an 8-bit GEMM, quantized and
+dequantized here (the GEMM then reads float inputs that hold exactly the quantized values):
+the numbers of a W8A8 or FP8 checkpoint are those of its quantized activations, so serving it
+with full-precision inputs would give other tokens.
+
+- ``ct`` (compressed-tensors' ``calculate_qparams`` and ``_quantize``): the range always
+  holds 0; symmetric scale ``max(|min|, |max|) / ((qmax - qmin) / 2)`` (127.5 for int8, 448
+  for e4m3), at least the dtype's eps; int8: ``clamp(round(x / s), -128, 127)``, fp8:
+  ``clamp(x / s, -448, 448)`` cast to e4m3; then times ``s``.
+- ``kernel`` (the FP8 block kernels of DeepSeek-V3 and transformers): per row and group of
+  inputs, ``s = amax / 448`` (``ue8m0``: rounded up to a power of two), ``x / s`` cast to e4m3.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0
+INT8 = (-128.0, 127.0)
+
+
+def fake_quant(
+    x: torch.Tensor,
+    number: str,
+    strategy: str,
+    group_size: int | None = None,
+    rule: str = "ct",
+    ue8m0: bool = False,
+    static_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x`` with each value replaced by its quantized-then-dequantized value."""
+    shape = x.shape
+    if strategy == "group":
+        x = x.reshape(*shape[:-1], shape[-1] // group_size, group_size)
+    if static_scale is not None:
+        scale = static_scale.to(x.dtype)
+    elif rule == "kernel":
+        scale = _kernel_scale(x, ue8m0)
+    else:
+        scale = _ct_scale(x, number, strategy)
+    if number == "int8":
+        q = torch.clamp(torch.round(x / scale), *INT8)
+    else:
+        q = torch.clamp(x / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype)
+    return (q * scale).reshape(shape)
+
+
+def _ct_scale(x: torch.Tensor, number: str, strategy: str) -> torch.Tensor:
+    if strategy == "tensor":
+        lo, hi = x.min().clamp(max=0), x.max().clamp(min=0)
+    else:
+        lo, hi = x.amin(-1, keepdim=True).clamp(max=0), x.amax(-1, keepdim=True).clamp(min=0)
+    half_range = (INT8[1] - INT8[0]) / 2 if number == "int8" else FP8_MAX
+    scale = torch.maximum(lo.abs(), hi.abs()) / half_range
+    return scale.clamp(min=torch.finfo(x.dtype).eps)
+
+
+def _kernel_scale(x: torch.Tensor, ue8m0: bool) -> torch.Tensor:
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-4) / FP8_MAX
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    return scale
