@@ -69,21 +69,25 @@ def test_stored_rope_buffers_are_ignored_by_design(path, tmp_path, hf):
 W8A8 = {
     "targets": ["Linear"],
     "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
-    "input_activations": {"num_bits": 8, "type": "int", "dynamic": True},
+    "input_activations": {"num_bits": 8, "type": "int", "dynamic": True, "symmetric": False},
+    "format": "int-quantized",
 }
 
 
 @pytest.mark.parametrize(
     "quant, match",
     [
-        ({"quant_method": "fp8"}, "quant_method 'fp8' .FP8 weights with FP8 activations"),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+            r"quantization_config.activation_scheme = 'static' is not served \(dynamic\)",
+        ),
         ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'.*not served"),
         ({"quant_method": "mxfp4"}, "quant_method 'mxfp4' .MXFP4"),
         ({"quant_method": "gptq", "bits": 3}, r"quantization_config.bits = 3 is not served"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version = 'gemv'"),
         (
             {"quant_method": "compressed-tensors", "config_groups": {"group_0": W8A8}},
-            r"config_groups.group_0.input_activations = 'quantized' is not served .weight-only",
+            r"config_groups.group_0.input_activations.symmetric = False is not served",
         ),
     ],
 )

@@ -17,7 +17,7 @@ from tests.helpers import assert_engine_clean, hf_greedy, hf_logits, random_prom
 from tests.quant_checkpoints import write_quantized
 from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM, SamplingParams
-from warmboot.models.layers.quant_linear import QuantMethod
+from warmboot.models.layers.quant_linear import QuantExperts, QuantMethod
 from warmboot.models.registry import UnsupportedModelError
 
 CASES = {
@@ -28,6 +28,7 @@ CASES = {
     "gptq-w4-g32-act-order": ("mistral", "gptq", dict(bits=4, group_size=32, act_order=True)),
     "gptq-w8-g16-asym": ("qwen3", "gptq", dict(bits=8, group_size=16, sym=False)),
     "awq-w4-g16": ("qwen2", "awq", dict(bits=4, group_size=16, sym=False)),
+    "gptq-w4-g16-moe": ("qwen3_moe", "gptq", dict(bits=4, group_size=16, act_order=True)),
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -58,7 +59,10 @@ def _logits(llm: LLM, tokens: list[int], chunk: int) -> torch.Tensor:
 def test_logits_match_transformers_on_the_dequantized_weights(case, quantized, hf_model):
     path, ref = quantized(case)
     llm = LLM(str(path), max_model_len=128, block_size=4, num_kv_blocks=64, enforce_eager=True)
-    assert sum(_quantized(m) for m in llm.engine.runner.model.modules()) >= 4
+    modules = list(llm.engine.runner.model.modules())
+    assert sum(_quantized(m) for m in modules) >= 4
+    if "moe" in case:
+        assert any(isinstance(getattr(m, "method", None), QuantExperts) for m in modules)
     tokens = random_prompts([40], VOCAB_SIZE, seed=3)[0]
     want = hf_logits(hf_model(ref), tokens)
     for chunk in (7, 40):  # NOTE: decode-sized rows (the native kernel), and a whole prompt
@@ -69,7 +73,9 @@ def test_logits_match_transformers_on_the_dequantized_weights(case, quantized, h
         assert logprobs < 1e-3
 
 
-@pytest.mark.parametrize("case", ["gptq-w4-g32-act-order", "ct-pack-w4-g16-asym"])
+@pytest.mark.parametrize(
+    "case", ["gptq-w4-g32-act-order", "ct-pack-w4-g16-asym", "gptq-w4-g16-moe"]
+)
 def test_greedy_through_chunks_preemption_and_prefix_sharing(case, quantized, hf_model, step_mode):
     path, ref = quantized(case)
     prompts = random_prompts((5, 13, 31, 47, 2, 20), VOCAB_SIZE, seed=0)

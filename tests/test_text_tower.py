@@ -117,9 +117,9 @@ def test_a_quantized_release_is_refused_by_its_top_level_config():
         "architectures": ["Qwen3_5ForConditionalGeneration"],
         "text_config": _COMMON | _SPECS["qwen3_5"][1] | {"model_type": "qwen3_5_text"},
         "vision_config": VISION,
-        "quantization_config": {"quant_method": "fp8"},
+        "quantization_config": {"quant_method": "bitsandbytes"},
     }
-    with pytest.raises(UnsupportedModelError, match="quant_method 'fp8'"):
+    with pytest.raises(UnsupportedModelError, match="quant_method 'bitsandbytes'"):
         check_servable(Path("/nonexistent"), ModelConfig.from_dict(cfg))
     with pytest.raises(UnsupportedModelError, match="without a text_config"):
         ModelConfig.from_dict({"architectures": ["Qwen3_5ForConditionalGeneration"]})

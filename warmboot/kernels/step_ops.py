@@ -41,7 +41,7 @@ from torch.nn import functional as F
 
 from warmboot.kernels import native
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, AttentionSpec
-from warmboot.models.layers.moe import DENSE_EXPERTS, FusedExperts, grouped_experts
+from warmboot.models.layers.moe import FusedExperts, grouped_experts
 
 
 class PackedLinears:
@@ -145,7 +145,9 @@ class ExpertTable:
     (``pack_weight``: copies, when ``pack``), or the module's own dense weights."""
 
     def __init__(self, module: FusedExperts, pack: bool, kernel: str = "native"):
-        self.module, self.pack, self.kernel = module, pack, kernel
+        self.module, self.kernel = module, kernel
+        self.pack = pack and module.method.packable
+        self.method = module.method  # NOTE: before the view swaps in OpExperts
         self.dense_rows: int | None = None  # NOTE: PackedLinears.dense_rows
         self.gate_up: list[torch.Tensor] | None = None
         self.down: list[torch.Tensor] | None = None
@@ -168,7 +170,7 @@ class ExpertTable:
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         m = self.module
         if not self.pack:
-            return DENSE_EXPERTS.apply(m, x, weights, ids)
+            return self.method.apply(m, x, weights, ids)
         if self.gate_up is None:
             raise RuntimeError("the packed experts are released (repack() after a restore)")
         gate_up, down, b13, b2 = self.gate_up, self.down, m.gate_up_proj_bias, m.down_proj_bias

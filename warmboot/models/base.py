@@ -51,7 +51,12 @@ EXPERT_PROJECTIONS = {
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", 0),
 }
-_EXPERT = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)\.weight$")
+_EXPERT = re.compile(
+    r"(.+\.experts)\.(\d+)\.(\w+)\.(weight|weight_scale|weight_zero|weight_perm|input_scale)$"
+)
+_EXPERT_LEAF = {"weight": "", "weight_scale": "_scale", "weight_zero": "_zero"}
+_EXPERT_LEAF |= {"weight_perm": "_perm", "input_scale": "_input_scale"}
+"""A quantized expert's tensors (``models.quant_formats``' layout) -> our stacked names."""
 
 
 def _with_sinks(attn: Attention) -> AttentionSpec:
@@ -242,7 +247,8 @@ class CausalLM(nn.Module):
         if expert and expert[3] in self.expert_projections:
             target, sub = self.expert_projections[expert[3]]
             per_expert = 2 if target == "gate_up_proj" else 1
-            return f"{expert[1]}.{target}", int(expert[2]) * per_expert + sub
+            leaf = _EXPERT_LEAF[expert[4]]
+            return f"{expert[1]}.{target}{leaf}", int(expert[2]) * per_expert + sub
         parts = name.split(".")
         if len(parts) >= 2 and parts[-2] in self.stacked:
             target, shard = self.stacked[parts[-2]]

@@ -177,7 +177,7 @@ def _assign(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     current = getattr(module, leaf, None)
     if not isinstance(current, nn.Parameter):
         raise UnsupportedModelError(f"weight {name} has no parameter in {type(model).__name__}")
-    if isinstance(module, Linear):
+    if isinstance(module, (Linear, FusedExperts)):  # NOTE: its method's layout (quantized)
         tensor = module.method.loaded(module, leaf, tensor)
     if tuple(current.shape) != tuple(tensor.shape):
         raise UnsupportedModelError(

@@ -13,13 +13,25 @@ from torch import nn
 
 from warmboot.models.base import CausalLM
 from warmboot.models.layers.linear import Linear
-from warmboot.models.layers.quant_linear import QuantMethod, quantize_linear
+from warmboot.models.layers.moe import FusedExperts
+from warmboot.models.layers.quant_linear import (
+    QuantExperts,
+    QuantMethod,
+    quantize_experts,
+    quantize_linear,
+)
 from warmboot.models.quant_config import QuantScheme
 from warmboot.models.quant_formats import MARKER, canonical, leaves
 from warmboot.models.registry import UnsupportedModelError
 
 QUANT_LEAVES = ("weight_scale", "weight_zero", "weight_perm", "input_scale")
 """Our quantized parameters beside ``weight`` (a snapshot's names tell its quantized linears)."""
+EXPERT_LEAVES = tuple(
+    f"{name}{leaf}"
+    for name in ("gate_up_proj", "down_proj")
+    for leaf in ("_scale", "_zero", "_perm", "_input_scale")
+)
+"""Likewise for quantized experts (``QuantExperts``)."""
 
 
 def quantized_prefixes(names: Iterable[str], scheme: QuantScheme) -> dict[str, set[str]]:
@@ -51,11 +63,15 @@ def quantize_modules(model: nn.Module, scheme: QuantScheme, modules: Iterable[st
     with torch.device("meta"):
         for name in sorted(modules):
             module = model.get_submodule(name)
+            if isinstance(module, FusedExperts):
+                if not isinstance(module.method, QuantExperts):
+                    quantize_experts(module, scheme)
+                continue
             if not isinstance(module, Linear):
                 raise UnsupportedModelError(
                     f"{name} is quantized in the checkpoint, but it is a "
-                    f"{type(module).__name__}: only linear layers are served quantized "
-                    "(quantized experts are not served yet)"
+                    f"{type(module).__name__}: only linear layers and experts are served "
+                    "quantized"
                 )
             if not isinstance(module.method, QuantMethod):
                 quantize_linear(module, scheme)
@@ -63,7 +79,8 @@ def quantize_modules(model: nn.Module, scheme: QuantScheme, modules: Iterable[st
 
 def snapshot_modules(names: Iterable[str]) -> set[str]:
     """Our quantized modules, told by a snapshot's parameter names."""
-    return {n.rpartition(".")[0] for n in names if n.rpartition(".")[2] in QUANT_LEAVES}
+    leaves = QUANT_LEAVES + EXPERT_LEAVES
+    return {n.rpartition(".")[0] for n in names if n.rpartition(".")[2] in leaves}
 
 
 def canonical_stream(
@@ -100,8 +117,13 @@ QUANT_DTYPES = {
 
 
 def quant_dtype_ok(name: str, tensor: torch.Tensor, modules: set[str]) -> bool | None:
-    """Whether a quantized linear's tensor has a dtype it is held in; None: not one."""
+    """Whether a quantized linear's (or experts') tensor has a dtype it is held in; None:
+    not one."""
     module, _, leaf = name.rpartition(".")
+    for stacked in ("gate_up_proj", "down_proj"):  # NOTE: experts: the linear's leaf names
+        if leaf.startswith(stacked):
+            rest = leaf.removeprefix(stacked)
+            leaf = "input_scale" if rest == "_input_scale" else "weight" + rest
     if module not in modules or leaf not in QUANT_DTYPES:
         return None
     return tensor.dtype in QUANT_DTYPES[leaf]
@@ -116,7 +138,7 @@ def resident_bytes(model: nn.Module) -> dict[str, int]:
     quant = other = 0
     for name, p in model.named_parameters():
         module = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        is_quant = isinstance(getattr(module, "method", None), QuantMethod)
+        is_quant = isinstance(getattr(module, "method", None), (QuantMethod, QuantExperts))
         size = p.numel() * p.element_size()
         quant, other = (quant + size, other) if is_quant else (quant, other + size)
     return {"quantized": quant, "other": other}

@@ -151,6 +151,16 @@ class ExpertsMethod:
     def apply(self, layer: FusedExperts, x, weights, ids) -> torch.Tensor:
         raise NotImplementedError
 
+    packable = True
+    """Whether a compiled CPU step packs the stacked weights for oneDNN (``ExpertTable``)."""
+
+    def loaded(self, layer: FusedExperts, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def join_pair(self, leaf: str, pair: list[torch.Tensor]) -> torch.Tensor:
+        """One expert's gate and up checkpoint tensors -> its ``gate_up_proj`` part."""
+        return torch.cat(pair)
+
 
 class DenseExperts(ExpertsMethod):
     """Full precision: ``F.linear`` on slices of the stacked weights."""
@@ -248,7 +258,8 @@ class FusedExperts(nn.Module):
 
     def join_shards(self, leaf: str, parts: list[torch.Tensor]) -> torch.Tensor:
         if leaf.startswith("gate_up_proj"):
-            parts = [torch.cat(parts[e : e + 2]) for e in range(0, len(parts), 2)]
+            pairs = range(0, len(parts), 2)
+            parts = [self.method.join_pair(leaf, parts[e : e + 2]) for e in pairs]
         return torch.stack(parts)
 
     def extra_repr(self) -> str:

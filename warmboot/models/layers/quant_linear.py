@@ -6,12 +6,15 @@ the GEMM. The loader hands it each tensor in the one layout of ``models.quant_fo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from warmboot.kernels import quant
 from warmboot.kernels.act_quant import fake_quant
 from warmboot.models.layers.linear import Linear, LinearMethod
+from warmboot.models.layers.moe import ExpertsMethod, FusedExperts, grouped_experts
 from warmboot.models.quant_config import QuantScheme
 from warmboot.models.registry import UnsupportedModelError
 
@@ -30,21 +33,25 @@ class QuantMethod(LinearMethod):
     def group_size(self, layer: Linear) -> int:
         return self.scheme.group_size or layer.in_features
 
+    @property
+    def code_bits(self) -> int:
+        """``bits`` as the kernels take it (``kernels.quant.FP8`` for e4m3 codes)."""
+        return self.bits if self.scheme.number == "int" else quant.FP8
+
     def create_weights(self, layer: Linear, bias: bool) -> None:
-        n, k, bits = layer.out_features, layer.in_features, self.bits
-        group = self.group_size(layer)
-        if k % group or (bits == 4 and k % 2):
-            raise UnsupportedModelError(
-                f"{layer.in_features} inputs are not whole groups of {group} ({self.scheme.describe()})"
-            )
-        codes, groups = quant.packed_shapes(n, k, bits, group)
-        layer.weight = _param(codes, torch.uint8)
-        layer.weight_scale = _param(groups, torch.float32)
-        layer.weight_zero = None if self.scheme.symmetric else _param(groups, torch.uint8)
-        layer.weight_perm = _param((k,), torch.int64) if self.scheme.act_order else None
-        static = self.scheme.act is not None and self.scheme.act.static
-        layer.input_scale = _param((1,), torch.float32) if static else None
-        layer.bias = _param((n,), torch.float32) if bias else None
+        shapes = _linear_shapes(self.scheme, layer.out_features, layer.in_features)
+        for leaf, (shape, dtype) in shapes.items():
+            setattr(layer, _LINEAR_LEAVES[leaf], None if shape is None else _param(shape, dtype))
+        layer.bias = _param((layer.out_features,), torch.float32) if bias else None
+
+    def quantize_input(self, x: torch.Tensor, input_scale: torch.Tensor | None) -> torch.Tensor:
+        """``x`` as the format's runtime quantizes it before the GEMM (as it is: A16)."""
+        act = self.scheme.act
+        if act is None:
+            return x
+        return fake_quant(
+            x, act.number, act.strategy, act.group_size, act.rule, act.ue8m0, input_scale
+        )
 
     def loaded(self, layer: Linear, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor in the one layout -> the kernel's (a snapshot's, already
@@ -64,20 +71,15 @@ class QuantMethod(LinearMethod):
         return parts[0]
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        act = self.scheme.act
-        if act is not None:
-            x = fake_quant(
-                x, act.number, act.strategy, act.group_size, act.rule, act.ue8m0, layer.input_scale
-            )
         return torch.ops.warmboot.quant_linear(
-            x,
+            self.quantize_input(x, layer.input_scale),
             layer.weight,
             layer.weight_scale,
             layer.weight_zero,
             layer.weight_perm,
             layer.bias,
             layer.out_features,
-            self.bits if self.scheme.number == "int" else quant.FP8,
+            self.code_bits,
             self.group_size(layer),
         )
 
@@ -87,7 +89,7 @@ class QuantMethod(LinearMethod):
             layer.weight,
             layer.weight_scale,
             layer.weight_zero,
-            self.bits if self.scheme.number == "int" else quant.FP8,
+            self.code_bits,
             self.group_size(layer),
             layer.out_features,
             dtype,
@@ -95,6 +97,15 @@ class QuantMethod(LinearMethod):
         if layer.weight_perm is None:
             return w
         return torch.empty_like(w).index_copy_(1, layer.weight_perm, w)
+
+
+_LINEAR_LEAVES = {
+    "": "weight",
+    "_scale": "weight_scale",
+    "_zero": "weight_zero",
+    "_perm": "weight_perm",
+    "_input_scale": "input_scale",
+}
 
 
 def _param(shape: tuple, dtype: torch.dtype) -> nn.Parameter:
@@ -108,4 +119,89 @@ def quantize_linear(layer: Linear, scheme: QuantScheme) -> None:
         if hasattr(layer, leaf):
             delattr(layer, leaf)
     layer.method = QuantMethod(scheme)
+    layer.method.create_weights(layer, bias)
+
+
+class QuantExperts(ExpertsMethod):
+    """``scheme``'s experts: each of ``gate_up_proj`` and ``down_proj`` one expert per row of
+    its stacked packed codes, with ``_scale``, ``_zero``, ``_perm`` and ``_input_scale``
+    beside it as ``QuantMethod``'s linears have them."""
+
+    packable = False
+
+    def __init__(self, scheme: QuantScheme):
+        self.linear = QuantMethod(scheme)
+        self.scheme = scheme
+
+    def create_weights(self, layer: FusedExperts, bias: bool) -> None:
+        e, h, i = layer.num_experts, layer.hidden, layer.intermediate
+        for name, n, k in (("gate_up_proj", 2 * i, h), ("down_proj", h, i)):
+            shapes = _linear_shapes(self.scheme, n, k)
+            for leaf, (shape, dtype) in shapes.items():
+                setattr(layer, name + leaf, None if shape is None else _param((e, *shape), dtype))
+        layer.gate_up_proj_bias = _param((e, 2 * i), torch.float32) if bias else None
+        layer.down_proj_bias = _param((e, h), torch.float32) if bias else None
+
+    def loaded(self, layer: FusedExperts, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        base = leaf.removeprefix("gate_up_proj").removeprefix("down_proj")
+        if base in ("", "_scale", "_zero") and tensor.dim() == 3:
+            as_linear = {"": "weight", "_scale": "weight_scale", "_zero": "weight_zero"}[base]
+            return torch.stack([self.linear.loaded(None, as_linear, t) for t in tensor])
+        return tensor
+
+    def join_pair(self, leaf: str, pair: list[torch.Tensor]) -> torch.Tensor:
+        if not leaf.endswith(("_perm", "_input_scale")):
+            return torch.cat(pair)
+        if not torch.equal(pair[0], pair[1]):
+            raise UnsupportedModelError(f"an expert's gate and up projections differ in {leaf}")
+        return pair[0]
+
+    def apply(self, layer: FusedExperts, x, weights, ids) -> torch.Tensor:
+        i2, h = 2 * layer.intermediate, layer.hidden
+
+        def gemm(name: str, n: int, k: int) -> Callable[[int, torch.Tensor], torch.Tensor]:
+            t = [getattr(layer, name + leaf) for leaf in ("", "_scale", "_zero", "_perm")]
+            scale, bias = getattr(layer, name + "_input_scale"), getattr(layer, name + "_bias")
+            group = self.scheme.group_size or k
+            at = lambda v, e: None if v is None else v[e]  # noqa: E731
+
+            def run(e: int, rows: torch.Tensor) -> torch.Tensor:
+                rows = self.linear.quantize_input(rows, at(scale, e))
+                codes, s, z, perm = (at(v, e) for v in t)
+                args = (rows, codes, s, z, perm, at(bias, e), n, self.linear.code_bits, group)
+                return torch.ops.warmboot.quant_linear(*args)
+
+            return run
+
+        up, down = gemm("gate_up_proj", i2, h), gemm("down_proj", h, layer.intermediate)
+        return grouped_experts(x, weights, ids, layer.num_experts, up, down, layer.act_and_mul)
+
+
+def _linear_shapes(scheme: QuantScheme, n: int, k: int) -> dict[str, tuple]:
+    """Each quantized leaf's (shape or None, dtype) for an ``(n, k)`` weight."""
+    bits = scheme.bits if scheme.number == "int" else quant.FP8
+    group = scheme.group_size or k
+    if k % group or (bits == 4 and k % 2):
+        raise UnsupportedModelError(
+            f"{k} inputs are not whole groups of {group} ({scheme.describe()})"
+        )
+    codes, groups = quant.packed_shapes(n, k, bits, group)
+    static = scheme.act is not None and scheme.act.static
+    return {
+        "": (codes, torch.uint8),
+        "_scale": (groups, torch.float32),
+        "_zero": (None if scheme.symmetric else groups, torch.uint8),
+        "_perm": ((k,) if scheme.act_order else None, torch.int64),
+        "_input_scale": ((1,) if static else None, torch.float32),
+    }
+
+
+def quantize_experts(layer: FusedExperts, scheme: QuantScheme) -> None:
+    """Make ``layer`` (built, weights unset) ``scheme``'s experts."""
+    bias = layer.gate_up_proj_bias is not None
+    for name in ("gate_up_proj", "down_proj"):
+        for leaf in ("", "_scale", "_zero", "_perm", "_input_scale", "_bias"):
+            if hasattr(layer, name + leaf):
+                delattr(layer, name + leaf)
+    layer.method = QuantExperts(scheme)
     layer.method.create_weights(layer, bias)
