@@ -5,7 +5,7 @@ with full-precision inputs would give other tokens.
 
 - ``ct`` (compressed-tensors' ``calculate_qparams`` and ``_quantize``): the range always
   holds 0; symmetric scale ``max(|min|, |max|) / ((qmax - qmin) / 2)`` (127.5 for int8, 448
-  for e4m3), at least the dtype's eps; int8: ``clamp(round(x / s), -128, 127)``, fp8:
+  for e4m3), the dtype's eps where it is 0; int8: ``clamp(round(x / s), -128, 127)``, fp8:
   ``clamp(x / s, -448, 448)`` cast to e4m3; then times ``s``.
 - ``kernel`` (the FP8 block kernels of DeepSeek-V3 and transformers): per row and group of
   inputs, ``s = amax / 448`` (``ue8m0``: rounded up to a power of two), ``x / s`` cast to e4m3.
@@ -52,7 +52,7 @@ def _ct_scale(x: torch.Tensor, number: str, strategy: str) -> torch.Tensor:
         lo, hi = x.amin(-1, keepdim=True).clamp(max=0), x.amax(-1, keepdim=True).clamp(min=0)
     half_range = (INT8[1] - INT8[0]) / 2 if number == "int8" else FP8_MAX
     scale = torch.maximum(lo.abs(), hi.abs()) / half_range
-    return scale.clamp(min=torch.finfo(x.dtype).eps)
+    return torch.where(scale == 0, torch.finfo(scale.dtype).eps, scale)
 
 
 def _kernel_scale(x: torch.Tensor, ue8m0: bool) -> torch.Tensor:
