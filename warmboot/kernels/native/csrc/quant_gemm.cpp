@@ -222,15 +222,40 @@ void panels512(const Call& c, Panel q, float* acc) {
 }
 #pragma GCC pop_options
 
-#define Q2_DECL(r) __m256 p##r = _mm256_setzero_ps(), q##r = p##r;
-#define Q2_EVEN(r) if constexpr (MR > r) p##r = _mm256_fmadd_ps(_mm256_set1_ps(x[r * c.k + k0]), e, p##r);
-#define Q2_ODD(r) if constexpr (MR > r) q##r = _mm256_fmadd_ps(_mm256_set1_ps(x[r * c.k + k0 + 1]), o, q##r);
+// p, q: even and odd k; t, u: the same for every other k pair where MR <= 2 (more chains)
+#define Q2_DECL(r) __m256 p##r = _mm256_setzero_ps(), q##r = p##r, t##r = p##r, u##r = p##r;
+#define Q2_FMA(r, A, B, K, W)                                                \
+  if constexpr (MR > r) {                                                   \
+    __m256& a = alt ? A##r : B##r;                                          \
+    a = _mm256_fmadd_ps(_mm256_set1_ps(x[r * c.k + K]), W, a);              \
+  }
+#define Q2_EVEN(r) Q2_FMA(r, t, p, kk, e)
+#define Q2_ODD(r) Q2_FMA(r, u, q, kk + 1, o)
+// k pair (K0, K0 + 1) of slice h
+#define Q2_PAIR(K0, ALT)                                                     \
+  {                                                                         \
+    const int64_t kk = K0;                                                  \
+    constexpr bool alt = ALT && MR <= 2;                                    \
+    const uint8_t* b = q.w + kk * kCols * BITS / 8 + 8 * h;                 \
+    if (h == 0) fetch(q, kk * kCols * BITS / 8);                            \
+    __m256 e, o;                                                            \
+    if constexpr (BITS == 8) {                                              \
+      e = u8x8(b), o = u8x8(b + kCols);                                     \
+    } else {                                                                \
+      const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(at16(b)));     \
+      e = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));   \
+      o = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));                      \
+    }                                                                       \
+    Q2_ROWS(Q2_EVEN)                                                        \
+    Q2_ROWS(Q2_ODD)                                                         \
+  }
 #define Q2_FLUSH(r)                                                                \
   if constexpr (MR > r) {                                                          \
     float* ar = acc + r * kCols + 8 * h;                                           \
-    __m256 t = _mm256_fmadd_ps(s, _mm256_add_ps(p##r, q##r), _mm256_loadu_ps(ar)); \
-    if (last) t = _mm256_fnmadd_ps(zs, _mm256_set1_ps(xs[r * c.groups + g]), t);   \
-    _mm256_storeu_ps(ar, t);                                                       \
+    const __m256 sum = _mm256_add_ps(_mm256_add_ps(p##r, q##r), _mm256_add_ps(t##r, u##r)); \
+    __m256 a = _mm256_fmadd_ps(s, sum, _mm256_loadu_ps(ar));                       \
+    if (last) a = _mm256_fnmadd_ps(zs, _mm256_set1_ps(xs[r * c.groups + g]), a);   \
+    _mm256_storeu_ps(ar, a);                                                       \
   }
 #define Q2_ROWS(F) F(0) F(1) F(2) F(3)
 
@@ -264,22 +289,15 @@ void panel_avx2(const Call& c, const Panel& q, int64_t r0, float* acc) {
       for (int h = 0; h < 4; ++h) {
         Q2_ROWS(Q2_DECL)
         int64_t k0 = kb;
-        for (; k0 + 1 < bend; k0 += 2) {  // k0, k0 + 1: even (e) and odd (o) weights
-          const uint8_t* b = q.w + k0 * kCols * BITS / 8 + 8 * h;
-          if (h == 0) fetch(q, k0 * kCols * BITS / 8);
-          __m256 e, o;
-          if constexpr (BITS == 8) {
-            e = u8x8(b), o = u8x8(b + kCols);
-          } else {
-            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(at16(b)));
-            e = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
-            o = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-          }
-          Q2_ROWS(Q2_EVEN)
-          Q2_ROWS(Q2_ODD)
+        for (; k0 + 3 < bend; k0 += 4) {
+          Q2_PAIR(k0, false)
+          Q2_PAIR(k0 + 2, true)
         }
-        if (k0 < bend) {  // an odd group (8 bits): its last k
-          const __m256 e = u8x8(q.w + k0 * kCols + 8 * h);
+        if (k0 + 1 < bend) Q2_PAIR(k0, false)
+        if ((bend - k0) % 2) {  // an odd group (8 bits): its last k
+          const int64_t kk = bend - 1;
+          constexpr bool alt = false;
+          const __m256 e = u8x8(q.w + kk * kCols + 8 * h);
           Q2_ROWS(Q2_EVEN)
         }
         const __m256 s = scales8(q.s, c.sdt, g * kCols + 8 * h);
@@ -301,23 +319,28 @@ void panels_avx2(const Call& c, Panel q, float* acc) {
 }
 #pragma GCC pop_options
 
-// Plain C++: row by row, group by group.
+// Plain C++: k by k, each k's 32 weights converted once for every row.
 template <int BITS, bool>
 void panels_portable(const Call& c, Panel q, float* acc) {
+  thread_local std::vector<float> part;
   for (int64_t g = 0; g < c.groups; ++g) {
-    float s[kCols], zs[kCols];
-    for (int64_t i = 0; i < kCols; ++i) {
-      s[i] = scale_at(q.s, c.sdt, g * kCols + i);
-      zs[i] = (q.z ? q.z[g * kCols + i] : c.zsym) * s[i];
-    }
-    for (int64_t r = 0; r < c.m; ++r) {
-      float part[kCols] = {}, *ar = acc + r * kCols;
-      for (int64_t k = g * c.gs; k < (g + 1) * c.gs; ++k) {
-        const uint8_t* b = q.w + (BITS == 8 ? k : k / 2) * kCols;
-        const int shift = BITS == 8 ? 0 : 4 * (k & 1), mask = (1 << BITS) - 1;
-        for (int i = 0; i < kCols; ++i) part[i] += c.x[r * c.k + k] * float(b[i] >> shift & mask);
+    part.assign(c.m * kCols, 0.f);
+    for (int64_t k = g * c.gs; k < (g + 1) * c.gs; ++k) {
+      const uint8_t* b = q.w + (BITS == 8 ? k : k / 2) * kCols;
+      float w[kCols];
+      for (int i = 0; i < kCols; ++i) w[i] = BITS == 8 ? b[i] : k % 2 ? b[i] >> 4 : b[i] & 15;
+      for (int64_t r = 0; r < c.m; ++r) {
+        float* __restrict pr = part.data() + r * kCols;
+        const float xv = c.x[r * c.k + k];
+        for (int i = 0; i < kCols; ++i) pr[i] += xv * w[i];
       }
-      for (int i = 0; i < kCols; ++i) ar[i] += s[i] * part[i] - zs[i] * c.xs[r * c.groups + g];
+    }
+    for (int i = 0; i < kCols; ++i) {
+      const float s = scale_at(q.s, c.sdt, g * kCols + i);
+      const float zs = (q.z ? q.z[g * kCols + i] : c.zsym) * s;
+      for (int64_t r = 0; r < c.m; ++r) {
+        acc[r * kCols + i] += s * part[r * kCols + i] - zs * c.xs[r * c.groups + g];
+      }
     }
   }
 }
@@ -460,8 +483,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   const at::Tensor b = bias ? bias->contiguous().view(-1) : at::Tensor();
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const int64_t pbytes = packed.size(1) * kCols, sbytes = groups * kCols * s.element_size();
-  // NOTE: about 64 KB of weights a chunk, as gemm.cpp: a few microseconds, many claims' worth
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / pbytes);
+  // NOTE: chunks of about 256 KB (at least 2 panels; 4 chunks where there are panels enough):
+  // a chunk's first panel goes unfetched, and 64 KB chunks lost a third of 2 threads' speed
+  const int64_t grain = std::clamp<int64_t>((int64_t(1) << 18) / pbytes, 2,
+                                            std::max<int64_t>(2, (panels + 3) / 4));
   parallel_chunks(panels, grain, [&](int64_t p0, int64_t p1) {
     thread_local std::vector<float> acc;
     for (int64_t p = p0; p < p1; ++p) {
