@@ -14,9 +14,11 @@ each panel once and unpacks it in registers (``csrc/quant_gemm.cpp``):
 groups are not consecutive inputs (GPTQ's ``desc_act``) carries ``perm``: the GEMM reads
 ``x[..., perm]``, the weights being stored in that order.
 
-``warmboot::quant_linear`` is one op (opaque to a compiled step): the native kernel at decode
-sizes on the CPU, else the weight dequantized for the call and torch's GEMM (prefill, where the
-rows amortise it; CUDA until a Triton kernel lands; a CPU without the native library).
+``warmboot::quant_linear`` is one op (opaque to a compiled step): the native kernel on the CPU
+(at every row count: at 3072x576 it took 0.3 / 1.1 / 3.0 ms for 16 / 64 / 256 rows where
+dequantizing the weight in torch for the call and torch's GEMM took 4-9 ms), else the weight
+dequantized for the call and torch's GEMM (CUDA until a Triton kernel lands, FP8 codes, a CPU
+without the native library).
 """
 
 from __future__ import annotations
@@ -29,9 +31,6 @@ from warmboot.kernels import native
 COLS = 32
 FP8 = -8
 """``bits`` of FP8 e4m3 codes: 8-bit panels whose bytes are e4m3 values (``fp8(u) * s``)."""
-NATIVE_ROWS = 16
-"""Up to this many rows the native kernel; from there a dequantized weight and torch's GEMM
-(compute-bound sizes, where oneDNN's blocking wins)."""
 
 
 def packed_shapes(n: int, k: int, bits: int, group_size: int) -> tuple[tuple, tuple]:
@@ -110,8 +109,7 @@ def quant_linear(
 ) -> torch.Tensor:
     if perm is not None:
         x = x.index_select(-1, perm)
-    rows = x.numel() // max(x.shape[-1], 1)
-    if rows <= NATIVE_ROWS and bits != FP8 and _native(x):
+    if bits != FP8 and _native(x):
         args = (x, packed, scales, zeros, bias, out_features, bits, group_size)
         return torch.ops.warmboot_cpu.quant_linear(*args)
     w = dequantize(packed, scales, zeros, bits, group_size, out_features, x.dtype)

@@ -285,8 +285,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   if (m_acc > m) xin = at::cat({xin, at::zeros({m_acc - m, k}, xin.options())});
   const auto* w = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const GenericPanels generic = generic_kernel();
-  // NOTE: about 64 KB of weights a chunk: a few microseconds, many claims' worth
-  const int64_t grain = std::max<int64_t>(1, (int64_t(1) << 16) / (k * 2 * kCols));
+  // NOTE: chunks of about 256 KB (at least 2 panels; 4 chunks where there are panels enough):
+  // a chunk's first panel goes unfetched, so 64 KB chunks (one 576-wide panel) fetched none
+  const int64_t grain = std::clamp<int64_t>((int64_t(1) << 18) / (k * 2 * kCols), 2,
+                                            std::max<int64_t>(2, (panels + 3) / 4));
   parallel_chunks(panels, grain, [&](int64_t p0, int64_t p1) {
     thread_local std::vector<float> acc;
     acc.resize(m_acc * kCols);
