@@ -130,7 +130,8 @@ def quant_dtype_ok(name: str, tensor: torch.Tensor, modules: set[str]) -> bool |
 
 
 def is_quant_leaf(name: str) -> bool:
-    return name.rpartition(".")[2] in QUANT_LEAVES
+    """A quantized linear's or experts' tensor beside the codes (kept in its own dtype)."""
+    return name.rpartition(".")[2] in QUANT_LEAVES + EXPERT_LEAVES
 
 
 def resident_bytes(model: nn.Module) -> dict[str, int]:
