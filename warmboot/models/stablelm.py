@@ -36,7 +36,9 @@ class HeadLayerNorm(LayerNorm):
         self.shards = (head_dim,) * heads
 
     shard_count = Linear.shard_count
-    join_shards = Linear.join_shards
+
+    def join_shards(self, leaf: str, parts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(parts)
 
 
 class StableLmForCausalLM(LlamaForCausalLM):
