@@ -29,6 +29,7 @@ CASES = {
     "gptq-w8-g16-asym": ("qwen3", "gptq", dict(bits=8, group_size=16, sym=False)),
     "awq-w4-g16": ("qwen2", "awq", dict(bits=4, group_size=16, sym=False)),
     "gptq-w4-g16-moe": ("qwen3_moe", "gptq", dict(bits=4, group_size=16, act_order=True)),
+    "ct-pack-w4-g32-head": ("mistral", "ct-pack", dict(bits=4, group_size=32, ignore=())),
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -63,6 +64,8 @@ def test_logits_match_transformers_on_the_dequantized_weights(case, quantized, h
     assert sum(_quantized(m) for m in modules) >= 4
     if "moe" in case:
         assert any(isinstance(getattr(m, "method", None), QuantExperts) for m in modules)
+    if "head" in case:  # NOTE: a quantized LM head (the packed view leaves it to its method)
+        assert _quantized(llm.engine.runner.model.lm_head)
     tokens = random_prompts([40], VOCAB_SIZE, seed=3)[0]
     want = hf_logits(hf_model(ref), tokens)
     for chunk in (7, 40):  # NOTE: decode-sized rows (the native kernel), and a whole prompt
