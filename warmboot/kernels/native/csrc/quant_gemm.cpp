@@ -1,10 +1,11 @@
 // Weight-only quantized GEMM at decode sizes (1 to ~64 rows): y = x @ dequant(W).T + b, W kept
-// as 4- or 8-bit codes, dequantized in registers and streamed once per call (panels in chunks,
-// as gemm.cpp: parallel_chunks, the next panel fetched while one computes).
+// as 4- or 8-bit integer codes or FP8 e4m3 ones, dequantized in registers and streamed once per
+// call (panels in chunks, as gemm.cpp: parallel_chunks, the next panel fetched while one
+// computes).
 //
 // Layout "panel32" (fixed, the same on every ISA: snapshots store it): codes (N, K) uint8 in
 // P = ceil(N/32) panels of 32 output rows, rows past N zero;
-// - bits 8: (P, K, 32), [p, k, c] = codes[32p + c, k];
+// - bits 8 (and FP8, bits -8): (P, K, 32), [p, k, c] = codes[32p + c, k];
 // - bits 4: (P, K/2, 32), [p, j, c] = codes[32p + c, 2j] | codes[32p + c, 2j + 1] << 4.
 // scales (P, G, 32) fp16/bf16/fp32 (G = K / group_size), zeros (P, G, 32) uint8 or none
 // (symmetric: 2^(bits-1)). y[m, n] = sum_g s[n,g] * sum_{k in g} x[m,k] * (u[n,k] - z[n,g]).
@@ -12,12 +13,25 @@
 // with xs the group's sum of x (once per call). With bf16 x on AVX-512 BF16, dot products take
 // a k pair an instruction: 8-bit codes become bf16 u (fp32 u's high half: 8 significant bits),
 // 4-bit ones bf16 16 + u by bits alone (exponent 2^4, u in mantissa bits 3-6; 16 + z comes off).
+// FP8 (bits -8): the 8-bit layout, bytes e4m3, no zeros: y = sum_g s * (x . fp8(u)). Three
+// routes to exact values (normals and subnormals alike), the scales taking the power of 2 they
+// leave (time at 1 row from L2 on an AMD EPYC with AVX-512, int8's = 1):
+// - table (bf16 x, AVX-512 BF16 with VBMI; every row count): bf16 pairs of fp8(u) * 2^-8, their
+//   low and high bytes looked up by the 7 magnitude bits (vpermt2b), the sign OR'd in (0.85);
+// - subnormal (fp32 FMAs on AMD): (b & 0x80) << 24 | (b & 0x7F) << 20 is fp32 fp8(b) * 2^-120,
+//   subnormal where fp8(b) is, against x * 2^64 (|x| < 2^64): 3 integer ops a vector (1.07).
+//   Intel runs FMAs on subnormal inputs through microcode assists, hence AMD only; MXCSR.DAZ
+//   (which would zero them) is lifted for the call;
+// - fp16 (the others): (b & 0x80) << 8 | (b & 0x7F) << 7 is fp16 fp8(b) * 2^-8 (exponent biases
+//   15 and 7), vcvtph2ps'd (F16C; 1.4); the BF16 dot products take its fp32's high half.
+// The NaN codes 0x7F / 0xFF read as +-480 on every route: checkpoints hold none.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -28,6 +42,14 @@ namespace warmboot {
 namespace {
 
 constexpr int64_t kCols = 32;
+constexpr int kFp8 = -8;     // bits of FP8 e4m3 codes (the fp16 route)
+constexpr int kFp8Sub = -9;  // FP8 codes by the subnormal route (the kernels' own)
+constexpr float kSubX = 0x1p64f;  // the subnormal route's x multiplier
+// The scales' multiplier: the power of 2 the codes as read (and x) leave out (the table
+// route's: kFp8's)
+template <int BITS>
+constexpr float kSMul = BITS == kFp8 ? 0x1p8f : BITS == kFp8Sub ? 0x1p56f : 1.f;
+enum Fp8Routes : int { kSubnormal = 1, kTable = 2 };  // those on (the fp16 route: always)
 enum ScaleType : int { kF32, kF16, kBF16 };
 
 // One call's operands.
@@ -35,7 +57,7 @@ struct Call {
   int64_t m, k, gs, groups;  // rows, in_features, group size, groups
   const float* x;            // (m, k) fp32 rows (the fp32 kernels)
   const uint16_t* xb;        // (m, k) bf16 rows (the BF16 dot products)
-  const float* xs;           // (m, groups): each group's sum of x
+  const float* xs;           // (m, groups): each group's sum of x (null for FP8)
   int sdt;                   // the scales' ScaleType
   float zsym;                // the zero point where there are no zeros
 };
@@ -59,6 +81,61 @@ inline float scale_at(const char* s, int sdt, int64_t i) {
 }
 
 inline const __m128i* at16(const void* p) { return static_cast<const __m128i*>(p); }
+
+// The SIMD kernels shift b sign-extended left (by 7 into 16 bits, 20 into 32) and mask the
+// sign's copies but the top one off.
+constexpr int16_t kFp8Mask = int16_t(0xBF80);
+constexpr int32_t kSubMask = int32_t(0x87F00000u);
+constexpr unsigned kDaz = 0x40;  // MXCSR's denormals-are-zero
+
+bool vbmi() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512vbmi");
+}
+
+int fp8_routes() {
+  __builtin_cpu_init();
+  return (__builtin_cpu_is("amd") ? kSubnormal : 0) | (vbmi() ? kTable : 0);
+}
+std::atomic<int> g_fp8_routes{fp8_routes()};  // FP8's routes on (tests turn them either way)
+
+// Lifts MXCSR.DAZ on this thread while it lives (the subnormal route's codes are subnormals).
+struct NoDaz {
+  unsigned csr;
+  explicit NoDaz(bool on) : csr(on ? _mm_getcsr() : 0) {
+    if (csr & kDaz) _mm_setcsr(csr & ~kDaz);
+  }
+  ~NoDaz() {
+    if (csr & kDaz) _mm_setcsr(csr);
+  }
+};
+
+// fp8(b) * 2^-8 for each byte b, as the portable kernel reads it (the fp16 route's)
+struct Fp8Table {
+  float v[256];
+  Fp8Table() {
+    for (int b = 0; b < 256; ++b) {
+      const auto h = static_cast<uint16_t>((b & 0x80) << 8 | (b & 0x7F) << 7);
+      v[b] = static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+    }
+  }
+};
+
+// The table route's tables: bf16 fp8(u) * 2^-8's low and high bytes by u & 0x7F, and each half
+// of the columns' vpermb control: 32-bit lane c takes byte c twice, then byte 32 + c twice.
+struct Fp8Bf16Table {
+  alignas(64) uint8_t lo[128], hi[128], ctl[2][64];
+  Fp8Bf16Table() {
+    const Fp8Table fp8;
+    for (int b = 0; b < 128; ++b) {
+      uint32_t u = 0;
+      std::memcpy(&u, &fp8.v[b], 4);
+      lo[b] = u >> 16 & 0xFF, hi[b] = u >> 24;
+    }
+    for (int j = 0; j < 128; ++j) ctl[j / 64][j % 64] = j % 64 / 4 + 16 * (j / 64) + j % 4 / 2 * 32;
+  }
+};
+const Fp8Bf16Table kFp8Bf16;
 
 // nibbles_bf16's vpshufb control: bytes 1 and 2 of 32-bit lane i take byte i, 0 and 3 zero
 struct NibbleCtl {
@@ -86,6 +163,32 @@ inline __m512 u8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(at16(p))));
 }
 
+// 32 columns of FP8 codes as fp32 fp8(u) * 2^-8 (the fp16 route)
+inline void fp8x32(const uint8_t* p, __m512& lo, __m512& hi) {
+  const __m512i s = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i h = _mm512_and_si512(_mm512_slli_epi16(s, 7), _mm512_set1_epi16(kFp8Mask));
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+
+// 16 columns of FP8 codes as fp32 fp8(u) * 2^-120 (the subnormal route)
+inline __m512 sub16(const uint8_t* p) {
+  const __m512i s = _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128(at16(p))), 20);
+  return _mm512_castsi512_ps(_mm512_and_si512(s, _mm512_set1_epi32(kSubMask)));
+}
+
+// 32 columns of 8-bit codes as fp32: u, or FP8 by either route
+template <int BITS>
+inline void w8x32(const uint8_t* p, __m512& lo, __m512& hi) {
+  if constexpr (BITS == kFp8) {
+    fp8x32(p, lo, hi);
+  } else if constexpr (BITS == kFp8Sub) {
+    lo = sub16(p), hi = sub16(p + 16);
+  } else {
+    lo = u8x16(p), hi = u8x16(p + 16);
+  }
+}
+
 inline __m512 scales16(const char* s, int sdt, int64_t i) {
   if (sdt == kF32) return _mm512_loadu_ps(reinterpret_cast<const float*>(s) + i);
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + 2 * i));
@@ -99,14 +202,12 @@ inline __m512 zs16(const Panel& q, const Call& c, int64_t i, float off, __m512 s
   return _mm512_mul_ps(_mm512_add_ps(z, _mm512_set1_ps(off)), s);
 }
 
-// bf16 pairs (row k, row k + 1) of 16 columns of 8-bit codes (TAIL: row k alone): the high
-// half of fp32 u is bf16 u exactly.
-template <bool TAIL>
-inline __m512bh bytes_bf16(const uint8_t* b) {
-  const __m512i e = _mm512_srli_epi32(_mm512_castps_si512(u8x16(b)), 16);
-  if constexpr (TAIL) return (__m512bh)e;
-  const __m512i o = _mm512_castps_si512(u8x16(b + kCols)), hi = _mm512_set1_epi32(0xFFFF0000);
-  return (__m512bh)_mm512_ternarylogic_epi32(e, o, hi, 0xF8);  // a | b & c
+// bf16 pairs (row k, row k + 1) of 16 columns from their fp32 e and o (8-bit codes: u or
+// fp8(u) * 2^-8, exact in bf16, the fp32's high half)
+inline __m512bh pairs_bf16(__m512 e, __m512 o) {
+  const __m512i lo = _mm512_srli_epi32(_mm512_castps_si512(e), 16);
+  const __m512i hi = _mm512_set1_epi32(0xFFFF0000);
+  return (__m512bh)_mm512_ternarylogic_epi32(lo, _mm512_castps_si512(o), hi, 0xF8);  // a | b & c
 }
 
 // bf16 pairs 16 + u of 16 columns of nibble pairs: each column's byte twice in its 32-bit lane
@@ -149,17 +250,16 @@ inline __m512bh nibbles_bf16(const uint8_t* p, __m512i ctl) {
   {                                                                                    \
     const int64_t kk = K0;                                                             \
     constexpr bool odd = ODD, tail = TAIL;                                             \
-    const uint8_t* b = q.w + kk * kCols * BITS / 8;                                    \
-    fetch(q, kk * kCols * BITS / 8);                                                   \
-    if constexpr (DP) {                                                                \
-      const __m512bh v0 = BITS == 4 ? nibbles_bf16(b, ctl) : bytes_bf16<tail>(b);      \
-      const __m512bh v1 = BITS == 4 ? nibbles_bf16(b + 16, ctl) : bytes_bf16<tail>(b + 16); \
+    const uint8_t* b = q.w + kk * kCols * WB / 8;                                      \
+    fetch(q, kk * kCols * WB / 8);                                                     \
+    if constexpr (DP && WB == 4) {                                                     \
+      const __m512bh v0 = nibbles_bf16(b, ctl), v1 = nibbles_bf16(b + 16, ctl);        \
       QG_ROWS(QG_DP)                                                                   \
     } else {                                                                           \
-      __m512 e0, e1, o0, o1;                                                           \
-      if constexpr (BITS == 8) {                                                       \
-        e0 = u8x16(b), e1 = u8x16(b + 16);                                             \
-        if constexpr (!tail) o0 = u8x16(b + 32), o1 = u8x16(b + 48);                   \
+      __m512 e0, e1, o0 = _mm512_setzero_ps(), o1 = o0;                                \
+      if constexpr (WB == 8) {                                                         \
+        w8x32<BITS>(b, e0, e1);                                                        \
+        if constexpr (!tail) w8x32<BITS>(b + kCols, o0, o1);                           \
       } else {                                                                         \
         const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(at16(b)));             \
         const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(at16(b + 16)));        \
@@ -169,29 +269,38 @@ inline __m512bh nibbles_bf16(const uint8_t* p, __m512i ctl) {
         o0 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4));                             \
         o1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4));                             \
       }                                                                                \
-      QG_ROWS(QG_FMA)                                                                  \
+      if constexpr (DP) {                                                              \
+        const __m512bh v0 = pairs_bf16(e0, o0), v1 = pairs_bf16(e1, o1);               \
+        QG_ROWS(QG_DP)                                                                 \
+      } else {                                                                         \
+        QG_ROWS(QG_FMA)                                                                \
+      }                                                                                \
     }                                                                                  \
   }
-// acc (row r's 32 fp32) += s * (p + q) - zs * xs
+// acc (row r's 32 fp32) += s * (p + q) - zs * xs (FP8: no zs)
 #define QG_FLUSH(r)                                                                    \
   if constexpr (MR > r) {                                                              \
     if constexpr (SPLIT) p##r##0 = _mm512_add_ps(p##r##0, q##r##0);                    \
     if constexpr (SPLIT) p##r##1 = _mm512_add_ps(p##r##1, q##r##1);                    \
-    const __m512 xr = _mm512_set1_ps(xs[r * c.groups + g]);                            \
     float* ar = acc + r * kCols;                                                       \
-    const __m512 a0 = _mm512_fmadd_ps(s0, p##r##0, _mm512_loadu_ps(ar));               \
-    const __m512 a1 = _mm512_fmadd_ps(s1, p##r##1, _mm512_loadu_ps(ar + 16));          \
-    _mm512_storeu_ps(ar, _mm512_fnmadd_ps(zs0, xr, a0));                               \
-    _mm512_storeu_ps(ar + 16, _mm512_fnmadd_ps(zs1, xr, a1));                          \
+    __m512 a0 = _mm512_fmadd_ps(s0, p##r##0, _mm512_loadu_ps(ar));                     \
+    __m512 a1 = _mm512_fmadd_ps(s1, p##r##1, _mm512_loadu_ps(ar + 16));                \
+    if constexpr (BITS >= 0) {                                                         \
+      const __m512 xr = _mm512_set1_ps(xs[r * c.groups + g]);                          \
+      a0 = _mm512_fnmadd_ps(zs0, xr, a0), a1 = _mm512_fnmadd_ps(zs1, xr, a1);          \
+    }                                                                                  \
+    _mm512_storeu_ps(ar, a0);                                                          \
+    _mm512_storeu_ps(ar + 16, a1);                                                     \
   }
 
 // Rows r0 .. r0 + MR - 1 against one panel: acc (MR, 32) += their sums. DP: BF16 dot products.
 template <int MR, int BITS, bool DP>
 void panel512(const Call& c, const Panel& q, int64_t r0, float* acc) {
   constexpr bool SPLIT = MR <= 4;
+  constexpr int WB = BITS == 4 ? 4 : 8;  // bits a code takes
   const float* x = DP ? nullptr : c.x + r0 * c.k;
   const uint16_t* xb = DP ? c.xb + r0 * c.k : nullptr;
-  const float* xs = c.xs + r0 * c.groups;
+  const float* xs = c.xs ? c.xs + r0 * c.groups : nullptr;
   const __m512i ctl = _mm512_load_si512(kNibbleCtl.b);
   for (int64_t g = 0; g < c.groups; ++g) {
     QG_ROWS(QG_DECL)
@@ -204,8 +313,13 @@ void panel512(const Call& c, const Panel& q, int64_t r0, float* acc) {
     if (k0 + 1 < kend) QG_STEP(k0, false, false)
     if ((kend - k0) % 2) QG_STEP(kend - 1, false, true)
     const float off = DP && BITS == 4 ? 16.f : 0.f;
-    const __m512 s0 = scales16(q.s, c.sdt, g * kCols), s1 = scales16(q.s, c.sdt, g * kCols + 16);
-    const __m512 zs0 = zs16(q, c, g * kCols, off, s0), zs1 = zs16(q, c, g * kCols + 16, off, s1);
+    __m512 s0 = scales16(q.s, c.sdt, g * kCols), s1 = scales16(q.s, c.sdt, g * kCols + 16);
+    if constexpr (BITS < 0) {
+      s0 = _mm512_mul_ps(s0, _mm512_set1_ps(kSMul<BITS>));
+      s1 = _mm512_mul_ps(s1, _mm512_set1_ps(kSMul<BITS>));
+    }
+    const __m512 zs0 = BITS < 0 ? s0 : zs16(q, c, g * kCols, off, s0);
+    const __m512 zs1 = BITS < 0 ? s1 : zs16(q, c, g * kCols + 16, off, s1);
     QG_ROWS(QG_FLUSH)
   }
 }
@@ -217,6 +331,72 @@ template <int BITS, bool DP>
 void panels512(const Call& c, Panel q, float* acc) {
   for (int64_t r = 0; r < c.m; r += 8) {
     block512<8, BITS, DP>(std::min<int64_t>(8, c.m - r), c, q, r, acc + r * kCols);
+    q.pf = q.w;
+  }
+}
+#pragma GCC pop_options
+
+// The table route (its own target: VBMI only here, never in code that runs without it)
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vbmi,fma")
+struct Fp8Regs {
+  __m512i lo0, lo1, hi0, hi1, ctl0, ctl1;
+};
+
+// bf16 pairs (row k, row k + 1) of 16 columns from the k pair's 64 bytes: each lane's bytes
+// (b_k, b_k, b_k+1, b_k+1) as indices, the even ones into the low-byte table, the others into
+// the high-byte one (vpermt2b reads 7 index bits), the signs OR'd into the high bytes.
+inline __m512bh fp8_pairs(__m512i raw, __m512i ctl, const Fp8Regs& t) {
+  const __m512i i = _mm512_permutexvar_epi8(ctl, raw);
+  const __m512i lo = _mm512_mask2_permutex2var_epi8(t.lo0, i, 0x5555555555555555ull, t.lo1);
+  const __m512i w = _mm512_mask2_permutex2var_epi8(t.hi0, lo, 0xAAAAAAAAAAAAAAAAull, t.hi1);
+  return (__m512bh)_mm512_ternarylogic_epi32(w, i, _mm512_set1_epi16(-32768), 0xF8);  // a | b & c
+}
+
+// k pair (K0, K0 + 1), TAIL: K0 alone (its 32 bytes, the rest zero)
+#define QG_TABLE_STEP(K0, ODD, TAIL)                                                        \
+  {                                                                                         \
+    const int64_t kk = K0;                                                                  \
+    constexpr bool odd = ODD, tail = TAIL;                                                  \
+    const uint8_t* b = q.w + kk * kCols;                                                    \
+    fetch(q, kk * kCols);                                                                   \
+    const __m512i raw = tail ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, b) : _mm512_loadu_si512(b); \
+    const __m512bh v0 = fp8_pairs(raw, t.ctl0, t), v1 = fp8_pairs(raw, t.ctl1, t);          \
+    QG_ROWS(QG_DP)                                                                          \
+  }
+
+// panel512's dot products on FP8 codes by table
+template <int MR, int BITS, bool>
+void panel_table(const Call& c, const Panel& q, int64_t r0, float* acc) {
+  constexpr bool SPLIT = MR <= 4;
+  const uint16_t* xb = c.xb + r0 * c.k;
+  const float* xs = nullptr;  // FP8: no zero points
+  const auto* f = &kFp8Bf16;
+  const Fp8Regs t{_mm512_load_si512(f->lo),     _mm512_load_si512(f->lo + 64),
+                  _mm512_load_si512(f->hi),     _mm512_load_si512(f->hi + 64),
+                  _mm512_load_si512(f->ctl[0]), _mm512_load_si512(f->ctl[1])};
+  const __m512 mul = _mm512_set1_ps(kSMul<kFp8>);
+  for (int64_t g = 0; g < c.groups; ++g) {
+    QG_ROWS(QG_DECL)
+    const int64_t kend = (g + 1) * c.gs;
+    int64_t k0 = g * c.gs;
+    for (; k0 + 3 < kend; k0 += 4) {
+      QG_TABLE_STEP(k0, false, false)
+      QG_TABLE_STEP(k0 + 2, true, false)
+    }
+    if (k0 + 1 < kend) QG_TABLE_STEP(k0, false, false)
+    if ((kend - k0) % 2) QG_TABLE_STEP(kend - 1, false, true)
+    const __m512 s0 = _mm512_mul_ps(scales16(q.s, c.sdt, g * kCols), mul);
+    const __m512 s1 = _mm512_mul_ps(scales16(q.s, c.sdt, g * kCols + 16), mul);
+    [[maybe_unused]] const __m512 zs0 = s0, zs1 = s1;
+    QG_ROWS(QG_FLUSH)
+  }
+}
+QG_BLOCK_OF(block_table, panel_table)
+
+void panels_table(const Call& c, Panel q, float* acc) {
+  for (int64_t r = 0; r < c.m; r += 8) {
+    block_table<8, kFp8, true>(std::min<int64_t>(8, c.m - r), c, q, r, acc + r * kCols);
     q.pf = q.w;
   }
 }
@@ -236,11 +416,11 @@ void panels512(const Call& c, Panel q, float* acc) {
   {                                                                         \
     const int64_t kk = K0;                                                  \
     constexpr bool alt = ALT && MR <= 2;                                    \
-    const uint8_t* b = q.w + kk * kCols * BITS / 8 + 8 * h;                 \
-    if (h == 0) fetch(q, kk * kCols * BITS / 8);                            \
+    const uint8_t* b = q.w + kk * kCols * WB / 8 + 8 * h;                   \
+    if (h == 0) fetch(q, kk * kCols * WB / 8);                              \
     __m256 e, o;                                                            \
-    if constexpr (BITS == 8) {                                              \
-      e = u8x8(b), o = u8x8(b + kCols);                                     \
+    if constexpr (WB == 8) {                                                \
+      e = w8x8<BITS>(b), o = w8x8<BITS>(b + kCols);                         \
     } else {                                                                \
       const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(at16(b)));     \
       e = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));   \
@@ -254,7 +434,7 @@ void panels512(const Call& c, Panel q, float* acc) {
     float* ar = acc + r * kCols + 8 * h;                                           \
     const __m256 sum = _mm256_add_ps(_mm256_add_ps(p##r, q##r), _mm256_add_ps(t##r, u##r)); \
     __m256 a = _mm256_fmadd_ps(s, sum, _mm256_loadu_ps(ar));                       \
-    if (last) a = _mm256_fnmadd_ps(zs, _mm256_set1_ps(xs[r * c.groups + g]), a);   \
+    if (BITS >= 0 && last) a = _mm256_fnmadd_ps(zs, _mm256_set1_ps(xs[r * c.groups + g]), a); \
     _mm256_storeu_ps(ar, a);                                                       \
   }
 #define Q2_ROWS(F) F(0) F(1) F(2) F(3)
@@ -263,6 +443,25 @@ void panels512(const Call& c, Panel q, float* acc) {
 #pragma GCC target("avx2,fma,f16c")
 inline __m256 u8x8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(at16(p))));
+}
+
+// 8 columns of FP8 codes as fp32 fp8(u) * 2^-8 (the fp16 route: F16C)
+inline __m256 fp8x8(const uint8_t* p) {
+  const __m128i s = _mm_cvtepi8_epi16(_mm_loadl_epi64(at16(p)));
+  return _mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(s, 7), _mm_set1_epi16(kFp8Mask)));
+}
+
+// 8 columns of FP8 codes as fp32 fp8(u) * 2^-120 (the subnormal route)
+inline __m256 sub8(const uint8_t* p) {
+  const __m256i s = _mm256_slli_epi32(_mm256_cvtepi8_epi32(_mm_loadl_epi64(at16(p))), 20);
+  return _mm256_castsi256_ps(_mm256_and_si256(s, _mm256_set1_epi32(kSubMask)));
+}
+
+template <int BITS>
+inline __m256 w8x8(const uint8_t* p) {
+  if constexpr (BITS == kFp8) return fp8x8(p);
+  if constexpr (BITS == kFp8Sub) return sub8(p);
+  return u8x8(p);
 }
 
 inline __m256 scales8(const char* s, int sdt, int64_t i) {
@@ -280,7 +479,8 @@ inline __m256 scales8(const char* s, int sdt, int64_t i) {
 // stay in L1 while the four slices read them; s * part per block, (z * s) * xs per group.
 template <int MR, int BITS, bool>
 void panel_avx2(const Call& c, const Panel& q, int64_t r0, float* acc) {
-  const float *x = c.x + r0 * c.k, *xs = c.xs + r0 * c.groups;
+  constexpr int WB = BITS == 4 ? 4 : 8;
+  const float *x = c.x + r0 * c.k, *xs = c.xs ? c.xs + r0 * c.groups : nullptr;
   for (int64_t g = 0; g < c.groups; ++g) {
     const int64_t kend = (g + 1) * c.gs;
     for (int64_t kb = g * c.gs; kb < kend; kb += 64) {
@@ -297,10 +497,11 @@ void panel_avx2(const Call& c, const Panel& q, int64_t r0, float* acc) {
         if ((bend - k0) % 2) {  // an odd group (8 bits): its last k
           const int64_t kk = bend - 1;
           constexpr bool alt = false;
-          const __m256 e = u8x8(q.w + kk * kCols + 8 * h);
+          const __m256 e = w8x8<BITS>(q.w + kk * kCols + 8 * h);
           Q2_ROWS(Q2_EVEN)
         }
-        const __m256 s = scales8(q.s, c.sdt, g * kCols + 8 * h);
+        __m256 s = scales8(q.s, c.sdt, g * kCols + 8 * h);
+        if constexpr (BITS < 0) s = _mm256_mul_ps(s, _mm256_set1_ps(kSMul<BITS>));
         const __m256 z = q.z ? u8x8(q.z + g * kCols + 8 * h) : _mm256_set1_ps(c.zsym);
         const __m256 zs = _mm256_mul_ps(z, s);
         Q2_ROWS(Q2_FLUSH)
@@ -319,16 +520,20 @@ void panels_avx2(const Call& c, Panel q, float* acc) {
 }
 #pragma GCC pop_options
 
-// Plain C++: k by k, each k's 32 weights converted once for every row.
+// Plain C++: k by k, each k's 32 weights converted once for every row (FP8: the fp16 route).
 template <int BITS, bool>
 void panels_portable(const Call& c, Panel q, float* acc) {
+  static_assert(BITS != kFp8Sub);
+  static const Fp8Table fp8;
   thread_local std::vector<float> part;
   for (int64_t g = 0; g < c.groups; ++g) {
     part.assign(c.m * kCols, 0.f);
     for (int64_t k = g * c.gs; k < (g + 1) * c.gs; ++k) {
-      const uint8_t* b = q.w + (BITS == 8 ? k : k / 2) * kCols;
+      const uint8_t* b = q.w + (BITS == 4 ? k / 2 : k) * kCols;
       float w[kCols];
-      for (int i = 0; i < kCols; ++i) w[i] = BITS == 8 ? b[i] : k % 2 ? b[i] >> 4 : b[i] & 15;
+      for (int i = 0; i < kCols; ++i) {
+        w[i] = BITS == kFp8 ? fp8.v[b[i]] : BITS == 8 ? b[i] : k % 2 ? b[i] >> 4 : b[i] & 15;
+      }
       for (int64_t r = 0; r < c.m; ++r) {
         float* __restrict pr = part.data() + r * kCols;
         const float xv = c.x[r * c.k + k];
@@ -336,10 +541,11 @@ void panels_portable(const Call& c, Panel q, float* acc) {
       }
     }
     for (int i = 0; i < kCols; ++i) {
-      const float s = scale_at(q.s, c.sdt, g * kCols + i);
+      const float s = scale_at(q.s, c.sdt, g * kCols + i) * kSMul<BITS>;
       const float zs = (q.z ? q.z[g * kCols + i] : c.zsym) * s;
       for (int64_t r = 0; r < c.m; ++r) {
-        acc[r * kCols + i] += s * part[r * kCols + i] - zs * c.xs[r * c.groups + g];
+        const float sum = s * part[r * kCols + i];
+        acc[r * kCols + i] += BITS == kFp8 ? sum : sum - zs * c.xs[r * c.groups + g];
       }
     }
   }
@@ -364,19 +570,45 @@ void store(const float* acc, int64_t m, const at::Tensor& y, const at::Tensor& b
 
 using Panels = void (*)(const Call&, Panel, float*);
 
-// The panel kernels for this CPU's set: the BF16 dot products (dp) for bf16 x (8 bits: from 2
-// rows; one row runs faster on fp32 FMAs).
+// The panel kernels for this CPU's set: the BF16 dot products (dp) for bf16 x (8 bits and FP8's
+// fp16 route: from 2 rows; one row runs faster on fp32 FMAs). FP8 on AVX2 wants F16C.
 template <int BITS>
-Panels pick(bool bf16_x, int64_t m, bool* dp) {
-  const Isa isa = detect_isa();
+Panels pick(Isa isa, bool bf16_x, int64_t m, bool* dp) {
+  static const bool f16c = __builtin_cpu_supports("f16c");
   *dp = isa == Isa::Avx512Bf16 && bf16_x && (BITS == 4 || m > 1);
   if (*dp) return panels512<BITS, true>;
   if (isa == Isa::Avx512Bf16 || isa == Isa::Avx512) return panels512<BITS, false>;
-  return isa == Isa::Avx2 ? panels_avx2<BITS, false> : panels_portable<BITS, false>;
+  const bool avx2 = isa == Isa::Avx2 && (BITS != kFp8 || f16c);
+  return avx2 ? panels_avx2<BITS, false> : panels_portable<BITS, false>;
+}
+
+// The kernels for bits. FP8: bf16 x by table where it is on (dp), fp32 FMAs by the subnormal
+// route (sub) where that is, else the fp16 route.
+Panels pick_bits(int64_t bits, bool bf16_x, int64_t m, bool* dp, bool* sub) {
+  const Isa isa = detect_isa();
+  const int routes = g_fp8_routes.load();
+  *sub = false;
+  if (bits == 4) return pick<4>(isa, bf16_x, m, dp);
+  if (bits == 8) return pick<8>(isa, bf16_x, m, dp);
+  *dp = isa == Isa::Avx512Bf16 && bf16_x && (routes & kTable);
+  if (*dp) return panels_table;
+  const Panels fp16 = pick<kFp8>(isa, bf16_x, m, dp);
+  *sub = !*dp && isa != Isa::Portable && (routes & kSubnormal);
+  if (!*sub) return fp16;
+  return isa == Isa::Avx2 ? panels_avx2<kFp8Sub, false> : panels512<kFp8Sub, false>;
+}
+
+// FP8's routes on (Fp8Routes bits: tests run each where the CPU can); the previous ones back.
+int64_t quant_fp8_routes(int64_t routes) {
+  TORCH_CHECK(routes >= 0 && routes <= (kSubnormal | kTable), "unknown FP8 routes ", routes);
+  TORCH_CHECK(!(routes & kTable) || vbmi(), "the FP8 table route wants AVX-512 VBMI");
+  return g_fp8_routes.exchange(static_cast<int>(routes));
 }
 
 at::Tensor quant_pack(const at::Tensor& codes, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_pack: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 8 || bits == kFp8,
+              "quant_pack: bits must be 4, 8 or -8 (FP8), got ", bits);
+  if (bits == kFp8) bits = 8;  // the same layout
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte,
               "quant_pack wants 2-D uint8 codes (out_features, in_features), got ", codes.sizes(),
               " ", codes.scalar_type());
@@ -406,11 +638,14 @@ at::Tensor quant_pack(const at::Tensor& codes, int64_t bits) {
 void check_inputs(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                   const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias,
                   int64_t n, int64_t bits, int64_t gs) {
-  TORCH_CHECK(bits == 4 || bits == 8, "quant_linear: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(bits == 4 || bits == 8 || bits == kFp8,
+              "quant_linear: bits must be 4, 8 or -8 (FP8), got ", bits);
+  TORCH_CHECK(bits != kFp8 || !zeros,
+              "quant_linear: FP8 codes (bits -8) take no zero points, got a zeros tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.scalar_type() == at::kByte &&
                   packed.is_contiguous(),
               "quant_linear wants a weight from quant_pack");
-  const int64_t panels = packed.size(0), k = packed.size(1) * (bits == 8 ? 1 : 2);
+  const int64_t panels = packed.size(0), k = packed.size(1) * (bits == 4 ? 2 : 1);
   const auto xt = x.scalar_type(), st = scales.scalar_type();
   TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16,
               "quant_linear wants float32 or bfloat16 rows, got ", xt);
@@ -419,7 +654,7 @@ void check_inputs(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   TORCH_CHECK(n > (panels - 1) * kCols && n <= panels * kCols, "quant_linear: out_features ", n,
               " does not match the packed weight");
   TORCH_CHECK(gs > 0 && k % gs == 0, "quant_linear: group_size ", gs, " does not divide ", k);
-  TORCH_CHECK(bits == 8 || gs % 2 == 0, "quant_linear: 4 bits need an even group_size, got ", gs);
+  TORCH_CHECK(bits != 4 || gs % 2 == 0, "quant_linear: 4 bits need an even group_size, got ", gs);
   const std::vector<int64_t> want{panels, k / gs, kCols};
   TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16,
               "quant_linear: scales must be float16, bfloat16 or float32, got ", st);
@@ -433,19 +668,20 @@ void check_inputs(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
 }
 
 // The rows as the kernels read them (fp32: a bf16 x converted into buf) and each group's sum of
-// x (in double, rounded once) into xs.
-void rows_and_sums(const at::Tensor& x, Call& c, bool dp, std::vector<float>& buf,
-                   std::vector<float>& xs) {
+// x (in double, rounded once) into xs where zero points take them (not FP8). xmul: the rows'
+// multiplier (FP8's subnormal route; then into buf).
+void rows_and_sums(const at::Tensor& x, Call& c, bool dp, bool sums, float xmul,
+                   std::vector<float>& buf, std::vector<float>& xs) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   const float* xf = bf16 ? nullptr : x.data_ptr<float>();
   const auto* xb = bf16 ? x.data_ptr<at::BFloat16>() : nullptr;
-  if (bf16 && !dp) {
+  if ((bf16 && !dp) || xmul != 1.f) {
     buf.resize(c.m * c.k);
-    for (int64_t i = 0; i < c.m * c.k; ++i) buf[i] = float(xb[i]);
+    for (int64_t i = 0; i < c.m * c.k; ++i) buf[i] = (xf ? xf[i] : float(xb[i])) * xmul;
     xf = buf.data();
   }
-  xs.resize(c.m * c.groups);
-  for (int64_t r = 0; r < c.m; ++r) {
+  xs.resize(sums ? c.m * c.groups : 0);
+  for (int64_t r = 0; r < (sums ? c.m : 0); ++r) {
     for (int64_t g = 0; g < c.groups; ++g) {
       double t = 0;
       for (int64_t i = r * c.k + g * c.gs; i < r * c.k + (g + 1) * c.gs; ++i) {
@@ -456,7 +692,7 @@ void rows_and_sums(const at::Tensor& x, Call& c, bool dp, std::vector<float>& bu
   }
   c.x = dp ? nullptr : xf;
   c.xb = dp ? reinterpret_cast<const uint16_t*>(xb) : nullptr;
-  c.xs = xs.data();
+  c.xs = sums ? xs.data() : nullptr;
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
@@ -471,14 +707,15 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   const int64_t m = x2.numel() / k;
   auto y = at::empty({m, n}, x.options());
   if (m == 0) return y.view(out_shape);
-  bool dp = false;
+  bool dp = false, sub = false;
   const bool bf16_x = x.scalar_type() == at::kBFloat16;
-  const Panels kernel = bits == 8 ? pick<8>(bf16_x, m, &dp) : pick<4>(bf16_x, m, &dp);
+  const Panels kernel = pick_bits(bits, bf16_x, m, &dp, &sub);
   const auto st = scales.scalar_type();
   const int sdt = st == at::kFloat ? kF32 : st == at::kHalf ? kF16 : kBF16;
-  Call c{m, k, gs, groups, nullptr, nullptr, nullptr, sdt, float(1 << (bits - 1))};
+  const float zsym = bits == kFp8 ? 0.f : float(1 << (bits - 1));
+  Call c{m, k, gs, groups, nullptr, nullptr, nullptr, sdt, zsym};
   thread_local std::vector<float> buf, xs;
-  rows_and_sums(x2, c, dp, buf, xs);
+  rows_and_sums(x2, c, dp, bits != kFp8, sub ? kSubX : 1.f, buf, xs);
   const at::Tensor s = scales.contiguous(), z = zeros ? zeros->contiguous() : at::Tensor();
   const at::Tensor b = bias ? bias->contiguous().view(-1) : at::Tensor();
   const uint8_t* w = packed.data_ptr<uint8_t>();
@@ -489,6 +726,7 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
                                             std::max<int64_t>(2, (panels + 3) / 4));
   parallel_chunks(panels, grain, [&](int64_t p0, int64_t p1) {
     thread_local std::vector<float> acc;
+    const NoDaz subnormals(sub);
     for (int64_t p = p0; p < p1; ++p) {
       acc.assign(m * kCols, 0.f);
       const Panel q{w + p * pbytes, static_cast<const char*>(s.data_ptr()) + p * sbytes,
@@ -509,4 +747,5 @@ TORCH_LIBRARY_FRAGMENT(warmboot_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, Tensor? bias, "
         "int out_features, int bits, int group_size) -> Tensor",
         &warmboot::quant_linear);
+  m.def("quant_fp8_routes(int routes) -> int", &warmboot::quant_fp8_routes);
 }
