@@ -14,6 +14,9 @@ The layouts (checked against the libraries' own pack and dequantize code):
   ``g_idx`` ``(K,)``.
 - AWQ (GEMM): ``qweight`` int32 ``(K, N/8)`` and ``qzeros`` ``(G, N/8)`` packed along N with
   output ``order[i]`` in nibble ``i``; ``scales`` ``(G, N)``.
+- FP8 (compressed-tensors ``float-quantized``, ``quant_method: fp8``): ``weight`` e4m3
+  ``(N, K)``, its bytes the codes; ``weight_scale`` / ``weight_scale_inv`` per tensor, row or
+  block (``(ceil(N/bn), K/bk)``, held per row); ``input_scale`` of static activations.
 """
 
 from __future__ import annotations

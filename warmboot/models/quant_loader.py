@@ -132,14 +132,3 @@ def quant_dtype_ok(name: str, tensor: torch.Tensor, modules: set[str]) -> bool |
 def is_quant_leaf(name: str) -> bool:
     """A quantized linear's or experts' tensor beside the codes (kept in its own dtype)."""
     return name.rpartition(".")[2] in QUANT_LEAVES + EXPERT_LEAVES
-
-
-def resident_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes of the quantized linears' tensors and of every other parameter."""
-    quant = other = 0
-    for name, p in model.named_parameters():
-        module = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
-        is_quant = isinstance(getattr(module, "method", None), (QuantMethod, QuantExperts))
-        size = p.numel() * p.element_size()
-        quant, other = (quant + size, other) if is_quant else (quant, other + size)
-    return {"quantized": quant, "other": other}

@@ -83,21 +83,6 @@ class QuantMethod(LinearMethod):
             self.group_size(layer),
         )
 
-    def dense_weight(self, layer: Linear, dtype: torch.dtype) -> torch.Tensor:
-        """The dequantized ``(N, K)`` weight in the checkpoint's input order (tests, tools)."""
-        w = quant.dequantize(
-            layer.weight,
-            layer.weight_scale,
-            layer.weight_zero,
-            self.code_bits,
-            self.group_size(layer),
-            layer.out_features,
-            dtype,
-        )
-        if layer.weight_perm is None:
-            return w
-        return torch.empty_like(w).index_copy_(1, layer.weight_perm, w)
-
 
 _LINEAR_LEAVES = {
     "": "weight",
