@@ -162,7 +162,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "-q",
         "--quantization",
         default=None,
-        help="auto (the checkpoint's), gptq, awq, compressed-tensors",
+        help="auto (the checkpoint's), or a method it must match: gptq, awq, compressed-tensors, fp8",
     )
     p.add_argument("--max-model-len", type=int, default=None)
     loop = p.add_mutually_exclusive_group()
