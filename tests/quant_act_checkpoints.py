@@ -42,7 +42,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from tests.quant_checkpoints import CT_VERSION, WEIGHTS_NAME, _is_linear, _write_dir, is_ignored
+from tests.quant_checkpoints import (
+    WEIGHTS_NAME,
+    _is_linear,
+    _write_dir,
+    ct_config_envelope,
+    is_ignored,
+)
 
 FORMATS = ("ct-w8a8", "ct-fp8", "fp8-block")
 VARIANTS = {
@@ -290,19 +296,7 @@ def ct_quantization_config(fmt: str, variant: str, ignore) -> dict:
         "targets": ["Linear"],
         "weights": _ct_args(fp8, w_strategy, False),
     }
-    return {
-        "config_groups": {"group_0": group},
-        "format": name,
-        "global_compression_ratio": None,
-        "ignore": list(ignore),
-        "kv_cache_scheme": None,
-        "moe_sparsity_config": None,
-        "quant_method": "compressed-tensors",
-        "quantization_status": "compressed",
-        "sparsity_config": {},
-        "transform_config": {},
-        "version": CT_VERSION,
-    }
+    return ct_config_envelope(group, name, ignore)
 
 
 def fp8_quantization_config(variant: str, skipped) -> dict:

@@ -178,8 +178,13 @@ def ct_quantization_config(fmt: str, bits: int, group_size: int | None, sym: boo
         "type": "int",
     }
     group = {"format": name, "input_activations": None, "output_activations": None}
+    return ct_config_envelope(group | {"targets": ["Linear"], "weights": weights}, name, ignore)
+
+
+def ct_config_envelope(group: dict, name: str, ignore) -> dict:
+    """compressed-tensors' ``quantization_config`` around its one config group."""
     return {
-        "config_groups": {"group_0": group | {"targets": ["Linear"], "weights": weights}},
+        "config_groups": {"group_0": group},
         "format": name,
         "global_compression_ratio": None,
         "ignore": list(ignore),
