@@ -82,7 +82,7 @@ W8A8 = {
             r"quantization_config.activation_scheme = 'static' is not served \(dynamic\)",
         ),
         ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'.*not served"),
-        ({"quant_method": "mxfp4"}, "quant_method 'mxfp4' .MXFP4"),
+        ({"quant_method": "modelopt"}, "quant_method 'modelopt' .ModelOpt FP8/NVFP4"),
         ({"quant_method": "gptq", "bits": 3}, r"quantization_config.bits = 3 is not served"),
         ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "version = 'gemv'"),
         (

@@ -162,7 +162,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "-q",
         "--quantization",
         default=None,
-        help="auto (the checkpoint's), or a method it must match: gptq, awq, compressed-tensors, fp8",
+        help="auto (the checkpoint's), a method it must match (gptq, awq, compressed-tensors, "
+        "fp8, mxfp4), or fp8 / int8 to quantize a full-precision checkpoint at load",
     )
     p.add_argument("--max-model-len", type=int, default=None)
     loop = p.add_mutually_exclusive_group()

@@ -83,17 +83,17 @@ class ModelRunner:
         """Steps run per kind: ``compiled``, ``eager`` or ``graph`` (a CUDA graph replay)."""
 
     # -- start-up phases -----------------------------------------------------------------------
-    def load_model(self, model_dir: str | Path, progress=None) -> None:
-        """``progress(n)``: the bytes of each checkpoint tensor read (see ``load_model``)."""
-        self.model = load_model(
-            model_dir, self.model_cfg, self.dtype, self.device, self.max_model_len, progress
-        )
+    def load_model(self, model_dir: str | Path, progress=None, quantization=None) -> None:
+        """``progress(n)``: the bytes of each checkpoint tensor read; ``quantization``:
+        ``LLM``'s (see ``load_model``)."""
+        cfg, dtype, device, positions = self.model_cfg, self.dtype, self.device, self.max_model_len
+        self.model = load_model(model_dir, cfg, dtype, device, positions, progress, quantization)
         self._adopt_model()
 
-    def install_weights(self, tensors: dict[str, torch.Tensor], source: str) -> None:
+    def install_weights(self, tensors: dict[str, torch.Tensor], source: str, quantization=None):
         """Use weights that are already transformed (a snapshot's ``named_parameters``)."""
-        cfg, dtype, device = self.model_cfg, self.dtype, self.device
-        self.model = assemble_model(cfg, tensors.items(), dtype, device, self.max_model_len, source)
+        args = (tensors.items(), self.dtype, self.device, self.max_model_len, source, quantization)
+        self.model = assemble_model(self.model_cfg, *args)
         self._adopt_model()
 
     def _adopt_model(self) -> None:

@@ -41,6 +41,7 @@ from warmboot.engine.startup_graphs import GraphPhases
 from warmboot.kernels import native
 from warmboot.kernels.backend import KVLayout
 from warmboot.models.checkpoint import check_servable, checkpoint_files
+from warmboot.models.quant_config import ONLINE
 from warmboot.models.registry import ARCHITECTURES
 from warmboot.snapshot import start_costs
 from warmboot.snapshot.canary import run_canary
@@ -177,7 +178,7 @@ class Startup(GraphPhases):
         files = checkpoint_files(self.model_dir)
         total = sum(f.stat().st_size for f in files)
         with self.phase("load_weights", total) as advance:
-            runner.load_model(self.model_dir, advance)
+            runner.load_model(self.model_dir, advance, self.config.quantization)
 
     def _runner(self, model_config: ModelConfig, settings: Settings, attention) -> ModelRunner:
         sched = settings.scheduler
@@ -211,6 +212,8 @@ class Startup(GraphPhases):
             "compiled": settings.compiled,
             "model_class": ".".join(self.model_class),
         }
+        if self.config.quantization in ONLINE:  # NOTE: a full-precision model quantized at load
+            key_settings["quantization"] = self.config.quantization
         store, device = self.config.snapshot_store, settings.device
         with self.phase("snapshot_key"):
             timeout = self.config.snapshot_timeout
@@ -241,7 +244,8 @@ class Startup(GraphPhases):
                 tensors = snap.restore(manifest, runner.dtype, mapped, advance)
                 if tensors is not None:
                     try:
-                        runner.install_weights(tensors, f"snapshot {manifest.key}")
+                        source = f"snapshot {manifest.key}"
+                        runner.install_weights(tensors, source, self.config.quantization)
                     except Exception as e:  # noqa: BLE001 - a manifest is data: any misfit
                         snap.reason = f"snapshot {manifest.key} does not fit: {_describe(e)}"
                         tensors = None

@@ -6,6 +6,8 @@ each panel once and unpacks it in registers (``csrc/quant_gemm.cpp``):
 
 - 8 bits: uint8 ``(P, K, 32)``, ``[p, k, c]`` the code of row ``32p + c`` at input ``k``;
 - 4 bits: uint8 ``(P, K/2, 32)``, inputs ``2j`` and ``2j + 1`` in the low and high nibble;
+- FP8 (``FP8``) and FP4 (``FP4``, MXFP4's e2m1) codes: the 8- and 4-bit layouts, the bytes or
+  nibbles float values, ``w = fp(u) * s``, no zero points;
 - scales ``(P, G, 32)`` in the checkpoint's float dtype, one per row and group of
   ``group_size`` consecutive inputs; zero points likewise as uint8 codes, or none (symmetric:
   ``2^(bits-1)``). Rows past N are zero.
@@ -31,6 +33,29 @@ from warmboot.kernels import native
 COLS = 32
 FP8 = -8
 """``bits`` of FP8 e4m3 codes: 8-bit panels whose bytes are e4m3 values (``fp8(u) * s``)."""
+FP4 = -4
+"""``bits`` of FP4 e2m1 codes (MXFP4): 4-bit panels whose nibbles are e2m1 values
+(``fp4(u) * s``: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6 by bits 0-2), no zero points."""
+FP8_MAX = 448.0
+INT8_HALF_RANGE = 127.5
+FP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 
 
 def packed_shapes(n: int, k: int, bits: int, group_size: int) -> tuple[tuple, tuple]:
@@ -46,7 +71,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     rows = torch.zeros(panels * COLS, k, dtype=torch.uint8, device=codes.device)
     rows[:n] = codes
     by_input = rows.view(panels, COLS, k).transpose(1, 2)  # (P, K, 32)
-    if bits != 4:
+    if abs(bits) != 4:
         return by_input.contiguous()
     return (by_input[:, 0::2] | (by_input[:, 1::2] << 4)).contiguous()
 
@@ -62,7 +87,7 @@ def pack_groups(t: torch.Tensor) -> torch.Tensor:
 
 def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """The panel layout -> uint8 codes ``(P * 32, K)``."""
-    if bits == 4:
+    if abs(bits) == 4:
         pairs = torch.stack((packed & 15, packed >> 4), dim=2)  # (P, K/2, 2, 32)
         packed = pairs.flatten(1, 2)
     return packed.transpose(1, 2).reshape(-1, packed.shape[1])
@@ -83,8 +108,12 @@ def dequantize(
 ) -> torch.Tensor:
     """The dense ``(N, K)`` weight, computed in float32 and rounded once to ``dtype``."""
     s = unpack_groups(scales)[:n].float()
-    if bits == FP8:
-        codes = unpack_codes(packed, 8)[:n].view(torch.float8_e4m3fn).float()
+    if bits in (FP8, FP4):
+        if bits == FP8:
+            codes = unpack_codes(packed, 8)[:n].view(torch.float8_e4m3fn).float()
+        else:
+            table = torch.tensor(FP4_VALUES, device=packed.device)
+            codes = table[unpack_codes(packed, 4)[:n].long()]
         w = codes.view(n, -1, group_size) * s.unsqueeze(-1)
         return w.reshape(n, -1).to(dtype)
     codes = unpack_codes(packed, bits)[:n].float()
@@ -94,6 +123,24 @@ def dequantize(
     else:
         w = (codes.view(n, -1, group_size) - z.unsqueeze(-1)) * s.unsqueeze(-1)
     return w.reshape(n, -1).to(dtype)
+
+
+@torch.no_grad()
+def quantize_rows(w: torch.Tensor, number: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense ``(N, K)`` weight -> ``number`` (``fp8`` or ``int``: 8-bit) codes ``(N, K)``
+    and float32 scales ``(N, 1)``, as llm-compressor quantizes (compressed-tensors'
+    ``calculate_qparams``): ``s = amax / 448`` (FP8) or ``amax / 127.5`` (int8, codes
+    ``clamp(round(w / s), -128, 127) + 128``) per row, float32's eps where a row is zero."""
+    w = w.float()
+    half = FP8_MAX if number == "fp8" else INT8_HALF_RANGE
+    scale = w.abs().amax(dim=1, keepdim=True) / half
+    scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
+    scaled = w / scale
+    if number == "fp8":
+        codes = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    else:
+        codes = (torch.round(scaled.clamp(-128, 127)) + 128).to(torch.uint8)
+    return codes, scale
 
 
 def quant_linear(
@@ -109,7 +156,7 @@ def quant_linear(
 ) -> torch.Tensor:
     if perm is not None:
         x = x.index_select(-1, perm)
-    if _native(x):
+    if _native(x) and bits != FP4:  # TODO(fp4): the native kernel's FP4 route is on its way
         args = (x, packed, scales, zeros, bias, out_features, bits, group_size)
         return torch.ops.warmboot_cpu.quant_linear(*args)
     w = dequantize(packed, scales, zeros, bits, group_size, out_features, x.dtype)

@@ -5,7 +5,9 @@ k) and biased experts with a clamped SwiGLU.
 
 The checkpoint stores a layer's experts fused: ``gate_up_proj`` (E, H, 2I) with gate and up
 *interleaved* along the last dim, ``down_proj`` (E, I, H), both as ``x @ W``; ``transform``
-turns them into ``FusedExperts``' (E, out, in) layout, gate rows before up rows.
+turns them into ``FusedExperts``' (E, out, in) layout, gate rows before up rows. The MXFP4
+release's experts come as codes and scales already (E, out, ...) (``models.quant_formats``):
+only gate_up's interleaved rows are split.
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
         if ".mlp.experts." not in name:
             return tensor
         leaf = name.rpartition(".")[2]
+        if tensor.dtype == torch.uint8 or leaf.endswith("_scale"):  # NOTE: MXFP4 (E, out, .)
+            return _deinterleave(tensor, 1) if leaf.startswith("gate_up_proj") else tensor
         if leaf == "gate_up_proj":  # (E, H, 2I) interleaved -> (E, 2I, H), gate rows first
             tensor = _deinterleave(tensor).transpose(1, 2)
         elif leaf == "gate_up_proj_bias":  # (E, 2I) interleaved -> gate, then up
@@ -68,6 +72,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
         return tensor.contiguous()
 
 
-def _deinterleave(t: torch.Tensor) -> torch.Tensor:
-    """Last dim ``[g0, u0, g1, u1, ...]`` -> ``[g0, g1, ..., u0, u1, ...]``."""
-    return torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+def _deinterleave(t: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``dim`` ``[g0, u0, g1, u1, ...]`` -> ``[g0, g1, ..., u0, u1, ...]``."""
+    even, odd = t.unflatten(dim, (-1, 2)).unbind(dim + 1 if dim >= 0 else dim)
+    return torch.cat((even, odd), dim=dim).contiguous()

@@ -24,6 +24,7 @@ from warmboot.models.quant_loader import (
     apply_scheme,
     canonical_stream,
     is_quant_leaf,
+    online_modules,
     quantize_modules,
     quantized_prefixes,
     snapshot_modules,
@@ -53,8 +54,11 @@ def load_model(
     scheme = check_servable(model_dir, cfg, quantization)
     model = build_model(cfg)
     skip = lambda name: model.map_name(name) is None  # noqa: E731
-    tensors = iter_checkpoint(model_dir, skip=skip, integers=scheme is not None)
-    if scheme is not None:
+    stored = scheme is not None and not scheme.online
+    tensors = iter_checkpoint(model_dir, skip=skip, integers=stored)
+    if scheme is not None and scheme.online:
+        quantize_modules(model, scheme, online_modules(model))
+    elif stored:
         prefixes = quantized_prefixes(checkpoint_names(model_dir), scheme)
         if not prefixes:
             raise UnsupportedModelError(
@@ -100,15 +104,16 @@ def assemble_model(
     device: torch.device,
     max_positions: int,
     source: str = "weights",
+    quantization: str | None = None,
 ) -> CausalLM:
     """Build on meta and assign weights already under our names, dtype and device (a
     snapshot restore enters here with the tensors of ``named_parameters()``; the names tell
-    the quantized linears, the config their scheme)."""
+    the quantized linears, the config (or ``quantization``, at load) their scheme)."""
     model = build_model(cfg)
     weights = dict(weights)
     modules = snapshot_modules(weights)
     if modules:
-        scheme = quant_scheme(Path(source), cfg)
+        scheme = quant_scheme(Path(source), cfg, quantization)
         if scheme is None:
             raise UnsupportedModelError(f"{source}: quantized weights, but no quantization_config")
         quantize_modules(model, scheme, modules)

@@ -6,11 +6,12 @@ symmetric or with zero points, activations in full precision (W4A16, W8A16), as
 compressed-tensors (``pack-quantized``, ``int-quantized``), GPTQ (with ``desc_act``'s
 ``g_idx``) and AWQ (GEMM) store them; and 8-bit weights whose activations are quantized too
 (``ActQuant``): compressed-tensors' W8A8 int8 and FP8 (``float-quantized``: per tensor,
-channel or block), and ``quant_method: fp8`` with 128x128 blocks (DeepSeek-V3, Qwen3-FP8).
-Every weight becomes one layout (``models.quant_formats``): 8- or 4-bit codes (integers, or
-FP8 e4m3's bits), a scale per row and group of inputs, a zero-point code per group where not
-symmetric. Other number formats (MXFP4, NVFP4) and other options are refused by name: served
-approximately they would give other tokens.
+channel or block), and ``quant_method: fp8`` with 128x128 blocks (DeepSeek-V3, Qwen3-FP8);
+and GPT-OSS's MXFP4 experts (``quant_method: mxfp4``: e2m1 values, a power-of-two scale per
+32 inputs). Every weight becomes one layout (``models.quant_formats``): 8- or 4-bit codes
+(integers, FP8 e4m3's bits or FP4 e2m1's), a scale per row and group of inputs, a zero-point
+code per group where not symmetric. Other number formats (NVFP4) and other options are
+refused by name: served approximately they would give other tokens.
 """
 
 from __future__ import annotations
@@ -22,11 +23,10 @@ from typing import Any
 
 from warmboot.models.registry import UnsupportedModelError
 
-METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
+METHODS = ("compressed-tensors", "gptq", "awq", "fp8", "mxfp4")
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "marlin": "gptq"}
 """vLLM's names for the same checkpoints run by other kernels (``--quantization``)."""
 NOT_SERVED = {
-    "mxfp4": "MXFP4 (GPT-OSS's experts)",
     "bitsandbytes": "bitsandbytes",
     "gguf": "GGUF",
     "hqq": "HQQ",
@@ -73,17 +73,20 @@ class QuantScheme:
     """Groups given by ``g_idx`` (GPTQ's ``desc_act``, compressed-tensors' ``actorder:
     group``): the GEMM reads its inputs in their order (``weight_perm``)."""
     number: str = "int"
-    """The codes: ``int`` (``(u - z) * s``) or ``fp8`` (e4m3's bits: ``fp8(u) * s``)."""
+    """The codes: ``int`` (``(u - z) * s``), ``fp8`` (e4m3's bits: ``fp8(u) * s``) or ``fp4``
+    (e2m1's)."""
     block_rows: int | None = None
     """Block scales: ``block_rows`` rows share each group's scale (held per row)."""
     act: ActQuant | None = None
+    online: bool = False
+    """Quantized at load from full-precision weights (``LLM(quantization="fp8" / "int8")``)."""
 
     def describe(self) -> str:
         group = f"g{self.group_size}" if self.group_size else "per channel"
         if self.block_rows:
             group = f"block {self.block_rows}x{self.group_size}"
         order = ", act-order" if self.act_order else ""
-        w = f"W{self.bits}" if self.number == "int" else "FP8 W8"
+        w = f"W{self.bits}" if self.number == "int" else f"{self.number.upper()} W{self.bits}"
         a = "A16" if self.act is None else f"A8 ({self.act.number} per {self.act.strategy})"
         sym = "sym" if self.symmetric else "asym"
         return f"{self.method} {w}{a} {group}, {sym}{order}"
@@ -95,17 +98,11 @@ def requested_method(quantization: str | None) -> str | None:
     if quantization in (None, "", "auto"):
         return None
     name = ALIASES.get(quantization.lower(), quantization.lower())
-    if name in METHODS:
+    if name in METHODS or name in ONLINE:
         return name
-    if name == "int8":
-        raise UnsupportedModelError(
-            f"quantization {quantization!r}: quantizing a full-precision checkpoint at load is "
-            "not served yet; serve a checkpoint quantized by its tool (compressed-tensors, "
-            "GPTQ or AWQ)"
-        )
     raise UnsupportedModelError(
-        f"quantization {quantization!r} is not one of auto, {', '.join(METHODS)}"
-        f"{', ' + ', '.join(ALIASES) if ALIASES else ''}"
+        f"quantization {quantization!r} is not one of auto, {', '.join(METHODS)}, int8, "
+        f"{', '.join(ALIASES)}"
     )
 
 
@@ -119,30 +116,30 @@ def quant_scheme(
         raw.setdefault("quant_method", "gptq")
     wanted = requested_method(quantization)
     if raw is None:
-        if wanted is not None:
+        if wanted is not None and wanted not in ONLINE:
             raise UnsupportedModelError(
                 f"{model_dir}: quantization {quantization!r} was asked for, but the checkpoint "
-                "has no quantization_config (it is full precision); quantizing a "
-                "full-precision checkpoint at load is not served yet"
+                f"has no quantization_config (it is full precision); at load it can be "
+                f"quantized to {' or '.join(ONLINE)}"
             )
-        return None
+        return ONLINE.get(wanted)
     if not isinstance(raw, dict):
         raise UnsupportedModelError(f"{model_dir}: quantization_config is not an object")
     method = str(raw.get("quant_method", "unknown")).lower()
     if method in NOT_SERVED or method not in METHODS:
         what = f" ({NOT_SERVED[method]})" if method in NOT_SERVED else ""
         raise UnsupportedModelError(
-            f"{model_dir}: quant_method {method!r}{what} is not served (served: weight-only "
-            f"int4/int8 as {', '.join(METHODS)}); serve the full-precision weights"
+            f"{model_dir}: quant_method {method!r}{what} is not served (served: "
+            f"{', '.join(METHODS)}); serve the full-precision weights"
         )
-    if wanted is not None and wanted != method:
+    if wanted == "int8" or (wanted is not None and wanted != method):
         raise UnsupportedModelError(
             f"{model_dir}: quantization {quantization!r} contradicts the checkpoint's "
             f"quant_method {method!r}"
         )
     parse = {"compressed-tensors": _compressed_tensors, "gptq": _gptq, "awq": _awq, "fp8": _fp8}
-    parse = parse[method]
-    return parse(raw)
+    parse["mxfp4"] = _mxfp4
+    return parse[method](raw)
 
 
 def _read_json(path: Path) -> dict:
@@ -323,3 +320,21 @@ def _fp8(raw: dict) -> QuantScheme:
         raise _refuse("scale_fmt", scale_fmt, "none, ue8m0")
     act = ActQuant("fp8", "group", size, rule="kernel", ue8m0=scale_fmt == "ue8m0")
     return QuantScheme("fp8", "fp8", 8, size, True, number="fp8", block_rows=rows, act=act)
+
+
+def _mxfp4(raw: dict) -> QuantScheme:
+    """GPT-OSS's experts: e2m1 values two a byte (``*_blocks``), an e8m0 exponent per 32
+    inputs (``*_scales``); the rest (``modules_to_not_convert``) in full precision.
+    (``dequantize``, transformers' load-time option, changes no value: it is ignored.)"""
+    return QuantScheme("mxfp4", "mxfp4", 4, 32, True, number="fp4")
+
+
+ONLINE = {
+    "fp8": QuantScheme(
+        "fp8", "online", 8, None, True, number="fp8", act=ActQuant("fp8", "token"), online=True
+    ),
+    "int8": QuantScheme("int8", "online", 8, None, True, online=True),
+}
+"""Full-precision checkpoints quantized at load: ``fp8`` as llm-compressor's FP8_DYNAMIC
+(e4m3 weights, a scale per row, activations FP8 per token, dynamic; vLLM's online FP8 keeps
+one scale per tensor for both); ``int8`` as its W8A16 (weights only, a scale per row)."""

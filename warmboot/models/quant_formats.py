@@ -17,9 +17,15 @@ The layouts (checked against the libraries' own pack and dequantize code):
 - FP8 (compressed-tensors ``float-quantized``, ``quant_method: fp8``): ``weight`` e4m3
   ``(N, K)``, its bytes the codes; ``weight_scale`` / ``weight_scale_inv`` per tensor, row or
   block (``(ceil(N/bn), K/bk)``, held per row); ``input_scale`` of static activations.
+- MXFP4 (GPT-OSS's experts): ``{proj}_blocks`` uint8 ``(E, N, K/32, 16)``, two e2m1 values a
+  byte (input ``2j`` in the low nibble), ``{proj}_scales`` uint8 ``(E, N, K/32)``, e8m0
+  exponents (scale ``2^(e - 127)``, held exactly in bf16); stacked experts, so the outputs
+  are named as ``FusedExperts``' (``{proj}``, ``{proj}_scale``).
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 
@@ -33,6 +39,7 @@ LEAVES = {
     "fp8": ({"weight", "weight_scale_inv"}, set()),
     "gptq": ({"qweight", "qzeros", "scales"}, {"g_idx"}),
     "awq": ({"qweight", "qzeros", "scales"}, set()),
+    "mxfp4": ({"blocks", "scales"}, set()),
 }
 """Per layout: the leaves a quantized linear must have, and those it may have."""
 MARKER = {
@@ -42,9 +49,30 @@ MARKER = {
     "fp8": "weight_scale_inv",
     "gptq": "qweight",
     "awq": "qweight",
+    "mxfp4": "blocks",
 }
 """The leaf whose presence marks a linear as quantized."""
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+_STACKED_LEAF = re.compile(r"(.+)_(blocks|scales)$")
+"""MXFP4's experts: ``{proj}_{leaf}`` (one tensor for every expert)."""
+
+
+def split_name(scheme: QuantScheme, name: str) -> tuple[str, str]:
+    """A checkpoint name -> (the quantized linear's prefix, its leaf)."""
+    if scheme.layout == "mxfp4" and (m := _STACKED_LEAF.match(name)):
+        return m[1], m[2]
+    prefix, _, leaf = name.rpartition(".")
+    return prefix, leaf
+
+
+def joined_name(scheme: QuantScheme, prefix: str, leaf: str) -> str:
+    """The name one layout's ``leaf`` of the linear at ``prefix`` takes (stacked experts:
+    ``FusedExperts``' own)."""
+    if scheme.layout == "mxfp4":
+        return prefix + leaf.removeprefix("weight")
+    return f"{prefix}.{leaf}"
 
 
 def leaves(scheme: QuantScheme) -> set[str]:
@@ -62,6 +90,8 @@ def canonical(
         raise UnsupportedModelError(f"{prefix}: quantized linear lacks {sorted(missing)}")
     convert = {"ct-pack": _ct_pack, "ct-int": _ct_int, "gptq": _gptq, "awq": _awq}
     convert |= {"ct-float": _float, "fp8": _float}
+    if scheme.layout == "mxfp4":
+        return _mxfp4(prefix, t["blocks"], t["scales"])
     try:
         codes, scale, zero, g_idx = convert[scheme.layout](scheme, prefix, t)
         out = _grouped(scheme, prefix, codes, scale, zero, g_idx)
@@ -140,6 +170,26 @@ def _float(scheme, prefix, t):
     elif scheme.block_rows:
         scale = scale.repeat_interleave(scheme.block_rows, dim=0)[:n]
     return weight.view(torch.uint8), scale, None, None
+
+
+def _mxfp4(prefix: str, blocks: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Stacked MXFP4 experts -> codes ``(E, N, K)`` (one nibble each) and bf16 scales."""
+    shape = tuple(blocks.shape)
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or len(shape) != 4:
+        raise UnsupportedModelError(
+            f"{prefix}: MXFP4 wants uint8 blocks (E, N, K/32, 16) and scales (E, N, K/32), "
+            f"got {blocks.dtype} {shape} and {scales.dtype} {tuple(scales.shape)}"
+        )
+    if shape[3] != 16 or tuple(scales.shape) != shape[:3]:
+        raise UnsupportedModelError(
+            f"{prefix}: MXFP4 blocks {shape} and scales {tuple(scales.shape)} do not match "
+            "(16 bytes, 32 values, a scale)"
+        )
+    if bool((scales == 255).any()):
+        raise UnsupportedModelError(f"{prefix}: an MXFP4 scale is e8m0's NaN (255)")
+    codes = torch.stack((blocks & 15, blocks >> 4), dim=-1).flatten(2)  # (E, N, K)
+    scale = torch.exp2(scales.to(torch.float32) - 127).to(torch.bfloat16)  # NOTE: exact
+    return {"weight": codes.contiguous(), "weight_scale": scale}
 
 
 def _int(prefix: str, t: dict[str, torch.Tensor], leaf: str) -> torch.Tensor:

@@ -2,6 +2,13 @@
 the format's tensors; an ``ignore`` list's modules have dense weights), those made
 ``QuantMethod`` linears before any weight is read, and each one's tensors turned into the one
 layout (``quant_formats``) as they stream past the loader.
+
+A full-precision checkpoint quantized as it loads (``LLM(quantization="fp8" | "int8")``):
+every linear of the decoder layers and every expert, not the LM head, the embeddings or a
+router (as vLLM's online FP8 and llm-compressor's recipes leave them), each weight quantized
+as it arrives (``QuantMethod.loaded``, ``kernels.quant.quantize_rows``): a dense copy of a
+layer never outlives its load, and a snapshot keeps the quantized image under a key of its
+own (``quantization`` is one of its fields).
 """
 
 from __future__ import annotations
@@ -12,8 +19,8 @@ import torch
 from torch import nn
 
 from warmboot.models.base import CausalLM
-from warmboot.models.layers.linear import Linear
-from warmboot.models.layers.moe import FusedExperts
+from warmboot.models.layers.linear import DENSE, Linear
+from warmboot.models.layers.moe import DENSE_EXPERTS, FusedExperts
 from warmboot.models.layers.quant_linear import (
     QuantExperts,
     QuantMethod,
@@ -21,7 +28,7 @@ from warmboot.models.layers.quant_linear import (
     quantize_linear,
 )
 from warmboot.models.quant_config import QuantScheme
-from warmboot.models.quant_formats import MARKER, canonical, leaves
+from warmboot.models.quant_formats import MARKER, canonical, joined_name, leaves, split_name
 from warmboot.models.registry import UnsupportedModelError
 
 QUANT_LEAVES = ("weight_scale", "weight_zero", "weight_perm", "input_scale")
@@ -36,12 +43,10 @@ EXPERT_LEAVES = tuple(
 
 def quantized_prefixes(names: Iterable[str], scheme: QuantScheme) -> dict[str, set[str]]:
     """Checkpoint module name -> the format's leaves it has, for every quantized linear."""
-    names = list(names)
-    marker = MARKER[scheme.layout]
-    found = {n.rpartition(".")[0]: set() for n in names if n.endswith("." + marker)}
+    split = [split_name(scheme, name) for name in names]
+    found = {prefix: set() for prefix, leaf in split if leaf == MARKER[scheme.layout]}
     ours = leaves(scheme)
-    for name in names:
-        prefix, _, leaf = name.rpartition(".")
+    for prefix, leaf in split:
         if prefix in found and leaf in ours:
             found[prefix].add(leaf)
     return found
@@ -51,12 +56,25 @@ def apply_scheme(model: CausalLM, scheme: QuantScheme, prefixes: Iterable[str]) 
     """Make the linears behind checkpoint ``prefixes`` quantized; returns our module names."""
     modules: set[str] = set()
     for prefix in prefixes:
-        mapped = model.map_name(prefix + ".weight")
+        mapped = model.map_name(joined_name(scheme, prefix, "weight"))
         if mapped is None:
             continue
         modules.add(mapped[0].rpartition(".")[0])
     quantize_modules(model, scheme, modules)
     return modules
+
+
+def online_modules(model: nn.Module) -> set[str]:
+    """The modules quantized at load: the dense linears and experts of the layers."""
+    found = set()
+    for name, module in model.named_modules():
+        if name == "lm_head":
+            continue
+        if type(module) is Linear and module.method is DENSE:
+            found.add(name)
+        elif isinstance(module, FusedExperts) and module.method is DENSE_EXPERTS:
+            found.add(name)
+    return found
 
 
 def quantize_modules(model: nn.Module, scheme: QuantScheme, modules: Iterable[str]) -> None:
@@ -92,7 +110,7 @@ def canonical_stream(
     the one layout's (held back until the linear's last leaf has come)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in tensors:
-        prefix, _, leaf = name.rpartition(".")
+        prefix, leaf = split_name(scheme, name)
         wanted = prefixes.get(prefix)
         if wanted is None or leaf not in wanted:
             yield name, tensor
@@ -102,7 +120,7 @@ def canonical_stream(
         if set(got) == wanted:
             del pending[prefix]
             for out_leaf, out in canonical(scheme, prefix, got).items():
-                yield f"{prefix}.{out_leaf}", out
+                yield joined_name(scheme, prefix, out_leaf), out
     if pending:
         raise UnsupportedModelError(f"incomplete quantized linears: {sorted(pending)[:4]}")
 

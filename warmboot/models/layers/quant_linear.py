@@ -35,8 +35,7 @@ class QuantMethod(LinearMethod):
 
     @property
     def code_bits(self) -> int:
-        """``bits`` as the kernels take it (``kernels.quant.FP8`` for e4m3 codes)."""
-        return self.bits if self.scheme.number == "int" else quant.FP8
+        return code_bits(self.scheme)
 
     def create_weights(self, layer: Linear, bias: bool) -> None:
         shapes = _linear_shapes(self.scheme, layer.out_features, layer.in_features)
@@ -55,7 +54,10 @@ class QuantMethod(LinearMethod):
 
     def loaded(self, layer: Linear, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
         """A checkpoint tensor in the one layout -> the kernel's (a snapshot's, already
-        packed, as it is)."""
+        packed, as it is; a full-precision weight quantized here, its scale set beside it)."""
+        if leaf == "weight" and tensor.is_floating_point():
+            tensor, scale = quant.quantize_rows(tensor, self.scheme.number)
+            layer.weight_scale = _held(quant.pack_groups(scale))
         if leaf == "weight" and tensor.dim() == 2:
             return quant.pack_codes(tensor, self.bits)
         if leaf in ("weight_scale", "weight_zero") and tensor.dim() == 2:
@@ -94,7 +96,11 @@ _LINEAR_LEAVES = {
 
 
 def _param(shape: tuple, dtype: torch.dtype) -> nn.Parameter:
-    return nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    return _held(torch.empty(shape, dtype=dtype))
+
+
+def _held(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
 
 
 def quantize_linear(layer: Linear, scheme: QuantScheme) -> None:
@@ -128,6 +134,12 @@ class QuantExperts(ExpertsMethod):
         layer.down_proj_bias = _param((e, h), torch.float32) if bias else None
 
     def loaded(self, layer: FusedExperts, leaf: str, tensor: torch.Tensor) -> torch.Tensor:
+        if leaf in ("gate_up_proj", "down_proj") and tensor.is_floating_point():
+            rows = [quant.quantize_rows(w, self.scheme.number) for w in tensor]  # NOTE: at load
+            setattr(
+                layer, leaf + "_scale", _held(torch.stack([quant.pack_groups(s) for _, s in rows]))
+            )
+            tensor = torch.stack([codes for codes, _ in rows])
         base = leaf.removeprefix("gate_up_proj").removeprefix("down_proj")
         if base in ("", "_scale", "_zero") and tensor.dim() == 3:
             as_linear = {"": "weight", "_scale": "weight_scale", "_zero": "weight_zero"}[base]
@@ -162,11 +174,16 @@ class QuantExperts(ExpertsMethod):
         return grouped_experts(x, weights, ids, layer.num_experts, up, down, layer.act_and_mul)
 
 
+def code_bits(scheme: QuantScheme) -> int:
+    """``bits`` as the kernels take it (``kernels.quant.FP8`` / ``FP4`` for float codes)."""
+    return {"int": scheme.bits, "fp8": quant.FP8, "fp4": quant.FP4}[scheme.number]
+
+
 def _linear_shapes(scheme: QuantScheme, n: int, k: int) -> dict[str, tuple]:
     """Each quantized leaf's (shape or None, dtype) for an ``(n, k)`` weight."""
-    bits = scheme.bits if scheme.number == "int" else quant.FP8
+    bits = code_bits(scheme)
     group = scheme.group_size or k
-    if k % group or (bits == 4 and k % 2):
+    if k % group or (abs(bits) == 4 and k % 2):
         raise UnsupportedModelError(
             f"{k} inputs are not whole groups of {group} ({scheme.describe()})"
         )
