@@ -5,7 +5,7 @@
 #   device: run(command="bash bench/gpu_run.sh", carry=[".whl"], timeout_s=600)
 #
 # Each part is time-boxed so one hang cannot eat the task's 15 minutes of device time.
-# $OUT gets at most 8 files (the device tool's limit): the four JSON results, summary.txt
+# $OUT gets at most 8 files (the device tool's limit): the five JSON results, summary.txt
 # and logs.tar.gz. Commit the figures (card, date) to docs/benchmarks/ afterwards.
 set -u
 OUT=${OUT:-gpu-results}
@@ -39,5 +39,6 @@ part attention 170 python3 -m bench.attention --out "$OUT"
 part gpu_restore 50 python3 -m bench.gpu_restore --gb 2 --out "$OUT/gpu_restore.json"
 part cuda_checkpoint 40 python3 -m bench.cuda_checkpoint --gb 2 --timeout 35 \
   --out "$OUT/cuda_checkpoint.json"
+part gpu_quant 45 python3 -m bench.gpu_quant --out "$OUT/gpu_quant.json"  # NOTE: last: the newest
 tar -czf "$OUT/logs.tar.gz" -C "$LOGS" .
 ls -la "$OUT"

@@ -1,7 +1,11 @@
 """Quantized decode: the demo model in bf16, int8 (W8A16 per channel) and int4 (W4A16, groups
-of 64 and 32: 128 does not divide the demo's 576), made from the same weights (round to nearest, compressed-tensors'
-``pack-quantized`` layout as llm-compressor writes it), beside llama.cpp built from source on
-GGUF files converted from the same checkpoint (bf16, Q8_0, Q4_K_M: ``bench/peers/llama_cpp``).
+of 64 and 32: 128 does not divide the demo's 576), made from the same weights (round to
+nearest, compressed-tensors' ``pack-quantized`` layout as llm-compressor writes it), and FP8
+quantized at load (``quantization="fp8"``: W8A8 FP8, activations per token), beside llama.cpp
+built from source on GGUF files converted from the same checkpoint (bf16, Q8_0, Q4_K_M:
+``bench/peers/llama_cpp``). Weight bytes are those the engine holds; their ratio to bf16's is
+a memory-bound decode's ceiling (the demo's tied 49152 x 576 embedding / LM head stays bf16,
+as the releases keep it).
 
 128-token random prompts, 64 new tokens, greedy, EOS ignored, batch 1 / 8 / 32, every engine
 at steady state (a warm-up run first), rounds interleaved. Reports output tokens/s over
@@ -27,18 +31,20 @@ from warmboot.config import cache_root
 from warmboot.models.demo import ensure_default_model
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
-VARIANTS = {  # name -> (bits, group size; None: per channel), or None: the bf16 checkpoint
-    "bf16": None,
+VARIANTS = {  # name -> (bits, group size; None: per channel), None: the bf16 checkpoint, or
+    "bf16": None,  # a quantization at load of it
     "int8": (8, None),
+    "fp8-at-load": "fp8",
     "int4-g64": (4, 64),
     "int4-g32": (4, 32),
 }
 PEER_TYPES = {"bf16": "bf16", "int8": "q8_0", "int4-g64": "q4_k_m", "int4-g32": "q4_k_m"}
+PEER_TYPES["fp8-at-load"] = "q8_0"
 
 
 def variant_dir(demo: Path, name: str) -> Path:
     """The demo model quantized as ``name`` (written once under the cache)."""
-    if VARIANTS[name] is None:
+    if VARIANTS[name] is None or isinstance(VARIANTS[name], str):
         return demo
     bits, group = VARIANTS[name]
     out = cache_root() / "models" / f"{demo.name}-{name}"
@@ -68,7 +74,8 @@ def main() -> None:
     dirs = {n: variant_dir(demo, n) for n in names}
     batches = [int(b) for b in args.batches.split(",")]
     peer = None if args.no_peer else Peer(demo, {PEER_TYPES[n] for n in names})
-    engines = {n: _engine(d, max(batches), args.prompt) for n, d in dirs.items()}
+    engines = {n: _engine(d, max(batches), args.prompt, _at_load(n)) for n, d in dirs.items()}
+    sizes = {n: _held_bytes(llm) for n, llm in engines.items()}
     runs: dict[tuple, list[dict]] = {}
     for r in range(args.rounds):
         for batch in batches:
@@ -79,17 +86,22 @@ def main() -> None:
                 for gguf in sorted(peer.files):
                     row = peer.run(gguf, batch, args.prompt, args.new)
                     runs.setdefault((f"llama.cpp {gguf}", batch), []).append(row)
-    sizes = {n: _weight_bytes(d) for n, d in dirs.items()}
     del engines
-    snaps = {} if args.no_snapshots else {n: snapshot_costs(d) for n, d in dirs.items()}
+    snaps = (
+        {} if args.no_snapshots else {n: snapshot_costs(d, _at_load(n)) for n, d in dirs.items()}
+    )
     report(args, demo, runs, sizes, snaps, peer)
 
 
-def _engine(path: Path, batch: int, prompt: int) -> LLM:
+def _at_load(name: str) -> str | None:
+    return VARIANTS[name] if isinstance(VARIANTS[name], str) else None
+
+
+def _engine(path: Path, batch: int, prompt: int, quantization: str | None) -> LLM:
     """An engine at steady state: its compiled steps ready (the default compiles them in the
     background), a whole batch's prompts prefilled in one step, as ``bench.decode``'s."""
     kw = dict(max_model_len=512, max_num_seqs=batch, max_num_batched_tokens=batch * prompt)
-    llm = LLM(str(path), dtype="bfloat16", **kw)
+    llm = LLM(str(path), dtype="bfloat16", quantization=quantization, **kw)
     llm.engine.wait_compiled()
     return llm
 
@@ -143,22 +155,24 @@ class Peer:
         }
 
 
-def _weight_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+def _held_bytes(llm: LLM) -> int:
+    """The model's parameter bytes (a tied embedding once)."""
+    return sum(p.nbytes for p in llm.engine.runner.model.parameters())
 
 
-def snapshot_costs(path: Path) -> dict:
+def snapshot_costs(path: Path, quantization: str | None = None) -> dict:
     """Image bytes and restore time (median of 3) of a tier-A snapshot of ``path`` (eager
     steps; ``WARMBOOT_START_BY_COST=0`` so each start restores)."""
     store = Path(tempfile.mkdtemp(prefix="wb-quant-snap-"))
     os.environ["WARMBOOT_START_BY_COST"] = "0"
+    kw = dict(dtype="bfloat16", snapshot_store=str(store), enforce_eager=True)
     try:
-        cold = LLM(str(path), dtype="bfloat16", snapshot_store=str(store), enforce_eager=True)
+        cold = LLM(str(path), quantization=quantization, **kw)
         cold_s = cold.engine.start_info.ready_s
         del cold
         infos = []
         for _ in range(3):  # NOTE: the median of 3 restores (one alone varied 2x)
-            warm = LLM(str(path), dtype="bfloat16", snapshot_store=str(store), enforce_eager=True)
+            warm = LLM(str(path), quantization=quantization, **kw)
             infos.append(warm.engine.start_info)
             assert infos[-1].path == "restored_image", infos[-1].reason
             del warm
@@ -188,8 +202,8 @@ def report(args, demo: Path, runs: dict, sizes: dict, snaps: dict, peer: Peer | 
         "tokens over prefill + decode (total) and over the decode alone (decode).",
         "",
         "| variant | weight bytes | batch | total tok/s | decode tok/s | vs bf16 (decode) "
-        "| llama.cpp same bits: total / decode | ours / llama.cpp (total, decode) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| bytes ceiling | llama.cpp same bits: total / decode | ours / llama.cpp (total, decode) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     rows = []
     for name in names:
@@ -198,6 +212,7 @@ def report(args, demo: Path, runs: dict, sizes: dict, snaps: dict, peer: Peer | 
             peer_row = med.get((f"llama.cpp {PEER_TYPES[name]}", b)) if peer else None
             row = {"variant": name, "batch": b, **ours, "weight_bytes": sizes[name]}
             row["vs_bf16_decode"] = base and ours["decode_tok_s"] / base["decode_tok_s"]
+            row["bytes_ceiling"] = sizes.get("bf16", 0) / sizes[name]
             if peer_row:
                 row["peer"] = peer_row
                 row["vs_peer_total"] = ours["total_tok_s"] / peer_row["total_tok_s"]
@@ -234,7 +249,8 @@ def _line(row: dict, peer_type: str) -> str:
     vs = f"{row['vs_bf16_decode']:.2f}x" if row["vs_bf16_decode"] else "-"
     return (
         f"| {row['variant']} | {row['weight_bytes'] / 1e6:.0f} MB | {row['batch']} | "
-        f"{row['total_tok_s']:.1f} | {row['decode_tok_s']:.1f} | {vs} | {peer_cell} | {ratio} |"
+        f"{row['total_tok_s']:.1f} | {row['decode_tok_s']:.1f} | {vs} | "
+        f"{row['bytes_ceiling']:.2f}x | {peer_cell} | {ratio} |"
     )
 
 

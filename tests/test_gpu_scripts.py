@@ -54,3 +54,17 @@ def test_attention_bench_smoke_in_the_interpreter(tmp_path):
         assert all(row[v] > 0 for v in variants), row
     assert [r["query_len"] for r in out["decode"]] == [1, 4]
     assert all(r["kernel_GBps"] > 0 and r["copy_GBps"] > 0 for r in out["decode"])
+
+
+def test_quant_gemm_bench_smoke_in_the_interpreter(tmp_path):
+    """The Triton quantized linear's GPU check at tiny sizes in the interpreter: every format
+    close to the dequantized reference (bf16 rounding), the timing part's code run."""
+    out_file = tmp_path / "gpu_quant.json"
+    cmd = [sys.executable, "-m", "bench.gpu_quant", "--cpu", "--smoke", "--out", str(out_file)]
+    done = run_script(cmd, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(out_file.read_text())
+    assert "errors" not in out, out.get("errors")
+    assert {r["fmt"] for r in out["correctness"]} == {"int8", "int4-g128", "fp8", "fp4-g32"}
+    assert all(r["rel_err"] < 2e-2 for r in out["correctness"]), out["correctness"]
+    assert all(r["fp4-g32_ms"] > 0 and r["bf16_ms"] > 0 for r in out["timing"])

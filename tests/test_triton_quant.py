@@ -8,7 +8,8 @@ rounding). A wrong code, scale or zero in one group moves a result by about grou
 scale: far outside the bound.
 
 Decoding is checked exactly: identity rows of x give ``y = W.T`` bit for bit; every FP8 byte
-(subnormals, both zeros, NaN 0x7F / 0xFF) and every FP4 nibble (low and high) appear.
+(subnormals, both zeros, NaN 0x7F / 0xFF) and every FP4 nibble (low and high) appear; bf16
+roundings tie to even. The default launch configs also compile for sm_90 (no GPU here).
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # NOTE: before triton is first imported (jit decorations)
 
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 import zlib  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -29,6 +34,7 @@ from warmboot.kernels.quant import FP4, FP8  # noqa: E402
 from warmboot.kernels.triton_quant import triton_quant_linear  # noqa: E402
 
 pytestmark = pytest.mark.slow  # Triton kernels in the interpreter
+ROOT = Path(__file__).resolve().parents[1]
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-10}
 
 
@@ -173,7 +179,7 @@ def test_fp4_every_nibble(dtype):
 
 def test_bf16_ties():
     """Weights halfway between two bf16 values round to the even one, as torch's cast does:
-    scales 1 + 2^-8 (ties down) and 1 + 3 * 2^-8 (ties up) times codes +-2^i."""
+    scales 1 + 2^-8 (ties down) and 1 + 3 * 2^-8 (ties up) times codes +-2^i; then a bias."""
     g = _gen("ties")
     n, k, gs = 40, 64, 32
     codes = _codes(n, k, 8, g)
@@ -187,6 +193,11 @@ def test_bf16_ties():
     ties = (bits & 0xFFFF) == 0x8000
     assert (ties & (bits & 0x10000 == 0)).sum() > 10 and (ties & (bits & 0x10000 != 0)).sum() > 10
     assert torch.equal(y, w.T)
+    bias = torch.randn(n, generator=g)  # rounded to bf16, then added: one rounding of the sum
+    y = triton_quant_linear(
+        torch.eye(k, dtype=torch.bfloat16), packed, scales, None, bias, n, 8, gs
+    )
+    assert torch.equal(y, (w.T.double() + bias.bfloat16().double()).bfloat16())
 
 
 def test_refusals():
@@ -207,3 +218,56 @@ def test_refusals():
         triton_quant_linear(x, packed, scales, None, None, n, 8, 48)
     with pytest.raises(ValueError, match="x must be"):
         triton_quant_linear(x.double(), packed, scales, None, None, n, 8, gs)
+
+
+AOT_CASES = [  # (x dtype, rows, K, bits, group size, zeros): defaults of decode and prefill
+    ("bfloat16", 1, 4096, 4, 128, True),
+    ("bfloat16", 1, 4096, 8, 4096, False),
+    ("bfloat16", 1, 4096, FP8, 128, False),
+    ("bfloat16", 1, 2880, FP4, 32, False),
+    ("float16", 128, 4096, 4, 16, True),
+    ("bfloat16", 128, 4096, FP8, 128, False),
+    ("float32", 1, 4096, 4, 128, False),
+    ("float32", 128, 4096, 8, 128, True),
+]
+AOT_SCRIPT = """
+import json, sys
+sys.path.insert(0, sys.argv[1] + "/bench")
+import torch
+from sass_check import compile_kernel, sass_opcodes, tools_available
+from warmboot.kernels import triton_quant as tq
+out = {}
+for dtype, m, k, bits, gs, zeros in json.loads(sys.argv[2]):
+    cfg = tq.launch_config(getattr(torch, dtype), m, k, bits, gs, zeros, True)
+    t = {"float32": "*fp32", "bfloat16": "*bf16", "float16": "*fp16"}[dtype]
+    ptrs = dict(X=t, Codes="*u8", Scales="*bf16", Zeros="*u8", Bias="*bf16", Y=t)
+    ops = sass_opcodes(compile_kernel(tq._quant_linear_kernel, cfg, ptrs, set(), 90).asm["cubin"])
+    out[repr((dtype, m, k, bits, gs, zeros))] = dict(
+        mma=sum(n for op, n in ops.items() if "MMA." in op and "FMA" not in op),
+        local=ops.get("LDL", 0) + ops.get("STL", 0), emu=cfg["EMU_BF16"])
+print(json.dumps(out))
+"""
+
+
+def _aot_tools() -> bool:
+    """ptxas / cuobjdump in Triton's wheel (as ``tests.test_triton_aot``)."""
+    import triton
+
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    return all((bin_dir / t).is_file() for t in ("ptxas", "cuobjdump"))
+
+
+@pytest.mark.skipif(not _aot_tools(), reason="ptxas/cuobjdump not shipped with this Triton wheel")
+def test_sm90_compile(tmp_path):
+    """The default launch configs compile ahead of time for sm_90 (no GPU: a subprocess
+    without the interpreter): bf16/fp16 x on tensor cores, no local memory (spills)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
+    args = [sys.executable, "-c", AOT_SCRIPT, str(ROOT), json.dumps(AOT_CASES)]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    kernels = json.loads(proc.stdout.splitlines()[-1])
+    assert len(kernels) == len(AOT_CASES)
+    for case, got in kernels.items():
+        assert not got["emu"] and got["local"] == 0, (case, got)
+        assert got["mma"] > 0 or "float32" in case, (case, got)

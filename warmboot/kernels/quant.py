@@ -19,8 +19,8 @@ groups are not consecutive inputs (GPTQ's ``desc_act``) carries ``perm``: the GE
 ``warmboot::quant_linear`` is one op (opaque to a compiled step): the native kernel on the CPU
 (at every row count: at 3072x576 it took 0.3 / 1.1 / 3.0 ms for 16 / 64 / 256 rows where
 dequantizing the weight in torch for the call and torch's GEMM took 4-9 ms; FP8 codes too),
-else the weight dequantized for the call and torch's GEMM (CUDA until a Triton kernel lands, a
-CPU without the native library).
+the Triton kernel on CUDA (``kernels.triton_quant``: interpreter-tested, GPU unverified), else
+the weight dequantized for the call and torch's GEMM (a CPU without the native library).
 """
 
 from __future__ import annotations
@@ -156,9 +156,13 @@ def quant_linear(
 ) -> torch.Tensor:
     if perm is not None:
         x = x.index_select(-1, perm)
+    args = (x, packed, scales, zeros, bias, out_features, bits, group_size)
     if _native(x) and bits != FP4:  # TODO(fp4): the native kernel's FP4 route is on its way
-        args = (x, packed, scales, zeros, bias, out_features, bits, group_size)
         return torch.ops.warmboot_cpu.quant_linear(*args)
+    if x.is_cuda:
+        from warmboot.kernels.triton_quant import triton_quant_linear
+
+        return triton_quant_linear(*args)
     w = dequantize(packed, scales, zeros, bits, group_size, out_features, x.dtype)
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 

@@ -22,12 +22,16 @@ Decoding, all integer/bit arithmetic (exact in the interpreter and on any GPU, n
   0x7F / 0xFF decode to NaN (e4m3fn has no infinities);
 - FP4 e2m1: ``m / 2`` (``e == 0``) or ``(2 + m) << e >> 1`` halves, bit 3 the sign.
 
-No split-K (decode rows: ``BLOCK_M = 16``, ``BLOCK_N = 32``, as many programs as panels). No
-host synchronisation, launches depend only on shapes (CUDA-graph capturable). On the CPU it runs
-in Triton's interpreter (``TRITON_INTERPRET=1``): slow, for tests only.
+No split-K (decode rows: ``BLOCK_M = 16``, ``BLOCK_N = 32``, as many programs as panels). K
+and the group size are constexprs (Triton 3.6's interpreter cannot loop to an int argument):
+one compile per layer shape, N and M free. No host synchronisation, launches depend only on
+shapes (CUDA-graph capturable). On the CPU it runs in Triton's interpreter
+(``TRITON_INTERPRET=1``): slow, for tests only; there bf16 is emulated (``EMU_BF16``: the
+interpreter's casts to bf16 truncate and its dots multiply bf16 bit patterns).
 
-GPU unverified: written and tested in the interpreter only; block sizes and ``num_warps`` are
-untuned guesses.
+GPU unverified: tested in the interpreter only, and compiled ahead of time for sm_90 (tensor-core
+MMAs, no spills; ``tests/test_triton_quant.py``), never run on a GPU; tile sizes and
+``num_warps`` are untuned guesses.
 """
 
 from __future__ import annotations
@@ -175,7 +179,7 @@ def _quant_linear_kernel(
         else:
             acc += bias.to(out_ty).to(tl.float32)[None, :]
     if EMU_BF16:
-        acc = acc  # the cast below then is exact
+        acc = _round_bf16(acc)  # the cast below then is exact
     y_ptrs = Y + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
     tl.store(y_ptrs, acc.to(out_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -185,26 +189,38 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _config(m: int, bits: int, group_size: int, block_m, block_n, block_k) -> dict:
-    """Tile sizes: decode rows (M <= 16) get 16 x 32 tiles and 128-input steps; more rows
-    wider tiles. Overrides (powers of two) are for tests."""
+def launch_config(
+    dtype, m: int, k: int, bits: int, group_size: int, zeros: bool, bias: bool, blocks=None
+) -> dict:
+    """The kernel's constexprs for x of ``dtype`` and ``m`` rows. Tiles: decode rows (M <= 16)
+    16 x 32 and up to 128-input steps, more rows 64 wide and up to 64 (float32 x: the
+    shortest steps, its FMA dot spilled at 64 x 64 x 64 for sm_90). ``blocks``: overrides
+    (``block_m``/``block_n``/``block_k``, powers of two; tests)."""
+    blocks = blocks or {}
     min_k = 32 if abs(bits) == 4 else 16  # a dot takes >= 16 inputs; 4 bits: two half-steps
-    if block_m is None:
-        block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    if block_n is None:
-        block_n = COLS if m <= 16 else 2 * COLS
-    if block_k is None:
+    bm = blocks.get("block_m") or (16 if m <= 16 else 32 if m <= 32 else 64)
+    bn = blocks.get("block_n") or (COLS if m <= 16 else 2 * COLS)
+    bk = blocks.get("block_k")
+    if bk is None:
         pow2 = group_size & -group_size  # the largest power of two dividing the group size
-        cap = MAX_BLOCK_K if block_n == COLS else MAX_BLOCK_K // 2
-        block_k = min(pow2, cap) if pow2 >= min_k else 32
-    for name, v, lo in (
-        ("block_m", block_m, 16),
-        ("block_n", block_n, COLS),
-        ("block_k", block_k, min_k),
-    ):
+        cap = MAX_BLOCK_K if bn == COLS else MAX_BLOCK_K // 2
+        cap = min_k if dtype == torch.float32 and bn > COLS else cap
+        bk = min(pow2, cap) if pow2 >= min_k else 32
+    for name, v, lo in (("block_m", bm, 16), ("block_n", bn, COLS), ("block_k", bk, min_k)):
         _check(v >= lo and v & (v - 1) == 0, f"{name} {v} must be a power of two >= {lo}")
-    one_group = group_size % block_k == 0
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ONE_GROUP=one_group)
+    return dict(
+        K=k,
+        KIND=_KINDS[bits],
+        BITS=abs(bits),
+        GROUP=group_size,
+        ONE_GROUP=group_size % bk == 0,
+        ZERO=-1 if zeros else 1 << (abs(bits) - 1),
+        HAS_BIAS=bias,
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        EMU_BF16=tuning.interpreting() and dtype == torch.bfloat16,
+    )
 
 
 def _check_args(x, packed, scales, zeros, bias, n: int, bits: int, group_size: int) -> None:
@@ -258,7 +274,10 @@ def triton_quant_linear(
     m = x2.shape[0]
     y = torch.empty(m, out_features, dtype=x.dtype, device=x.device)
     if m:
-        cfg = _config(m, bits, group_size, block_m, block_n, block_k)
+        blocks = dict(block_m=block_m, block_n=block_n, block_k=block_k)
+        cfg = launch_config(
+            x.dtype, m, k, bits, group_size, zeros is not None, bias is not None, blocks
+        )
         grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(out_features, cfg["BLOCK_N"]))
         scales = scales.contiguous()
         _quant_linear_kernel[grid](
@@ -273,13 +292,6 @@ def triton_quant_linear(
             x2.stride(0),
             x2.stride(1),
             y.stride(0),
-            K=k,
-            KIND=_KINDS[bits],
-            BITS=abs(bits),
-            GROUP=group_size,
-            ZERO=1 << (abs(bits) - 1) if zeros is None else -1,
-            HAS_BIAS=bias is not None,
-            EMU_BF16=tuning.interpreting() and x.dtype == torch.bfloat16,
             num_warps=4,
             **cfg,
         )
