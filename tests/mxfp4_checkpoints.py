@@ -29,14 +29,15 @@ SPEC = SPECS["gpt_oss"][1] | dict(hidden_size=64, intermediate_size=64, num_hidd
 NOT_CONVERTED = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens"]
 
 
-def write_gpt_oss_mxfp4(out: Path, seed: int = 0) -> Path:
-    """The tiny GPT-OSS with MXFP4 experts in ``out``."""
+def write_gpt_oss_mxfp4(out: Path, seed: int = 0, spec: dict | None = None) -> Path:
+    """The tiny GPT-OSS (or one of config ``spec``) with MXFP4 experts in ``out``; its dense
+    bf16 original beside it (``out-dense``)."""
     dense = out.with_name(out.name + "-dense")
-    make_dense(dense)
+    make_dense(dense, spec or SPEC)
     tensors = load_file(str(dense / "model.safetensors"))
     gen = torch.Generator().manual_seed(seed)
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        w = tensors.pop(name).transpose(1, 2)  # NOTE: (E, out, in)
+        w = tensors.pop(name).transpose(1, 2).float()  # NOTE: (E, out, in)
         tensors[name + "_blocks"], tensors[name + "_scales"] = quantize(w, gen)
     out.mkdir(parents=True, exist_ok=True)
     for f in dense.iterdir():
@@ -49,10 +50,10 @@ def write_gpt_oss_mxfp4(out: Path, seed: int = 0) -> Path:
     return out
 
 
-def make_dense(out: Path) -> Path:
+def make_dense(out: Path, spec: dict) -> Path:
     import transformers
 
-    config = transformers.GptOssConfig(**(_COMMON | SPEC))
+    config = transformers.GptOssConfig(**(_COMMON | spec))
     torch.manual_seed(tiny_models.SEED)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     _perturb(model)

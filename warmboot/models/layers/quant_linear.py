@@ -73,17 +73,12 @@ class QuantMethod(LinearMethod):
         return parts[0]
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.warmboot.quant_linear(
-            self.quantize_input(x, layer.input_scale),
-            layer.weight,
-            layer.weight_scale,
-            layer.weight_zero,
-            layer.weight_perm,
-            layer.bias,
-            layer.out_features,
-            self.code_bits,
-            self.group_size(layer),
-        )
+        x = self.quantize_input(x, layer.input_scale)
+        w = (layer.weight, layer.weight_scale, layer.weight_zero)
+        shape = (layer.out_features, self.code_bits, self.group_size(layer))
+        if layer.weight_perm is None and quant.runs_native(x):  # NOTE: without this op's Python
+            return torch.ops.warmboot_cpu.quant_linear(x, *w, layer.bias, *shape)
+        return torch.ops.warmboot.quant_linear(x, *w, layer.weight_perm, layer.bias, *shape)
 
 
 _LINEAR_LEAVES = {

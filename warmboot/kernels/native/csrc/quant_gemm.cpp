@@ -1,12 +1,13 @@
 // Weight-only quantized GEMM at decode sizes (1 to ~64 rows): y = x @ dequant(W).T + b, W kept
-// as 4- or 8-bit integer codes or FP8 e4m3 ones, dequantized in registers and streamed once per
-// call (panels in chunks, as gemm.cpp: parallel_chunks, the next panel fetched while one
-// computes).
+// as 4- or 8-bit integer codes or FP8 e4m3 / FP4 e2m1 ones, dequantized in registers and
+// streamed once per call (panels in chunks, as gemm.cpp: parallel_chunks, the next panel fetched
+// while one computes).
 //
 // Layout "panel32" (fixed, the same on every ISA: snapshots store it): codes (N, K) uint8 in
 // P = ceil(N/32) panels of 32 output rows, rows past N zero;
 // - bits 8 (and FP8, bits -8): (P, K, 32), [p, k, c] = codes[32p + c, k];
-// - bits 4: (P, K/2, 32), [p, j, c] = codes[32p + c, 2j] | codes[32p + c, 2j + 1] << 4.
+// - bits 4 (and FP4, bits -4): (P, K/2, 32), [p, j, c] = codes[32p + c, 2j] |
+//   codes[32p + c, 2j + 1] << 4.
 // scales (P, G, 32) fp16/bf16/fp32 (G = K / group_size), zeros (P, G, 32) uint8 or none
 // (symmetric: 2^(bits-1)). y[m, n] = sum_g s[n,g] * sum_{k in g} x[m,k] * (u[n,k] - z[n,g]).
 // A group sums part = x . u in fp32 (u small exact integers), then acc += s * part - (z * s) * xs
@@ -25,6 +26,14 @@
 // - fp16 (the others): (b & 0x80) << 8 | (b & 0x7F) << 7 is fp16 fp8(b) * 2^-8 (exponent biases
 //   15 and 7), vcvtph2ps'd (F16C; 1.4); the BF16 dot products take its fp32's high half.
 // The NaN codes 0x7F / 0xFF read as +-480 on every route: checkpoints hold none.
+// FP4 (bits -4, MXFP4): the 4-bit layout, nibbles e2m1 (bit 3 the sign; 0, .5, 1, 1.5, 2, 3, 4,
+// 6), no zeros: y = sum_g s * (x . fp4(u)). Exact values by 16-entry tables, no power of 2 left
+// to the scales (bits alone would make 0.5 a subnormal, which the dot products read as 0):
+// - fp32 FMAs: vpermps (4 index bits: the nibble as it stands);
+// - BF16 dot products (every row count): bf16 pairs by vpermw (5 index bits: the table twice,
+//   bit 4 the next nibble's), the nibbles placed by vpshufb and vpsrlvw, or at one row with
+//   VBMI (the table route: 5-11% faster there, no faster from 2 rows) by vpmultishiftqb;
+// - AVX2: an 8-entry vpermd, the sign XOR'd in.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -32,6 +41,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cstring>
 #include <vector>
 
@@ -44,12 +54,16 @@ namespace {
 constexpr int64_t kCols = 32;
 constexpr int kFp8 = -8;     // bits of FP8 e4m3 codes (the fp16 route)
 constexpr int kFp8Sub = -9;  // FP8 codes by the subnormal route (the kernels' own)
+constexpr int kFp4 = -4;     // bits of FP4 e2m1 codes
+template <int BITS>
+constexpr int kWidth = BITS == 4 || BITS == kFp4 ? 4 : 8;  // bits a code takes
 constexpr float kSubX = 0x1p64f;  // the subnormal route's x multiplier
 // The scales' multiplier: the power of 2 the codes as read (and x) leave out (the table
 // route's: kFp8's)
 template <int BITS>
 constexpr float kSMul = BITS == kFp8 ? 0x1p8f : BITS == kFp8Sub ? 0x1p56f : 1.f;
-enum Fp8Routes : int { kSubnormal = 1, kTable = 2 };  // those on (the fp16 route: always)
+// those on (the fp16 route: always); kTable: FP4's table route too
+enum Fp8Routes : int { kSubnormal = 1, kTable = 2 };
 enum ScaleType : int { kF32, kF16, kBF16 };
 
 // One call's operands.
@@ -120,6 +134,25 @@ struct Fp8Table {
     }
   }
 };
+
+// FP4's tables by nibble u: fp32 fp4(u), bf16 fp4(u) twice over (vpermw reads 5 index bits, the
+// fifth the other nibble's), and for AVX2 fp4(u)'s fp32 bits ^ u << 28 (u < 8; see fp4x8).
+struct Fp4Tables {
+  alignas(64) float f32[16];
+  alignas(64) uint16_t bf16[32];
+  alignas(32) int32_t avx2[8];
+  constexpr Fp4Tables() : f32(), bf16(), avx2() {
+    constexpr float kMag[8] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+    for (int u = 0; u < 32; ++u) {
+      const float v = u & 8 ? -kMag[u & 7] : kMag[u & 7];
+      const auto bits = std::bit_cast<uint32_t>(v);
+      if (u < 16) f32[u] = v;
+      bf16[u] = static_cast<uint16_t>(bits >> 16);
+      if (u < 8) avx2[u] = static_cast<int32_t>(bits ^ uint32_t(u) << 28);
+    }
+  }
+};
+constexpr Fp4Tables kFp4s;
 
 // The table route's tables: bf16 fp8(u) * 2^-8's low and high bytes by u & 0x7F, and each half
 // of the columns' vpermb control: 32-bit lane c takes byte c twice, then byte 32 + c twice.
@@ -220,6 +253,24 @@ inline __m512bh nibbles_bf16(const uint8_t* p, __m512i ctl) {
                                              _mm512_set1_epi32(0x41804180), 0xEA);  // a & b | c
 }
 
+// bf16 pairs fp4(u) of 16 columns of nibble pairs: nibbles_bf16's bytes, the even k's from
+// byte 1 by 8 (bit 4 the odd nibble's: the table is there twice), the odd k's from byte 2 by 4,
+// looked up (vpermw). tab: kFp4s.bf16.
+inline __m512bh fp4_bf16(const uint8_t* p, __m512i ctl, __m512i tab) {
+  const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128(at16(p)));
+  const __m512i t = _mm512_srlv_epi16(_mm512_shuffle_epi8(b, ctl), _mm512_set1_epi32(0x40008));
+  return (__m512bh)_mm512_permutexvar_epi16(t, tab);
+}
+
+// 16 columns of 4-bit codes as fp32 from their bytes in b's 32-bit lanes, the low nibbles (LO)
+// or the high ones: FP4 by table (vpermps reads 4 index bits), else u
+template <int BITS, bool LO>
+inline __m512 nib16(__m512i b, __m512 tab) {
+  if constexpr (!LO) b = _mm512_srli_epi32(b, 4);
+  if constexpr (BITS == kFp4) return _mm512_permutexvar_ps(b, tab);
+  return _mm512_cvtepi32_ps(LO ? _mm512_and_si512(b, _mm512_set1_epi32(15)) : b);
+}
+
 // NOTE: named accumulators, not arrays (gemm.cpp's NOTE). p takes the even k (fp32) or even k
 // pairs (dot products), q the others where SPLIT: few rows still have independent chains.
 #define QG_DECL(r) __m512 p##r##0 = _mm512_setzero_ps(), p##r##1 = p##r##0, q##r##0 = p##r##0, \
@@ -252,7 +303,10 @@ inline __m512bh nibbles_bf16(const uint8_t* p, __m512i ctl) {
     constexpr bool odd = ODD, tail = TAIL;                                             \
     const uint8_t* b = q.w + kk * kCols * WB / 8;                                      \
     fetch(q, kk * kCols * WB / 8);                                                     \
-    if constexpr (DP && WB == 4) {                                                     \
+    if constexpr (DP && BITS == kFp4) {                                                \
+      const __m512bh v0 = fp4_bf16(b, ctl, f4b), v1 = fp4_bf16(b + 16, ctl, f4b);      \
+      QG_ROWS(QG_DP)                                                                   \
+    } else if constexpr (DP && WB == 4) {                                              \
       const __m512bh v0 = nibbles_bf16(b, ctl), v1 = nibbles_bf16(b + 16, ctl);        \
       QG_ROWS(QG_DP)                                                                   \
     } else {                                                                           \
@@ -263,11 +317,8 @@ inline __m512bh nibbles_bf16(const uint8_t* p, __m512i ctl) {
       } else {                                                                         \
         const __m512i b0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(at16(b)));             \
         const __m512i b1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(at16(b + 16)));        \
-        const __m512i lo = _mm512_set1_epi32(15);                                      \
-        e0 = _mm512_cvtepi32_ps(_mm512_and_si512(b0, lo));                             \
-        e1 = _mm512_cvtepi32_ps(_mm512_and_si512(b1, lo));                             \
-        o0 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b0, 4));                             \
-        o1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(b1, 4));                             \
+        e0 = nib16<BITS, true>(b0, f4), e1 = nib16<BITS, true>(b1, f4);                \
+        o0 = nib16<BITS, false>(b0, f4), o1 = nib16<BITS, false>(b1, f4);              \
       }                                                                                \
       if constexpr (DP) {                                                              \
         const __m512bh v0 = pairs_bf16(e0, o0), v1 = pairs_bf16(e1, o1);               \
@@ -277,7 +328,7 @@ inline __m512bh nibbles_bf16(const uint8_t* p, __m512i ctl) {
       }                                                                                \
     }                                                                                  \
   }
-// acc (row r's 32 fp32) += s * (p + q) - zs * xs (FP8: no zs)
+// acc (row r's 32 fp32) += s * (p + q) - zs * xs (FP8 / FP4: no zs)
 #define QG_FLUSH(r)                                                                    \
   if constexpr (MR > r) {                                                              \
     if constexpr (SPLIT) p##r##0 = _mm512_add_ps(p##r##0, q##r##0);                    \
@@ -297,11 +348,12 @@ inline __m512bh nibbles_bf16(const uint8_t* p, __m512i ctl) {
 template <int MR, int BITS, bool DP>
 void panel512(const Call& c, const Panel& q, int64_t r0, float* acc) {
   constexpr bool SPLIT = MR <= 4;
-  constexpr int WB = BITS == 4 ? 4 : 8;  // bits a code takes
+  constexpr int WB = kWidth<BITS>;
   const float* x = DP ? nullptr : c.x + r0 * c.k;
   const uint16_t* xb = DP ? c.xb + r0 * c.k : nullptr;
   const float* xs = c.xs ? c.xs + r0 * c.groups : nullptr;
-  const __m512i ctl = _mm512_load_si512(kNibbleCtl.b);
+  const __m512i ctl = _mm512_load_si512(kNibbleCtl.b), f4b = _mm512_load_si512(kFp4s.bf16);
+  [[maybe_unused]] const __m512 f4 = _mm512_load_ps(kFp4s.f32);
   for (int64_t g = 0; g < c.groups; ++g) {
     QG_ROWS(QG_DECL)
     const int64_t kend = (g + 1) * c.gs;
@@ -353,29 +405,46 @@ inline __m512bh fp8_pairs(__m512i raw, __m512i ctl, const Fp8Regs& t) {
   return (__m512bh)_mm512_ternarylogic_epi32(w, i, _mm512_set1_epi16(-32768), 0xF8);  // a | b & c
 }
 
-// k pair (K0, K0 + 1), TAIL: K0 alone (its 32 bytes, the rest zero)
+// bf16 pairs fp4(u) of 16 columns of nibble pairs (FP4's table route: 3 instructions as
+// fp4_bf16, faster at one row): the bytes of columns 2i and 2i + 1 in 64-bit lane i, each 16-bit
+// word's low byte taken from bit 0, 4, 8 or 12 (vpmultishiftqb: the even and the odd k of both
+// columns, bit 4 the next nibble's), looked up (vpermw).
+inline __m512bh fp4_pairs(const uint8_t* p, __m512i tab) {
+  const __m512i b = _mm512_cvtepu16_epi64(_mm_loadu_si128(at16(p)));
+  const __m512i t = _mm512_multishift_epi64_epi8(_mm512_set1_epi64(0x000C000800040000ll), b);
+  return (__m512bh)_mm512_permutexvar_epi16(t, tab);
+}
+
+// k pair (K0, K0 + 1), TAIL: K0 alone (FP8: its 32 bytes, the rest zero)
 #define QG_TABLE_STEP(K0, ODD, TAIL)                                                        \
   {                                                                                         \
     const int64_t kk = K0;                                                                  \
     constexpr bool odd = ODD, tail = TAIL;                                                  \
-    const uint8_t* b = q.w + kk * kCols;                                                    \
-    fetch(q, kk * kCols);                                                                   \
-    const __m512i raw = tail ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, b) : _mm512_loadu_si512(b); \
-    const __m512bh v0 = fp8_pairs(raw, t.ctl0, t), v1 = fp8_pairs(raw, t.ctl1, t);          \
+    const uint8_t* b = q.w + kk * kCols * kWidth<BITS> / 8;                                 \
+    fetch(q, kk * kCols * kWidth<BITS> / 8);                                                \
+    __m512bh v0, v1;                                                                        \
+    if constexpr (BITS == kFp4) {                                                           \
+      v0 = fp4_pairs(b, f4b), v1 = fp4_pairs(b + 16, f4b);                                  \
+    } else {                                                                                \
+      const __m512i raw =                                                                   \
+          tail ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, b) : _mm512_loadu_si512(b);         \
+      v0 = fp8_pairs(raw, t.ctl0, t), v1 = fp8_pairs(raw, t.ctl1, t);                       \
+    }                                                                                       \
     QG_ROWS(QG_DP)                                                                          \
   }
 
-// panel512's dot products on FP8 codes by table
+// panel512's dot products on FP8 or FP4 codes by table
 template <int MR, int BITS, bool>
 void panel_table(const Call& c, const Panel& q, int64_t r0, float* acc) {
   constexpr bool SPLIT = MR <= 4;
   const uint16_t* xb = c.xb + r0 * c.k;
-  const float* xs = nullptr;  // FP8: no zero points
+  const float* xs = nullptr;  // FP8 / FP4: no zero points
   const auto* f = &kFp8Bf16;
   const Fp8Regs t{_mm512_load_si512(f->lo),     _mm512_load_si512(f->lo + 64),
                   _mm512_load_si512(f->hi),     _mm512_load_si512(f->hi + 64),
                   _mm512_load_si512(f->ctl[0]), _mm512_load_si512(f->ctl[1])};
-  const __m512 mul = _mm512_set1_ps(kSMul<kFp8>);
+  const __m512i f4b = _mm512_load_si512(kFp4s.bf16);
+  const __m512 mul = _mm512_set1_ps(kSMul<BITS>);
   for (int64_t g = 0; g < c.groups; ++g) {
     QG_ROWS(QG_DECL)
     const int64_t kend = (g + 1) * c.gs;
@@ -394,9 +463,16 @@ void panel_table(const Call& c, const Panel& q, int64_t r0, float* acc) {
 }
 QG_BLOCK_OF(block_table, panel_table)
 
+// FP4's blocks of 2 rows or more: panel512's (fp4_bf16), as fast or faster there
+template <int BITS>
 void panels_table(const Call& c, Panel q, float* acc) {
   for (int64_t r = 0; r < c.m; r += 8) {
-    block_table<8, kFp8, true>(std::min<int64_t>(8, c.m - r), c, q, r, acc + r * kCols);
+    const int64_t mr = std::min<int64_t>(8, c.m - r);
+    if (BITS == kFp4 && mr > 1) {
+      block512<8, BITS, true>(mr, c, q, r, acc + r * kCols);
+    } else {
+      block_table<BITS == kFp4 ? 1 : 8, BITS, true>(mr, c, q, r, acc + r * kCols);
+    }
     q.pf = q.w;
   }
 }
@@ -423,8 +499,7 @@ void panels_table(const Call& c, Panel q, float* acc) {
       e = w8x8<BITS>(b), o = w8x8<BITS>(b + kCols);                         \
     } else {                                                                \
       const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(at16(b)));     \
-      e = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));   \
-      o = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));                      \
+      e = nib8<BITS, true>(v), o = nib8<BITS, false>(v);                    \
     }                                                                       \
     Q2_ROWS(Q2_EVEN)                                                        \
     Q2_ROWS(Q2_ODD)                                                         \
@@ -457,6 +532,23 @@ inline __m256 sub8(const uint8_t* p) {
   return _mm256_castsi256_ps(_mm256_and_si256(s, _mm256_set1_epi32(kSubMask)));
 }
 
+// 8 columns of FP4 codes as fp32 from nibbles u (bits 0-3 of the lanes, zero above): the table
+// by u's 3 low bits (vpermd), XOR u << 28 takes its u << 28 back and leaves the sign at bit 31.
+inline __m256 fp4x8(__m256i u) {
+  const __m256i t = _mm256_load_si256(reinterpret_cast<const __m256i*>(kFp4s.avx2));
+  return _mm256_castsi256_ps(_mm256_xor_si256(_mm256_permutevar8x32_epi32(t, u),
+                                              _mm256_slli_epi32(u, 28)));
+}
+
+// 8 columns of 4-bit codes as fp32 from their bytes in v's lanes, the low nibbles (LO) or high
+template <int BITS, bool LO>
+inline __m256 nib8(__m256i v) {
+  if constexpr (LO) v = _mm256_and_si256(v, _mm256_set1_epi32(15));
+  if constexpr (!LO) v = _mm256_srli_epi32(v, 4);
+  if constexpr (BITS == kFp4) return fp4x8(v);
+  return _mm256_cvtepi32_ps(v);
+}
+
 template <int BITS>
 inline __m256 w8x8(const uint8_t* p) {
   if constexpr (BITS == kFp8) return fp8x8(p);
@@ -479,7 +571,7 @@ inline __m256 scales8(const char* s, int sdt, int64_t i) {
 // stay in L1 while the four slices read them; s * part per block, (z * s) * xs per group.
 template <int MR, int BITS, bool>
 void panel_avx2(const Call& c, const Panel& q, int64_t r0, float* acc) {
-  constexpr int WB = BITS == 4 ? 4 : 8;
+  constexpr int WB = kWidth<BITS>;
   const float *x = c.x + r0 * c.k, *xs = c.xs ? c.xs + r0 * c.groups : nullptr;
   for (int64_t g = 0; g < c.groups; ++g) {
     const int64_t kend = (g + 1) * c.gs;
@@ -529,10 +621,11 @@ void panels_portable(const Call& c, Panel q, float* acc) {
   for (int64_t g = 0; g < c.groups; ++g) {
     part.assign(c.m * kCols, 0.f);
     for (int64_t k = g * c.gs; k < (g + 1) * c.gs; ++k) {
-      const uint8_t* b = q.w + (BITS == 4 ? k / 2 : k) * kCols;
+      const uint8_t* b = q.w + (kWidth<BITS> == 4 ? k / 2 : k) * kCols;
       float w[kCols];
       for (int i = 0; i < kCols; ++i) {
-        w[i] = BITS == kFp8 ? fp8.v[b[i]] : BITS == 8 ? b[i] : k % 2 ? b[i] >> 4 : b[i] & 15;
+        const int u = kWidth<BITS> == 8 ? b[i] : k % 2 ? b[i] >> 4 : b[i] & 15;
+        w[i] = BITS == kFp8 ? fp8.v[u] : BITS == kFp4 ? kFp4s.f32[u] : u;
       }
       for (int64_t r = 0; r < c.m; ++r) {
         float* __restrict pr = part.data() + r * kCols;
@@ -545,7 +638,7 @@ void panels_portable(const Call& c, Panel q, float* acc) {
       const float zs = (q.z ? q.z[g * kCols + i] : c.zsym) * s;
       for (int64_t r = 0; r < c.m; ++r) {
         const float sum = s * part[r * kCols + i];
-        acc[r * kCols + i] += BITS == kFp8 ? sum : sum - zs * c.xs[r * c.groups + g];
+        acc[r * kCols + i] += BITS < 0 ? sum : sum - zs * c.xs[r * c.groups + g];
       }
     }
   }
@@ -571,11 +664,12 @@ void store(const float* acc, int64_t m, const at::Tensor& y, const at::Tensor& b
 using Panels = void (*)(const Call&, Panel, float*);
 
 // The panel kernels for this CPU's set: the BF16 dot products (dp) for bf16 x (8 bits and FP8's
-// fp16 route: from 2 rows; one row runs faster on fp32 FMAs). FP8 on AVX2 wants F16C.
+// fp16 route: from 2 rows, one row runs faster on fp32 FMAs; 4 bits and FP4: every row count).
+// FP8 on AVX2 wants F16C.
 template <int BITS>
 Panels pick(Isa isa, bool bf16_x, int64_t m, bool* dp) {
   static const bool f16c = __builtin_cpu_supports("f16c");
-  *dp = isa == Isa::Avx512Bf16 && bf16_x && (BITS == 4 || m > 1);
+  *dp = isa == Isa::Avx512Bf16 && bf16_x && (kWidth<BITS> == 4 || m > 1);
   if (*dp) return panels512<BITS, true>;
   if (isa == Isa::Avx512Bf16 || isa == Isa::Avx512) return panels512<BITS, false>;
   const bool avx2 = isa == Isa::Avx2 && (BITS != kFp8 || f16c);
@@ -591,14 +685,16 @@ Panels pick_bits(int64_t bits, bool bf16_x, int64_t m, bool* dp, bool* sub) {
   if (bits == 4) return pick<4>(isa, bf16_x, m, dp);
   if (bits == 8) return pick<8>(isa, bf16_x, m, dp);
   *dp = isa == Isa::Avx512Bf16 && bf16_x && (routes & kTable);
-  if (*dp) return panels_table;
+  if (bits == kFp4) return *dp ? panels_table<kFp4> : pick<kFp4>(isa, bf16_x, m, dp);
+  if (*dp) return panels_table<kFp8>;
   const Panels fp16 = pick<kFp8>(isa, bf16_x, m, dp);
   *sub = !*dp && isa != Isa::Portable && (routes & kSubnormal);
   if (!*sub) return fp16;
   return isa == Isa::Avx2 ? panels_avx2<kFp8Sub, false> : panels512<kFp8Sub, false>;
 }
 
-// FP8's routes on (Fp8Routes bits: tests run each where the CPU can); the previous ones back.
+// FP8's routes on (Fp8Routes bits, kTable FP4's too: tests run each where the CPU can); the
+// previous ones back.
 int64_t quant_fp8_routes(int64_t routes) {
   TORCH_CHECK(routes >= 0 && routes <= (kSubnormal | kTable), "unknown FP8 routes ", routes);
   TORCH_CHECK(!(routes & kTable) || vbmi(), "the FP8 table route wants AVX-512 VBMI");
@@ -606,9 +702,9 @@ int64_t quant_fp8_routes(int64_t routes) {
 }
 
 at::Tensor quant_pack(const at::Tensor& codes, int64_t bits) {
-  TORCH_CHECK(bits == 4 || bits == 8 || bits == kFp8,
-              "quant_pack: bits must be 4, 8 or -8 (FP8), got ", bits);
-  if (bits == kFp8) bits = 8;  // the same layout
+  TORCH_CHECK(bits == 4 || bits == 8 || bits == kFp8 || bits == kFp4,
+              "quant_pack: bits must be 4, 8 or -8 / -4 (FP8 / FP4 codes), got ", bits);
+  bits = std::abs(bits);  // FP8 and FP4: the same layouts
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == at::kByte,
               "quant_pack wants 2-D uint8 codes (out_features, in_features), got ", codes.sizes(),
               " ", codes.scalar_type());
@@ -638,14 +734,15 @@ at::Tensor quant_pack(const at::Tensor& codes, int64_t bits) {
 void check_inputs(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
                   const std::optional<at::Tensor>& zeros, const std::optional<at::Tensor>& bias,
                   int64_t n, int64_t bits, int64_t gs) {
-  TORCH_CHECK(bits == 4 || bits == 8 || bits == kFp8,
-              "quant_linear: bits must be 4, 8 or -8 (FP8), got ", bits);
-  TORCH_CHECK(bits != kFp8 || !zeros,
-              "quant_linear: FP8 codes (bits -8) take no zero points, got a zeros tensor");
+  TORCH_CHECK(bits == 4 || bits == 8 || bits == kFp8 || bits == kFp4,
+              "quant_linear: bits must be 4, 8 or -8 / -4 (FP8 / FP4 codes), got ", bits);
+  TORCH_CHECK(bits > 0 || !zeros, "quant_linear: ", bits == kFp8 ? "FP8" : "FP4", " codes (bits ",
+              bits, ") take no zero points, got a zeros tensor");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.scalar_type() == at::kByte &&
                   packed.is_contiguous(),
               "quant_linear wants a weight from quant_pack");
-  const int64_t panels = packed.size(0), k = packed.size(1) * (bits == 4 ? 2 : 1);
+  const bool nibbles = bits == 4 || bits == kFp4;
+  const int64_t panels = packed.size(0), k = packed.size(1) * (nibbles ? 2 : 1);
   const auto xt = x.scalar_type(), st = scales.scalar_type();
   TORCH_CHECK(xt == at::kFloat || xt == at::kBFloat16,
               "quant_linear wants float32 or bfloat16 rows, got ", xt);
@@ -654,7 +751,8 @@ void check_inputs(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
   TORCH_CHECK(n > (panels - 1) * kCols && n <= panels * kCols, "quant_linear: out_features ", n,
               " does not match the packed weight");
   TORCH_CHECK(gs > 0 && k % gs == 0, "quant_linear: group_size ", gs, " does not divide ", k);
-  TORCH_CHECK(bits != 4 || gs % 2 == 0, "quant_linear: 4 bits need an even group_size, got ", gs);
+  TORCH_CHECK(!nibbles || gs % 2 == 0, "quant_linear: 4-bit codes need an even group_size, got ",
+              gs);
   const std::vector<int64_t> want{panels, k / gs, kCols};
   TORCH_CHECK(st == at::kFloat || st == at::kHalf || st == at::kBFloat16,
               "quant_linear: scales must be float16, bfloat16 or float32, got ", st);
@@ -668,8 +766,8 @@ void check_inputs(const at::Tensor& x, const at::Tensor& packed, const at::Tenso
 }
 
 // The rows as the kernels read them (fp32: a bf16 x converted into buf) and each group's sum of
-// x (in double, rounded once) into xs where zero points take them (not FP8). xmul: the rows'
-// multiplier (FP8's subnormal route; then into buf).
+// x (in double, rounded once) into xs where zero points take them (not FP8 / FP4). xmul: the
+// rows' multiplier (FP8's subnormal route; then into buf).
 void rows_and_sums(const at::Tensor& x, Call& c, bool dp, bool sums, float xmul,
                    std::vector<float>& buf, std::vector<float>& xs) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -712,10 +810,10 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   const Panels kernel = pick_bits(bits, bf16_x, m, &dp, &sub);
   const auto st = scales.scalar_type();
   const int sdt = st == at::kFloat ? kF32 : st == at::kHalf ? kF16 : kBF16;
-  const float zsym = bits == kFp8 ? 0.f : float(1 << (bits - 1));
+  const float zsym = bits < 0 ? 0.f : float(1 << (bits - 1));
   Call c{m, k, gs, groups, nullptr, nullptr, nullptr, sdt, zsym};
   thread_local std::vector<float> buf, xs;
-  rows_and_sums(x2, c, dp, bits != kFp8, sub ? kSubX : 1.f, buf, xs);
+  rows_and_sums(x2, c, dp, bits > 0, sub ? kSubX : 1.f, buf, xs);
   const at::Tensor s = scales.contiguous(), z = zeros ? zeros->contiguous() : at::Tensor();
   const at::Tensor b = bias ? bias->contiguous().view(-1) : at::Tensor();
   const uint8_t* w = packed.data_ptr<uint8_t>();
@@ -739,13 +837,26 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& packed, const at:
   return y.view(out_shape);
 }
 
+// Meta kernel: the output's shape for torch.compile's fake tensors (the op is called directly
+// in a compiled step, without a Python wrapper).
+at::Tensor quant_linear_meta(const at::Tensor& x, const at::Tensor&, const at::Tensor&,
+                             const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                             int64_t n, int64_t, int64_t) {
+  auto sizes = x.sym_sizes().vec();
+  sizes.back() = n;
+  return at::empty_symint(sizes, x.options());
+}
+
 }  // namespace
 }  // namespace warmboot
 
 TORCH_LIBRARY_FRAGMENT(warmboot_cpu, m) {
   m.def("quant_pack(Tensor codes, int bits) -> Tensor", &warmboot::quant_pack);
   m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, Tensor? bias, "
-        "int out_features, int bits, int group_size) -> Tensor",
-        &warmboot::quant_linear);
+        "int out_features, int bits, int group_size) -> Tensor");
   m.def("quant_fp8_routes(int routes) -> int", &warmboot::quant_fp8_routes);
 }
+
+TORCH_LIBRARY_IMPL(warmboot_cpu, CPU, m) { m.impl("quant_linear", &warmboot::quant_linear); }
+
+TORCH_LIBRARY_IMPL(warmboot_cpu, Meta, m) { m.impl("quant_linear", &warmboot::quant_linear_meta); }
