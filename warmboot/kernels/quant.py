@@ -29,22 +29,15 @@ import torch
 from torch.nn import functional as F
 
 from warmboot.kernels import native
-
-COLS = 32
-FP8 = -8
-"""``bits`` of FP8 e4m3 codes: 8-bit panels whose bytes are e4m3 values (``fp8(u) * s``)."""
-FP4 = -4
-"""``bits`` of FP4 e2m1 codes (MXFP4): 4-bit panels whose nibbles are e2m1 values
-(``fp4(u) * s``: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6 by bits 0-2), no zero points."""
-FP8_MAX = 448.0
-INT8_HALF_RANGE = 127.5
-FP4_VALUES = tuple(sign * v for sign in (1.0, -1.0) for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6))
-
-
-def packed_shapes(n: int, k: int, bits: int, group_size: int) -> tuple[tuple, tuple]:
-    """The shapes of the packed codes and of the per-group tensors."""
-    panels = (n + COLS - 1) // COLS
-    return (panels, k * abs(bits) // 8, COLS), (panels, k // group_size, COLS)
+from warmboot.kernels.quant_layout import (  # noqa: F401 - the layout's names, re-exported
+    COLS,
+    FP4,
+    FP4_VALUES,
+    FP8,
+    FP8_MAX,
+    INT8_HALF_RANGE,
+    packed_shapes,
+)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:

@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from warmboot.kernels import tuning
-from warmboot.kernels.quant import COLS, FP4, FP8, packed_shapes
+from warmboot.kernels.quant_layout import COLS, FP4, FP8, packed_shapes
 
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _KINDS = {8: 0, 4: 0, FP8: 1, FP4: 2}  # 0 integer, 1 FP8 e4m3, 2 FP4 e2m1

@@ -1,5 +1,10 @@
 """Hunyuan dense (V1): Llama with per-head q/k RMSNorms applied *after* the rope, and the
-"dynamic" rope with a fixed NTK ``alpha`` (a static, stretched base)."""
+"dynamic" rope with a fixed NTK ``alpha`` (a static, stretched base).
+
+Hunyuan MoE (V1) replaces every MLP with a sparse block: a float32 router (``gate.wg``:
+softmax, top ``moe_topk`` (one per layer when a list), renormalised), ``num_experts``
+experts of ``intermediate_size`` and an ungated shared MLP of the same size
+(``shared_mlp``), added unscaled."""
 
 from __future__ import annotations
 
@@ -7,9 +12,11 @@ import torch
 from torch import nn
 
 from warmboot.models.layers.activation import GatedMLP
+from warmboot.models.layers.moe import FusedExperts, Router, SparseMoE
 from warmboot.models.layers.norm import RMSNorm
 from warmboot.models.layers.rope import RopeSpec, RotaryEmbedding
 from warmboot.models.llama import LlamaForCausalLM
+from warmboot.models.registry import UnsupportedModelError
 
 
 class RopeThenNorm(nn.Module):
@@ -60,4 +67,25 @@ class HunYuanDenseV1ForCausalLM(LlamaForCausalLM):
             theta=spec.theta * alpha ** (d / (d - 2)),
             max_position_embeddings=spec.max_position_embeddings,
             partial_rotary_factor=spec.partial_rotary_factor,
+        )
+
+
+class HunYuanMoEV1ForCausalLM(HunYuanDenseV1ForCausalLM):
+    renames = (
+        *HunYuanDenseV1ForCausalLM.renames,
+        (r"\.mlp\.gate\.wg\.", ".mlp.gate."),
+        (r"\.mlp\.shared_mlp\.", ".mlp.shared_expert."),
+    )
+
+    def make_mlp(self, index: int) -> nn.Module:
+        cfg = self.cfg
+        experts, top_k = cfg.get("num_experts", 1), cfg.get("moe_topk", 1)
+        if not isinstance(experts, int):  # NOTE: transformers' experts cannot be built so
+            raise UnsupportedModelError(f"Hunyuan MoE with num_experts per layer {experts}")
+        top_k = top_k if isinstance(top_k, int) else top_k[index]
+        hidden, size, act = cfg.hidden_size, cfg.get("intermediate_size"), cfg.get("hidden_act")
+        return SparseMoE(
+            Router(hidden, experts, top_k, renormalize=True, float32=True),
+            FusedExperts(experts, hidden, size, act or "silu"),
+            GatedMLP(hidden, size, act or "silu"),
         )

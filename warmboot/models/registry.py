@@ -45,6 +45,12 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Ernie4_5ForCausalLM": ("ernie4_5", "Ernie4_5ForCausalLM"),
     "SeedOssForCausalLM": ("seed_oss", "SeedOssForCausalLM"),
     "HunYuanDenseV1ForCausalLM": ("hunyuan_v1_dense", "HunYuanDenseV1ForCausalLM"),
+    # -- ministral3.py, cwm.py, jais2.py, apertus.py, nanochat.py --
+    "Ministral3ForCausalLM": ("ministral3", "Ministral3ForCausalLM"),
+    "CwmForCausalLM": ("cwm", "CwmForCausalLM"),
+    "Jais2ForCausalLM": ("jais2", "Jais2ForCausalLM"),
+    "ApertusForCausalLM": ("apertus", "ApertusForCausalLM"),
+    "NanoChatForCausalLM": ("nanochat", "NanoChatForCausalLM"),
     # -- mixtures of experts: mixtral.py, qwen_moe.py, olmoe.py, flex_olmo.py, granite.py --
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
@@ -60,6 +66,11 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Dots1ForCausalLM": ("dots1", "Dots1ForCausalLM"),
     # -- attention sinks + mixture of experts: gpt_oss.py --
     "GptOssForCausalLM": ("gpt_oss", "GptOssForCausalLM"),
+    # -- more MoE: ernie4_5.py, hunyuan_v1_dense.py, phimoe.py, minimax_m2.py --
+    "Ernie4_5_MoeForCausalLM": ("ernie4_5", "Ernie4_5_MoeForCausalLM"),
+    "HunYuanMoEV1ForCausalLM": ("hunyuan_v1_dense", "HunYuanMoEV1ForCausalLM"),
+    "PhimoeForCausalLM": ("phimoe", "PhimoeForCausalLM"),
+    "MiniMaxM2ForCausalLM": ("minimax_m2", "MiniMaxM2ForCausalLM"),
     # -- hybrids: state layers beside attention (models/layers/state.py) --
     "Qwen3NextForCausalLM": ("qwen3_next", "Qwen3NextForCausalLM"),
     "Qwen3_5ForCausalLM": ("qwen3_next", "Qwen3_5ForCausalLM"),
@@ -114,6 +125,11 @@ MODEL_TYPES: dict[str, str] = {
     "ernie4_5": "Ernie4_5ForCausalLM",
     "seed_oss": "SeedOssForCausalLM",
     "hunyuan_v1_dense": "HunYuanDenseV1ForCausalLM",
+    "ministral3": "Ministral3ForCausalLM",
+    "cwm": "CwmForCausalLM",
+    "jais2": "Jais2ForCausalLM",
+    "apertus": "ApertusForCausalLM",
+    "nanochat": "NanoChatForCausalLM",
     # -- mixtures of experts --
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
@@ -127,6 +143,10 @@ MODEL_TYPES: dict[str, str] = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "dots1": "Dots1ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "ernie4_5_moe": "Ernie4_5_MoeForCausalLM",
+    "hunyuan_v1_moe": "HunYuanMoEV1ForCausalLM",
+    "phimoe": "PhimoeForCausalLM",
+    "minimax_m2": "MiniMaxM2ForCausalLM",
     # -- hybrids --
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",

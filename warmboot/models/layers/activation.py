@@ -11,6 +11,12 @@ from torch import nn
 
 from warmboot.models.layers.linear import Linear
 
+
+def relu_squared(x: torch.Tensor) -> torch.Tensor:
+    """``relu(x)^2`` (transformers' ``relu2``: Jais 2, NanoChat)."""
+    return torch.square(F.relu(x))
+
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
@@ -19,6 +25,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_new": functools.partial(F.gelu, approximate="tanh"),
     "gelu_fast": functools.partial(F.gelu, approximate="tanh"),
     "relu": F.relu,
+    "relu2": relu_squared,
 }
 
 
