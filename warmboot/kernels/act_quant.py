@@ -9,6 +9,10 @@ with full-precision inputs would give other tokens.
   ``clamp(x / s, -448, 448)`` cast to e4m3; then times ``s``.
 - ``kernel`` (the FP8 block kernels of DeepSeek-V3 and transformers): per row and group of
   inputs, ``s = amax / 448`` (``ue8m0``: rounded up to a power of two), ``x / s`` cast to e4m3.
+
+W8A8 int8 (per token or static per tensor) on the native CPU kernel takes ``quantize_int8``'s
+codes and scales instead: the GEMM sums the int8 products exactly (``warmboot_cpu::
+quant_linear_i8``).
 """
 
 from __future__ import annotations
@@ -29,9 +33,26 @@ def fake_quant(
     static_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x`` with each value replaced by its quantized-then-dequantized value."""
-    shape = x.shape
+    q, scale = _quantized(x, number, strategy, group_size, rule, ue8m0, static_scale)
+    return (q * scale).reshape(x.shape)
+
+
+def quantize_int8(
+    x: torch.Tensor, strategy: str, static_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fake_quant``'s int8 codes (``ct`` rule, per ``token`` or ``tensor``) as int8, with
+    their float32 scales (one per row of ``x``'s last dimension, or one in all): ``fake_quant``
+    is ``q * scale`` rounded to ``x``'s dtype, which an integer GEMM leaves unrounded."""
+    if strategy not in ("token", "tensor"):
+        raise ValueError(f"int8 codes per token or tensor, not per {strategy}")
+    q, scale = _quantized(x, "int8", strategy, None, "ct", False, static_scale)
+    return q.to(torch.int8), scale.float().reshape(-1)
+
+
+def _quantized(x, number, strategy, group_size, rule, ue8m0, static_scale):
+    """The codes (in ``x``'s dtype; by groups for ``group``) and the scales they take."""
     if strategy == "group":
-        x = x.reshape(*shape[:-1], shape[-1] // group_size, group_size)
+        x = x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
     if static_scale is not None:
         scale = static_scale.to(x.dtype)
     elif rule == "kernel":
@@ -39,10 +60,8 @@ def fake_quant(
     else:
         scale = _ct_scale(x, number, strategy)
     if number == "int8":
-        q = torch.clamp(torch.round(x / scale), *INT8)
-    else:
-        q = torch.clamp(x / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype)
-    return (q * scale).reshape(shape)
+        return torch.clamp(torch.round(x / scale), *INT8), scale
+    return torch.clamp(x / scale, -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).to(x.dtype), scale
 
 
 def _ct_scale(x: torch.Tensor, number: str, strategy: str) -> torch.Tensor:

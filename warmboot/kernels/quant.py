@@ -150,6 +150,18 @@ def runs_native(x: torch.Tensor) -> bool:
     return _native(x)
 
 
+def runs_native_i8(x: torch.Tensor) -> bool:
+    """Whether ``x``'s W8A8 int8 linears run ``warmboot_cpu::quant_linear_i8`` (int8 rows
+    against 8-bit codes with a scale per channel, the products summed in int32; the int8 dot
+    products, AVX-512 VNNI's ``vpdpbusd``, take 4 products a lane where BF16's take 2: ~1.9x
+    ``quant_linear`` from 8 rows)."""
+    if not _native(x):
+        return False
+    if "i8" not in _NATIVE:
+        _NATIVE["i8"] = hasattr(torch.ops.warmboot_cpu, "quant_linear_i8")
+    return _NATIVE["i8"]
+
+
 def _native(x: torch.Tensor) -> bool:
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
         return False

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from warmboot.kernels import quant
-from warmboot.kernels.act_quant import fake_quant
+from warmboot.kernels.act_quant import fake_quant, quantize_int8
 from warmboot.models.layers.linear import Linear, LinearMethod
 from warmboot.models.layers.moe import ExpertsMethod, FusedExperts, grouped_experts
 from warmboot.models.quant_config import QuantScheme
@@ -29,6 +29,7 @@ class QuantMethod(LinearMethod):
     def __init__(self, scheme: QuantScheme):
         self.scheme = scheme
         self.bits = scheme.bits
+        self.int8_gemm = _int8_gemm(scheme)
 
     def group_size(self, layer: Linear) -> int:
         return self.scheme.group_size or layer.in_features
@@ -73,12 +74,32 @@ class QuantMethod(LinearMethod):
         return parts[0]
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_gemm and layer.weight_perm is None and quant.runs_native_i8(x):
+            return self.apply_int8(layer, x)
         x = self.quantize_input(x, layer.input_scale)
         w = (layer.weight, layer.weight_scale, layer.weight_zero)
         shape = (layer.out_features, self.code_bits, self.group_size(layer))
         if layer.weight_perm is None and quant.runs_native(x):  # NOTE: without this op's Python
             return torch.ops.warmboot_cpu.quant_linear(x, *w, layer.bias, *shape)
         return torch.ops.warmboot.quant_linear(x, *w, layer.weight_perm, layer.bias, *shape)
+
+    def apply_int8(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """W8A8 int8 in integers: the input's int8 codes and scales (``quantize_input``'s,
+        unrounded) against the weight's codes, the products summed exactly."""
+        xq, xs = quantize_int8(x, self.scheme.act.strategy, layer.input_scale)
+        args = (layer.weight, layer.weight_scale, layer.bias, layer.out_features, x.dtype)
+        return torch.ops.warmboot_cpu.quant_linear_i8(xq, xs, *args)
+
+
+def _int8_gemm(scheme: QuantScheme) -> bool:
+    """int8 inputs (per token or static per tensor) against 8-bit symmetric integer weights
+    with a scale per channel: an integer GEMM computes them."""
+    act = scheme.act
+    int8_act = act is not None and act.number == "int8" and act.strategy in ("token", "tensor")
+    per_channel = scheme.group_size is None and scheme.block_rows is None
+    return (
+        int8_act and per_channel and scheme.symmetric and (scheme.number, scheme.bits) == ("int", 8)
+    )
 
 
 _LINEAR_LEAVES = {

@@ -847,6 +847,373 @@ at::Tensor quant_linear_meta(const at::Tensor& x, const at::Tensor&, const at::T
   return at::empty_symint(sizes, x.options());
 }
 
+
+// W8A8 int8 (quant_linear_i8): int8 rows xq against symmetric 8-bit codes, a scale per row of
+// x and per output channel: y[m, n] = xs[m] * s[n] * sum_k xq[m, k] * (u[n, k] - 128) + b[n].
+// The sum is exact in int32: sum_k xq * u (|.| <= K * 255 * 128, hence K <= 65536) less 128 *
+// sum_k xq (per row, once per call); then fp32 float(sum) * (xs * s) + b. Routes: AVX-512 VNNI
+// (vpdpbusd: u unsigned against xq signed, 4 k a lane), AVX2 (vpmaddwd: u and xq widened to
+// int16, 2 k a lane), portable C++.
+enum class I8Route { kPortable, kAvx2, kVnni512 };
+
+I8Route i8_route() {
+  static const bool vnni = (__builtin_cpu_init(), __builtin_cpu_supports("avx512vnni"));
+  const Isa isa = detect_isa();
+  if ((isa == Isa::Avx512 || isa == Isa::Avx512Bf16) && vnni) return I8Route::kVnni512;
+  return isa == Isa::Portable ? I8Route::kPortable : I8Route::kAvx2;
+}
+
+// One call's operands: rows padded with zeros to kp inputs (a multiple of 4).
+struct I8Call {
+  int64_t m, k, kp;
+  const int8_t* x;     // (m, kp)
+  const int16_t* x16;  // (m, kp) widened (AVX2)
+};
+
+// acc (m, 32) int32 += the rows' sums x . u against one panel's codes w (K, 32)
+void i8_portable(const I8Call& c, const uint8_t* w, int32_t* acc) {
+  for (int64_t k = 0; k < c.k; ++k) {
+    const uint8_t* wk = w + k * kCols;
+    for (int64_t r = 0; r < c.m; ++r) {
+      const int32_t xv = c.x[r * c.kp + k];
+      int32_t* ar = acc + r * kCols;
+      for (int i = 0; i < kCols; ++i) ar[i] += xv * wk[i];
+    }
+  }
+}
+
+#define I8_ROWS(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7)
+
+// Where one call's outputs go: y (m, n) fp32 or bf16, x's scales (one per row or one_xs) and
+// 128 * each row's sum of x.
+struct I8Out {
+  int64_t m, n;
+  void* y;
+  bool bf16, one_xs;
+  const float* xs;
+  const int32_t* zs;
+};
+
+// One panel's outputs (portable): float(acc - zs[r]) * (xs[r] * s[i]) into facc, then store's
+void i8_store(const int32_t* acc, const I8Out& o, const float* s, float* facc, const at::Tensor& y,
+              const at::Tensor& b, int64_t n0) {
+  for (int64_t r = 0; r < o.m; ++r) {
+    const float xr = o.xs[o.one_xs ? 0 : r];
+    for (int i = 0; i < kCols; ++i) {
+      facc[r * kCols + i] = static_cast<float>(acc[r * kCols + i] - o.zs[r]) * (xr * s[i]);
+    }
+  }
+  store(facc, o.m, y, b, n0);
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni")
+// The panel's 4 k from kk (rows past K zero) as 2 vectors of 16 columns, a column's 4 codes in
+// its 32-bit lane: vector 0 holds columns 0-3, 16-19, 8-11, 24-27, vector 1 the next 4 of each.
+inline void i8_quads(const uint8_t* b, int64_t left, __m512i& w0, __m512i& w1) {
+  __m512i a, c;
+  if (left >= 4) {
+    a = _mm512_loadu_si512(b), c = _mm512_loadu_si512(b + 64);
+  } else {
+    const uint64_t ones = ~0ull;
+    a = _mm512_maskz_loadu_epi8(left >= 2 ? ones : ones >> 32, b);
+    c = _mm512_maskz_loadu_epi8(left == 3 ? ones >> 32 : 0, b + 64);
+  }
+  const __m512i e = _mm512_shuffle_i64x2(a, c, 0x44), o = _mm512_shuffle_i64x2(a, c, 0xEE);
+  const __m512i lo = _mm512_unpacklo_epi8(e, o), hi = _mm512_unpackhi_epi8(e, o);
+  const __m512i f = _mm512_shuffle_i64x2(lo, hi, 0x44), g = _mm512_shuffle_i64x2(lo, hi, 0xEE);
+  w0 = _mm512_unpacklo_epi16(f, g), w1 = _mm512_unpackhi_epi16(f, g);
+}
+
+// i8_quads' columns back in order: lanes of [w0 | w1] for columns 0-15 and 16-31
+struct I8Order {
+  alignas(64) int32_t idx[2][16] = {};
+  constexpr I8Order() {
+    for (int j = 0; j < 32; ++j) {  // lane j of [w0 | w1] -> its column
+      const int lane = j % 16, col = lane % 4 + 4 * (j / 16) + 8 * (lane / 8) + 16 * (lane / 4 % 2);
+      idx[col / 16][col % 16] = j;
+    }
+  }
+};
+constexpr I8Order kI8Order;
+
+#define I8_DECL(r) __m512i a##r##0 = _mm512_setzero_si512(), a##r##1 = a##r##0, \
+                           b##r##0 = a##r##0, b##r##1 = a##r##0;
+#define I8_DP(r)                                                       \
+  if constexpr (MR > r) {                                              \
+    int32_t quad;                                                      \
+    std::memcpy(&quad, x + r * c.kp + kk, 4);                          \
+    const __m512i xv = _mm512_set1_epi32(quad);                        \
+    __m512i& s0 = SPLIT && odd ? b##r##0 : a##r##0;                    \
+    __m512i& s1 = SPLIT && odd ? b##r##1 : a##r##1;                    \
+    s0 = _mm512_dpbusd_epi32(s0, w0, xv);                              \
+    s1 = _mm512_dpbusd_epi32(s1, w1, xv);                              \
+  }
+#define I8_STEP(K0, ODD)                                        \
+  {                                                             \
+    const int64_t kk = K0;                                      \
+    constexpr bool odd = ODD;                                   \
+    __m512i w0, w1;                                             \
+    i8_quads(q.w + kk * kCols, c.k - kk, w0, w1);               \
+    fetch(q, kk * kCols);                                       \
+    fetch(q, kk * kCols + 64);                                  \
+    I8_ROWS(I8_DP)                                              \
+  }
+#define I8_FLUSH(r)                                                                     \
+  if constexpr (MR > r) {                                                               \
+    if constexpr (SPLIT) a##r##0 = _mm512_add_epi32(a##r##0, b##r##0);                  \
+    if constexpr (SPLIT) a##r##1 = _mm512_add_epi32(a##r##1, b##r##1);                  \
+    int32_t* ar = acc + r * kCols;                                                      \
+    _mm512_storeu_si512(ar, _mm512_permutex2var_epi32(a##r##0, lo, a##r##1));           \
+    _mm512_storeu_si512(ar + 16, _mm512_permutex2var_epi32(a##r##0, hi, a##r##1));      \
+  }
+
+// Rows r0 .. r0 + MR - 1 against one panel: acc (MR, 32) = their sums x . u
+template <int MR>
+void i8_panel512(const I8Call& c, const Panel& q, int64_t r0, int32_t* acc) {
+  constexpr bool SPLIT = MR <= 4;
+  const int8_t* x = c.x + r0 * c.kp;
+  I8_ROWS(I8_DECL)
+  int64_t k0 = 0;
+  for (; k0 + 7 < c.k; k0 += 8) {
+    I8_STEP(k0, false)
+    I8_STEP(k0 + 4, true)
+  }
+  for (; k0 < c.k; k0 += 4) I8_STEP(k0, false)
+  const __m512i lo = _mm512_load_si512(kI8Order.idx[0]), hi = _mm512_load_si512(kI8Order.idx[1]);
+  I8_ROWS(I8_FLUSH)
+}
+
+template <int MR>
+void i8_block512(int64_t mr, const I8Call& c, const Panel& q, int64_t r0, int32_t* acc) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return i8_block512<MR - 1>(mr, c, q, r0, acc);
+  }
+  i8_panel512<MR>(c, q, r0, acc);
+}
+
+void i8_panels512(const I8Call& c, Panel q, int32_t* acc) {
+  for (int64_t r = 0; r < c.m; r += 8) {
+    i8_block512<8>(std::min<int64_t>(8, c.m - r), c, q, r, acc + r * kCols);
+    q.pf = q.w;
+  }
+}
+
+// One panel's outputs (store's, vectorized): y[r, n0 + i] = float(acc - zs[r]) * (xs[r] * s[i])
+// + b[i] for the panel's width columns, bf16 rounded to nearest even.
+void i8_store512(const int32_t* acc, const I8Out& o, const float* s, const float* b, int64_t n0) {
+  const int64_t width = std::min(kCols, o.n - n0);
+  const auto mask = [&](int64_t from) {  // the columns from `from` on, up to 16
+    const int64_t cols = std::clamp<int64_t>(width - from, 0, 16);
+    return static_cast<__mmask16>((1u << cols) - 1);
+  };
+  const __mmask16 k0 = mask(0), k1 = mask(16);
+  const __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+  const __m512 b0 = _mm512_loadu_ps(b), b1 = _mm512_loadu_ps(b + 16);
+  const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7FFF);
+  for (int64_t r = 0; r < o.m; ++r) {
+    const __m512 xr = _mm512_set1_ps(o.xs[o.one_xs ? 0 : r]);
+    const __m512i z = _mm512_set1_epi32(o.zs[r]);
+    for (int h = 0; h < 2; ++h) {
+      const __m512i sum = _mm512_sub_epi32(_mm512_loadu_si512(acc + r * kCols + 16 * h), z);
+      const __m512 v = _mm512_add_ps(
+          _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(xr, h ? s1 : s0)), h ? b1 : b0);
+      const int64_t at = r * o.n + n0 + 16 * h;
+      if (!o.bf16) {
+        _mm512_mask_storeu_ps(static_cast<float*>(o.y) + at, h ? k1 : k0, v);
+        continue;
+      }
+      const __m512i bits = _mm512_castps_si512(v);
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), one);
+      const __m512i up = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(half, lsb)), 16);
+      _mm256_mask_storeu_epi16(static_cast<uint16_t*>(o.y) + at, h ? k1 : k0,
+                               _mm512_cvtepi32_epi16(up));
+    }
+  }
+}
+#pragma GCC pop_options
+
+#define I2_DECL(r) __m256i a##r##0 = _mm256_setzero_si256(), a##r##1 = a##r##0;
+#define I2_MADD(r)                                                                    \
+  if constexpr (MR > r) {                                                             \
+    int32_t pair;                                                                     \
+    std::memcpy(&pair, x + r * c.kp + kk, 4);                                         \
+    const __m256i xv = _mm256_set1_epi32(pair);                                       \
+    a##r##0 = _mm256_add_epi32(a##r##0, _mm256_madd_epi16(w0, xv));                   \
+    a##r##1 = _mm256_add_epi32(a##r##1, _mm256_madd_epi16(w1, xv));                   \
+  }
+#define I2_FLUSH(r)                                                                   \
+  if constexpr (MR > r) {                                                             \
+    auto* ar = reinterpret_cast<__m256i*>(acc + r * kCols + 16 * h);                  \
+    _mm256_storeu_si256(ar, _mm256_add_epi32(_mm256_loadu_si256(ar), a##r##0));       \
+    _mm256_storeu_si256(ar + 1, _mm256_add_epi32(_mm256_loadu_si256(ar + 1), a##r##1)); \
+  }
+
+#pragma GCC push_options
+#pragma GCC target("avx2")
+// AVX2: 16 columns (half h) at a time over blocks of 64 k (in L1 while both halves read them),
+// k pairs as int16 pairs: u of the pair's two rows interleaved and widened, vpmaddwd'd against
+// the rows' widened x pairs.
+template <int MR>
+void i8_panel_avx2(const I8Call& c, const Panel& q, int64_t r0, int32_t* acc) {
+  const int16_t* x = c.x16 + r0 * c.kp;
+  for (int64_t kb = 0; kb < c.k; kb += 64) {
+    const int64_t bend = std::min(c.k, kb + 64);
+    for (int h = 0; h < 2; ++h) {
+      I8_ROWS(I2_DECL)
+      for (int64_t kk = kb; kk < bend; kk += 2) {
+        const uint8_t* b = q.w + kk * kCols + 16 * h;
+        if (h == 0) fetch(q, kk * kCols);
+        const __m128i e = _mm_loadu_si128(at16(b));
+        const __m128i o = kk + 1 < bend ? _mm_loadu_si128(at16(b + kCols)) : _mm_setzero_si128();
+        const __m256i w0 = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(e, o));
+        const __m256i w1 = _mm256_cvtepu8_epi16(_mm_unpackhi_epi8(e, o));
+        I8_ROWS(I2_MADD)
+      }
+      I8_ROWS(I2_FLUSH)
+    }
+  }
+}
+
+template <int MR>
+void i8_block_avx2(int64_t mr, const I8Call& c, const Panel& q, int64_t r0, int32_t* acc) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return i8_block_avx2<MR - 1>(mr, c, q, r0, acc);
+  }
+  i8_panel_avx2<MR>(c, q, r0, acc);
+}
+
+void i8_panels_avx2(const I8Call& c, Panel q, int32_t* acc) {
+  for (int64_t r = 0; r < c.m; r += 4) {
+    i8_block_avx2<4>(std::min<int64_t>(4, c.m - r), c, q, r, acc + r * kCols);
+    q.pf = q.w;
+  }
+}
+#pragma GCC pop_options
+
+void check_i8(const at::Tensor& xq, const at::Tensor& xs, const at::Tensor& packed,
+              const at::Tensor& scales, const std::optional<at::Tensor>& bias, int64_t n,
+              at::ScalarType dt) {
+  TORCH_CHECK(xq.scalar_type() == at::kChar && xq.dim() >= 1,
+              "quant_linear_i8 wants int8 rows, got ", xq.scalar_type());
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kCols && packed.scalar_type() == at::kByte &&
+                  packed.is_contiguous(),
+              "quant_linear_i8 wants an 8-bit weight from quant_pack");
+  const int64_t panels = packed.size(0), k = packed.size(1);
+  const int64_t m = xq.numel() / std::max<int64_t>(k, 1);
+  TORCH_CHECK(xq.size(-1) == k, "quant_linear_i8: x has ", xq.size(-1), " features, the weight ",
+              k);
+  TORCH_CHECK(k <= 65536, "quant_linear_i8: in_features ", k, " past 65536 (int32 sums)");
+  TORCH_CHECK(n > (panels - 1) * kCols && n <= panels * kCols, "quant_linear_i8: out_features ",
+              n, " does not match the packed weight");
+  const auto st = scales.scalar_type();
+  TORCH_CHECK((st == at::kFloat || st == at::kHalf || st == at::kBFloat16) &&
+                  scales.sizes() == at::IntArrayRef({panels, 1, kCols}),
+              "quant_linear_i8: scales must be one per output channel (", panels, ", 1, ", kCols,
+              "), float16, bfloat16 or float32; got ", scales.sizes(), " ", st);
+  TORCH_CHECK(xs.scalar_type() == at::kFloat && (xs.numel() == m || xs.numel() == 1),
+              "quant_linear_i8: x_scale must be float32, one per row or one in all");
+  TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16, "quant_linear_i8: dtype must be float32 "
+              "or bfloat16, got ", dt);
+  TORCH_CHECK(!bias || (bias->numel() == n && (bias->scalar_type() == at::kFloat ||
+                                               bias->scalar_type() == dt)),
+              "quant_linear_i8: bias must hold out_features values, float32 or dtype");
+}
+
+// The rows padded to kp (a multiple of 4: copied where k is not), widened to int16 for AVX2,
+// and 128 * each row's sum (the zero point's share of x . u).
+void i8_rows(const at::Tensor& xq, I8Call& c, bool wide, std::vector<int8_t>& pad,
+             std::vector<int16_t>& x16, std::vector<int32_t>& zsum) {
+  const int8_t* x = xq.data_ptr<int8_t>();
+  c.kp = (c.k + 3) / 4 * 4;
+  if (c.kp != c.k) {
+    pad.assign(c.m * c.kp, 0);
+    for (int64_t r = 0; r < c.m; ++r) std::memcpy(pad.data() + r * c.kp, x + r * c.k, c.k);
+    x = pad.data();
+  }
+  x16.resize(wide ? c.m * c.kp : 0);
+  zsum.assign(c.m, 0);
+  for (int64_t r = 0; r < c.m; ++r) {
+    for (int64_t i = r * c.kp; i < (r + 1) * c.kp; ++i) {
+      zsum[r] += 128 * x[i];
+      if (wide) x16[i] = x[i];
+    }
+  }
+  c.x = x, c.x16 = wide ? x16.data() : nullptr;
+}
+
+// A panel's 32 biases as fp32 (fp32 bf or bf16 bb, or none; zero past n)
+void i8_bias(const float* bf, const at::BFloat16* bb, int64_t n, int64_t n0, float* out) {
+  for (int64_t i = 0; i < std::min(kCols, n - n0); ++i) {
+    out[i] = bf ? bf[n0 + i] : bb ? static_cast<float>(bb[n0 + i]) : 0.f;
+  }
+}
+
+at::Tensor quant_linear_i8(const at::Tensor& xq, const at::Tensor& x_scale,
+                           const at::Tensor& packed, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& bias, int64_t n, at::ScalarType dt) {
+  check_i8(xq, x_scale, packed, scales, bias, n, dt);
+  const int64_t panels = packed.size(0), k = packed.size(1);
+  auto out_shape = xq.sizes().vec();
+  out_shape.back() = n;
+  const at::Tensor x2 = xq.contiguous(), xs = x_scale.contiguous();
+  const int64_t m = x2.numel() / std::max<int64_t>(k, 1);
+  auto y = at::empty({m, n}, xq.options().dtype(dt));
+  if (m == 0) return y.view(out_shape);
+  const I8Route route = i8_route();
+  I8Call c{m, k, k, nullptr, nullptr};
+  thread_local std::vector<int8_t> pad;
+  thread_local std::vector<int16_t> x16;
+  thread_local std::vector<int32_t> zsum;
+  i8_rows(x2, c, route == I8Route::kAvx2, pad, x16, zsum);
+  const at::Tensor s = scales.contiguous();
+  const at::Tensor b = bias ? bias->contiguous().view(-1) : at::Tensor();
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const char* sp = static_cast<const char*>(s.data_ptr());
+  const I8Out o{m, n, y.data_ptr(), dt == at::kBFloat16, xs.numel() == 1, xs.data_ptr<float>(),
+               zsum.data()};  // NOTE: the caller's zsum (a helper thread has its own)
+  const bool wide = b.defined() && b.scalar_type() == at::kFloat;
+  const float* bf = wide ? b.data_ptr<float>() : nullptr;
+  const at::BFloat16* bb = b.defined() && !wide ? b.data_ptr<at::BFloat16>() : nullptr;
+  const auto st = s.scalar_type();
+  const int sdt = st == at::kFloat ? kF32 : st == at::kHalf ? kF16 : kBF16;
+  const int64_t pbytes = k * kCols;
+  const int64_t grain = std::clamp<int64_t>((int64_t(1) << 18) / std::max<int64_t>(pbytes, 1), 2,
+                                            std::max<int64_t>(2, (panels + 3) / 4));
+  parallel_chunks(panels, grain, [&](int64_t p0, int64_t p1) {
+    thread_local std::vector<int32_t> iacc;
+    thread_local std::vector<float> facc;
+    facc.resize(route == I8Route::kVnni512 ? 0 : m * kCols);
+    for (int64_t p = p0; p < p1; ++p) {
+      iacc.assign(m * kCols, 0);
+      const Panel q{w + p * pbytes, nullptr, nullptr, w + (p + 1 < p1 ? p + 1 : p) * pbytes};
+      float sc[kCols], bias32[kCols] = {};
+      for (int i = 0; i < kCols; ++i) sc[i] = scale_at(sp, sdt, p * kCols + i);
+      if (route == I8Route::kVnni512) {
+        i8_panels512(c, q, iacc.data());
+        i8_bias(bf, bb, n, p * kCols, bias32);
+        i8_store512(iacc.data(), o, sc, bias32, p * kCols);
+        continue;
+      }
+      if (route == I8Route::kAvx2) {
+        i8_panels_avx2(c, q, iacc.data());
+      } else {
+        i8_portable(c, q.w, iacc.data());
+      }
+      i8_store(iacc.data(), o, sc, facc.data(), y, b, p * kCols);
+    }
+  });
+  return y.view(out_shape);
+}
+
+at::Tensor quant_linear_i8_meta(const at::Tensor& xq, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const std::optional<at::Tensor>&, int64_t n,
+                                at::ScalarType dt) {
+  auto sizes = xq.sym_sizes().vec();
+  sizes.back() = n;
+  return at::empty_symint(sizes, xq.options().dtype(dt));
+}
+
 }  // namespace
 }  // namespace warmboot
 
@@ -855,8 +1222,16 @@ TORCH_LIBRARY_FRAGMENT(warmboot_cpu, m) {
   m.def("quant_linear(Tensor x, Tensor packed, Tensor scales, Tensor? zeros, Tensor? bias, "
         "int out_features, int bits, int group_size) -> Tensor");
   m.def("quant_fp8_routes(int routes) -> int", &warmboot::quant_fp8_routes);
+  m.def("quant_linear_i8(Tensor xq, Tensor x_scale, Tensor packed, Tensor scales, Tensor? bias, "
+        "int out_features, ScalarType dtype) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(warmboot_cpu, CPU, m) { m.impl("quant_linear", &warmboot::quant_linear); }
+TORCH_LIBRARY_IMPL(warmboot_cpu, CPU, m) {
+  m.impl("quant_linear", &warmboot::quant_linear);
+  m.impl("quant_linear_i8", &warmboot::quant_linear_i8);
+}
 
-TORCH_LIBRARY_IMPL(warmboot_cpu, Meta, m) { m.impl("quant_linear", &warmboot::quant_linear_meta); }
+TORCH_LIBRARY_IMPL(warmboot_cpu, Meta, m) {
+  m.impl("quant_linear", &warmboot::quant_linear_meta);
+  m.impl("quant_linear_i8", &warmboot::quant_linear_i8_meta);
+}
