@@ -91,6 +91,26 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "KimiLinearForCausalLM": ("kimi_linear", "KimiLinearForCausalLM"),
     "MiniMaxForCausalLM": ("minimax", "MiniMaxForCausalLM"),
     "BailingHybridForCausalLM": ("bailing_hybrid", "BailingHybridForCausalLM"),
+    # -- issue 55, MoE variants: glm4_moe_lite.py, cohere2_moe.py, exaone_moe.py, afmoe.py,
+    # granitemoe_swa.py, laguna.py, mimo_v2_flash.py --
+    "Glm4MoeLiteForCausalLM": ("glm4_moe_lite", "Glm4MoeLiteForCausalLM"),
+    "Cohere2MoeForCausalLM": ("cohere2_moe", "Cohere2MoeForCausalLM"),
+    "ExaoneMoeForCausalLM": ("exaone_moe", "ExaoneMoeForCausalLM"),
+    "AfmoeForCausalLM": ("afmoe", "AfmoeForCausalLM"),
+    "GraniteMoeSWAForCausalLM": ("granitemoe_swa", "GraniteMoeSWAForCausalLM"),
+    "LagunaForCausalLM": ("laguna", "LagunaForCausalLM"),
+    "MiMoV2FlashForCausalLM": ("mimo_v2_flash", "MiMoV2FlashForCausalLM"),
+    # -- end issue 55 block --
+    # -- issue 55, variants of served families: hy_v3.py, youtu.py, mellum.py, solar_open.py,
+    # granite_swa.py, hyperclovax.py, kolibri1.py --
+    "HYV3ForCausalLM": ("hy_v3", "HYV3ForCausalLM"),
+    "YoutuForCausalLM": ("youtu", "YoutuForCausalLM"),
+    "MellumForCausalLM": ("mellum", "MellumForCausalLM"),
+    "SolarOpenForCausalLM": ("solar_open", "SolarOpenForCausalLM"),
+    "GraniteSWAForCausalLM": ("granite_swa", "GraniteSWAForCausalLM"),
+    "HyperCLOVAXForCausalLM": ("hyperclovax", "HyperCLOVAXForCausalLM"),
+    "Kolibri1ForCausalLM": ("kolibri1", "Kolibri1ForCausalLM"),
+    # -- end issue 55 variants block --
 }
 """Every architecture served; a test checks each against transformers."""
 
@@ -167,6 +187,24 @@ MODEL_TYPES: dict[str, str] = {
     "kimi_linear": "KimiLinearForCausalLM",
     "minimax": "MiniMaxForCausalLM",
     "bailing_hybrid": "BailingHybridForCausalLM",
+    # -- issue 55, MoE variants --
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "cohere2_moe": "Cohere2MoeForCausalLM",
+    "exaone_moe": "ExaoneMoeForCausalLM",
+    "afmoe": "AfmoeForCausalLM",
+    "granitemoe_swa": "GraniteMoeSWAForCausalLM",
+    "laguna": "LagunaForCausalLM",
+    "mimo_v2_flash": "MiMoV2FlashForCausalLM",
+    # -- end issue 55 block --
+    # -- issue 55, variants of served families --
+    "hy_v3": "HYV3ForCausalLM",
+    "youtu": "YoutuForCausalLM",
+    "mellum": "MellumForCausalLM",
+    "solar_open": "SolarOpenForCausalLM",
+    "granite_swa": "GraniteSWAForCausalLM",
+    "hyperclovax": "HyperCLOVAXForCausalLM",
+    "kolibri1": "Kolibri1ForCausalLM",
+    # -- end issue 55 variants block --
 }
 """``model_type`` -> architecture, for configs without ``architectures``."""
 
