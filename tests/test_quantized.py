@@ -32,6 +32,11 @@ CASES = {
     "gptq-w4-g16-moe": ("qwen3_moe", "gptq", dict(bits=4, group_size=16, act_order=True)),
     "ct-pack-w4-g32-head": ("mistral", "ct-pack", dict(bits=4, group_size=32, ignore=())),
     "mxfp4-gpt-oss": ("gpt_oss", "mxfp4", {}),
+    "gptq-w4-g48-partial": (
+        "mistral",
+        "gptq",
+        dict(bits=4, group_size=48, act_order=True, sym=False),
+    ),
 }
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
@@ -83,7 +88,14 @@ def test_logits_match_transformers_on_the_dequantized_weights(case, quantized, h
 
 
 @pytest.mark.parametrize(
-    "case", ["gptq-w4-g32-act-order", "ct-pack-w4-g16-asym", "gptq-w4-g16-moe", "mxfp4-gpt-oss"]
+    "case",
+    [
+        "gptq-w4-g32-act-order",
+        "ct-pack-w4-g16-asym",
+        "gptq-w4-g16-moe",
+        "mxfp4-gpt-oss",
+        "gptq-w4-g48-partial",
+    ],
 )
 def test_greedy_through_chunks_preemption_and_prefix_sharing(case, quantized, hf_model, step_mode):
     path, ref = quantized(case)

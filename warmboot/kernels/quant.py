@@ -132,6 +132,7 @@ def quant_linear(
 ) -> torch.Tensor:
     if perm is not None:
         x = x.index_select(-1, perm)
+    x = padded_input(x, packed, bits)
     args = (x, packed, scales, zeros, bias, out_features, bits, group_size)
     if _native(x):
         return torch.ops.warmboot_cpu.quant_linear(*args)
@@ -141,6 +142,13 @@ def quant_linear(
         return triton_quant_linear(*args)
     w = dequantize(packed, scales, zeros, bits, group_size, out_features, x.dtype)
     return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+
+
+def padded_input(x: torch.Tensor, packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """``x`` with zero inputs up to the codes' (a partial last group is stored whole, its
+    extra codes weights of 0)."""
+    k = packed.shape[1] * 8 // abs(bits)
+    return x if x.shape[-1] == k else F.pad(x, (0, k - x.shape[-1]))
 
 
 def runs_native(x: torch.Tensor) -> bool:

@@ -213,9 +213,9 @@ def _grouped(scheme, prefix, codes, scale, zero, g_idx) -> dict[str, torch.Tenso
     """Shapes checked, groups made consecutive, the zero point dropped where symmetric."""
     n, k = codes.shape
     size = scheme.group_size or k
-    if k % size:
+    if k % size and not partial_groups(scheme):
         raise UnsupportedModelError(f"{prefix}: {k} inputs are not whole groups of {size}")
-    groups = k // size
+    groups = -(-k // size)  # NOTE: a partial last group (GPTQ's g_idx on 576 inputs, g128)
     scale = scale.reshape(n, -1) if scale.dim() == 1 else scale
     if tuple(scale.shape) != (n, groups) or not scale.is_floating_point():
         raise UnsupportedModelError(
@@ -245,8 +245,23 @@ def _grouped(scheme, prefix, codes, scale, zero, g_idx) -> dict[str, torch.Tenso
             out["weight_zero"] = zero.to(torch.uint8).contiguous()
     if scheme.number == "int" and bool((codes < 0).any() | (codes >= 1 << scheme.bits).any()):
         raise UnsupportedModelError(f"{prefix}: codes outside {scheme.bits} bits")
-    out["weight"] = codes.to(torch.uint8).contiguous()
+    out["weight"] = _padded(codes, groups * size, zero, scheme.bits).to(torch.uint8).contiguous()
     return out
+
+
+def partial_groups(scheme: QuantScheme) -> bool:
+    """Whether a last group may be partial: integer weights with full-precision inputs (the
+    codes are padded with zero-point codes, weights of exactly 0, and the input with zeros)."""
+    return scheme.number == "int" and scheme.act is None
+
+
+def _padded(codes: torch.Tensor, kp: int, zero: torch.Tensor | None, bits: int) -> torch.Tensor:
+    """Codes ``(N, K)`` -> ``(N, kp)``, the new inputs at the last group's zero point."""
+    n, k = codes.shape
+    if kp == k:
+        return codes
+    fill = torch.full((n, 1), 1 << (bits - 1)) if zero is None else zero.reshape(n, -1)[:, -1:]
+    return torch.cat((codes, fill.to(codes.dtype).expand(n, kp - k)), dim=1)
 
 
 def _perm(prefix: str, g_idx: torch.Tensor | None, k: int, size: int) -> torch.Tensor | None:

@@ -16,6 +16,7 @@ from warmboot.kernels.act_quant import fake_quant, quantize_int8
 from warmboot.models.layers.linear import Linear, LinearMethod
 from warmboot.models.layers.moe import ExpertsMethod, FusedExperts, grouped_experts
 from warmboot.models.quant_config import QuantScheme
+from warmboot.models.quant_formats import partial_groups
 from warmboot.models.registry import UnsupportedModelError
 
 
@@ -80,6 +81,7 @@ class QuantMethod(LinearMethod):
         w = (layer.weight, layer.weight_scale, layer.weight_zero)
         shape = (layer.out_features, self.code_bits, self.group_size(layer))
         if layer.weight_perm is None and quant.runs_native(x):  # NOTE: without this op's Python
+            x = quant.padded_input(x, layer.weight, self.code_bits)
             return torch.ops.warmboot_cpu.quant_linear(x, *w, layer.bias, *shape)
         return torch.ops.warmboot.quant_linear(x, *w, layer.weight_perm, layer.bias, *shape)
 
@@ -199,11 +201,11 @@ def _linear_shapes(scheme: QuantScheme, n: int, k: int) -> dict[str, tuple]:
     """Each quantized leaf's (shape or None, dtype) for an ``(n, k)`` weight."""
     bits = code_bits(scheme)
     group = scheme.group_size or k
-    if k % group or (abs(bits) == 4 and k % 2):
+    if (k % group and not partial_groups(scheme)) or (abs(bits) == 4 and k % 2):
         raise UnsupportedModelError(
             f"{k} inputs are not whole groups of {group} ({scheme.describe()})"
         )
-    codes, groups = quant.packed_shapes(n, k, bits, group)
+    codes, groups = quant.packed_shapes(n, -(-k // group) * group, bits, group)
     static = scheme.act is not None and scheme.act.static
     return {
         "": (codes, torch.uint8),
