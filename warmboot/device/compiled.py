@@ -25,12 +25,14 @@ it in the background while eager steps serve: ``engine.background_compile``).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import itertools
 import logging
 import threading
 import time
 import types
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -240,11 +242,37 @@ def _attend(layer: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     return torch.ops.warmboot.paged_attention(q, k, v, layer)
 
 
-@torch.compiler.nested_compile_region
+def _region_key(layer, x: torch.Tensor, positions: torch.Tensor) -> int:
+    return layer.region_key
+
+
+@torch.compiler.nested_compile_region(reuse_hash_fn=_region_key, max_reuse_entries=256)
 def _layer_step(layer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One decoder layer, its caches and metadata in the bound context: traced once for all
-    layers alike (a nested region), called per layer."""
+    layers of one structure (a nested region keyed by ``structure_key``), called per layer."""
     return layer(x, positions, functools.partial(_attend, getattr(layer, STEP_INDEX)))
+
+
+def structure_key(layer: torch.nn.Module) -> int:
+    """What makes two layers one compiled region: every module's type, plain settings (flags,
+    sizes, specs) and tensor shapes and dtypes. Dynamo's own reuse test (its guards) let a
+    layer reuse another's graph in a model of dense, sparse and NoPE layers (EXAONE-MoE,
+    Command A MoE, AFMoE gave other logits); a key of the layer's whole make-up does not."""
+    parts = []
+    for name, m in layer.named_modules():
+        own = itertools.chain(m.named_parameters(recurse=False), m.named_buffers(recurse=False))
+        shapes = [(n, tuple(t.shape), str(t.dtype)) for n, t in own if n != STEP_INDEX]
+        plain = sorted((k, _plain(v)) for k, v in vars(m).items() if not k.startswith("_"))
+        parts.append((name, type(m).__qualname__, shapes, plain))
+    return zlib.crc32(repr(parts).encode())
+
+
+def _plain(value) -> object:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if dataclasses.is_dataclass(value) or isinstance(value, (tuple, list)):
+        return repr(value)
+    return type(value).__qualname__
 
 
 def _model_step(model: CausalLM, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -267,6 +295,7 @@ def packed_view(model: CausalLM, table: PackedLinears, pack: bool = True) -> Cau
     view = copy.deepcopy(model, memo)
     for i, layer in enumerate(view.layers):
         _number(layer, i)
+        layer.region_key = structure_key(layer)
         experts = [m for m in layer.modules() if isinstance(m, FusedExperts)]
         table.experts.append([ExpertTable(m, pack, table.kernel) for m in experts])
         for slot, module in enumerate(experts):

@@ -310,10 +310,6 @@ class Startup(GraphPhases):
         (``device.step_choice``)."""
         if not engine.settings.compiled:
             return
-        if why := engine.runner.model.eager_only:
-            log.warning("compiled steps off for %s: %s", type(engine.runner.model).__name__, why)
-            self.compiling.info = {"compiled": False, "eager_only": why}
-            return
         artifacts = self.snapshot.compile_artifacts if self.restored else None
         manifest = self.snapshot.manifest if self.restored else None
         recorded = StepChoice.from_fact(manifest.facts.get("step_choice")) if manifest else None

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from warmboot.config import ModelConfig
-from warmboot.models.base import EAGER_ONLY, STACKED
+from warmboot.models.base import STACKED
 from warmboot.models.glm4 import Glm4DecoderLayer
 from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.linear import Linear
@@ -22,7 +22,6 @@ from warmboot.models.registry import UnsupportedModelError
 
 
 class AfmoeForCausalLM(LlamaForCausalLM):
-    eager_only = EAGER_ONLY  # NOTE: compiled, its steps gave other logits
     renames = (
         (r"^model\.", ""),
         (r"\.post_attention_layernorm\.", ".post_self_attn_layernorm."),

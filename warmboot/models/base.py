@@ -66,13 +66,6 @@ def _with_sinks(attn: Attention) -> AttentionSpec:
     return dataclasses.replace(attn.spec, sinks=sinks.detach().float().contiguous())
 
 
-EAGER_ONLY = (
-    "the compiled step's per-layer nested compile regions give other logits for a model "
-    "with dense, sparse and NoPE layers together (a torch.compile issue, under investigation)"
-)
-"""``CausalLM.eager_only`` of EXAONE-MoE, Command A MoE and AFMoE: exact eager, not compiled."""
-
-
 class CausalLM(nn.Module):
     renames: tuple[tuple[str, str], ...] = ((r"^model\.", ""),)
     """(regex, replacement) applied in order to every checkpoint name."""
@@ -88,8 +81,6 @@ class CausalLM(nn.Module):
     the family: Cohere, Ernie 4.5, StarCoder2)."""
     rope_class: type[RotaryEmbedding] = RotaryEmbedding
     """What ``shared_rope`` builds (a family whose rotation casts differently subclasses it)."""
-    eager_only: str | None = None
-    """Why the family runs eager steps only (the engine skips the compile), or None."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()

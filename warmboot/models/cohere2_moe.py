@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from warmboot.config import ModelConfig
-from warmboot.models.base import EAGER_ONLY
 from warmboot.models.cohere import Cohere2ForCausalLM, ParallelDecoderLayer
 from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.moe import FusedExperts, Router, SparseMoE
@@ -29,7 +28,6 @@ class AveragedMoE(SparseMoE):
 
 
 class Cohere2MoeForCausalLM(Cohere2ForCausalLM):
-    eager_only = EAGER_ONLY  # NOTE: compiled, its steps gave other logits
     renames = ((r"^model\.", ""), (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."))
 
     def __init__(self, cfg: ModelConfig):

@@ -10,7 +10,6 @@ from __future__ import annotations
 from torch import nn
 
 from warmboot.config import ModelConfig
-from warmboot.models.base import EAGER_ONLY
 from warmboot.models.deepseek import _check_groups, _refuser
 from warmboot.models.exaone4 import Exaone4ForCausalLM
 from warmboot.models.layers.activation import GatedMLP
@@ -19,7 +18,6 @@ from warmboot.models.layers.moe import FusedExperts, Router, SparseMoE
 
 
 class ExaoneMoeForCausalLM(Exaone4ForCausalLM):
-    eager_only = EAGER_ONLY  # NOTE: compiled, its steps gave other logits
     renames = (
         (r"^model\.", ""),
         (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),
