@@ -27,6 +27,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import inspect
 import itertools
 import logging
 import threading
@@ -246,7 +247,18 @@ def _region_key(layer, x: torch.Tensor, positions: torch.Tensor) -> int:
     return layer.region_key
 
 
-@torch.compiler.nested_compile_region(reuse_hash_fn=_region_key, max_reuse_entries=256)
+def _keyed_region(fn: Callable) -> Callable:
+    """``fn`` as a nested compile region keyed by ``_region_key`` where torch takes a key
+    (``reuse_hash_fn``: not in 2.11, the GPU image's, whose CUDA steps run uncompiled)."""
+    params = inspect.signature(torch.compiler.nested_compile_region).parameters
+    if "reuse_hash_fn" not in params:
+        return torch.compiler.nested_compile_region(fn)
+    return torch.compiler.nested_compile_region(
+        fn, reuse_hash_fn=_region_key, max_reuse_entries=256
+    )
+
+
+@_keyed_region
 def _layer_step(layer, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One decoder layer, its caches and metadata in the bound context: traced once for all
     layers of one structure (a nested region keyed by ``structure_key``), called per layer."""
