@@ -140,7 +140,7 @@ def _perturb(model: torch.nn.Module) -> None:
             param.copy_(0.5 + torch.rand(param.shape, generator=gen))
         elif name.endswith((".bias", "_proj_bias")):  # NOTE: GPT-OSS's experts' biases
             param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
-        elif name.endswith("e_score_correction_bias"):  # NOTE: routers' choice biases (zeros)
+        elif name.endswith(("e_score_correction_bias", "gate_bias")):  # NOTE: HF inits zeros
             param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
     for name, buf in model.named_buffers():  # NOTE: most families keep that bias as a buffer
         if name.endswith("e_score_correction_bias"):

@@ -111,6 +111,11 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "HyperCLOVAXForCausalLM": ("hyperclovax", "HyperCLOVAXForCausalLM"),
     "Kolibri1ForCausalLM": ("kolibri1", "Kolibri1ForCausalLM"),
     # -- end issue 55 variants block --
+    # -- issue 55, more variants: axk1.py, flint.py, beam.py --
+    "AXK1ForCausalLM": ("axk1", "AXK1ForCausalLM"),
+    "BeamForCausalLM": ("beam", "BeamForCausalLM"),
+    "FlintForCausalLM": ("flint", "FlintForCausalLM"),
+    # -- end issue 55 more variants block --
 }
 """Every architecture served; a test checks each against transformers."""
 
@@ -205,6 +210,11 @@ MODEL_TYPES: dict[str, str] = {
     "hyperclovax": "HyperCLOVAXForCausalLM",
     "kolibri1": "Kolibri1ForCausalLM",
     # -- end issue 55 variants block --
+    # -- issue 55, more variants --
+    "axk1": "AXK1ForCausalLM",
+    "beam": "BeamForCausalLM",
+    "flint": "FlintForCausalLM",
+    # -- end issue 55 more variants block --
 }
 """``model_type`` -> architecture, for configs without ``architectures``."""
 
