@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import NATIVE_ISAS, runnable_isas
 from tests.tiny_models import KINDS, make_tiny_model
 from warmboot.config import EAGER_ENV
 
@@ -126,3 +127,15 @@ def s3_endpoint():
     yield endpoint
     server.stop()
     mp.undo()
+
+
+@pytest.fixture(params=NATIVE_ISAS)
+def isa(request):
+    """Each native instruction set this CPU runs, forced for the test (skipped where it
+    lacks one); the CPU's best again after it."""
+    if request.param not in runnable_isas():
+        pytest.skip(f"this CPU cannot run {request.param}")
+    best = runnable_isas()[-1]
+    torch.ops.warmboot_cpu.use_isa(request.param)
+    yield request.param
+    torch.ops.warmboot_cpu.use_isa(best)

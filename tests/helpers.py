@@ -183,3 +183,15 @@ def prefill_meta(seqs, tokens: int):
         prefills=seqs,
         block_size=16,
     )
+
+
+NATIVE_ISAS = ["portable", "avx2", "avx512", "avx512_bf16"]
+"""The native kernels' instruction sets, each running on the CPUs of those after it."""
+
+
+def runnable_isas() -> list[str]:
+    """The native instruction sets this CPU runs (none without the native library)."""
+    from warmboot.kernels import native
+
+    best = native.isa()
+    return NATIVE_ISAS[: NATIVE_ISAS.index(best) + 1] if best else []

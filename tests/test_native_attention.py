@@ -24,18 +24,7 @@ pytestmark = pytest.mark.skipif(
     native.library() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"
 )
 
-ISAS = ["portable", "avx2", "avx512", "avx512_bf16"]
 TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-4, 2**-8), torch.float16: (1e-4, 2**-10)}
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    best = native.isa()
-    if best is None or ISAS.index(request.param) > ISAS.index(best):
-        pytest.skip(f"this CPU cannot run {request.param}")
-    torch.ops.warmboot_cpu.use_isa(request.param)
-    yield request.param
-    torch.ops.warmboot_cpu.use_isa(best)
 
 
 def _paged(lens, hkv, d, bs, dtype, seed, shared=False, spare=3):

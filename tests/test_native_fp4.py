@@ -18,20 +18,8 @@ pytestmark = pytest.mark.skipif(
     native.library() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"
 )
 
-ISAS = ["portable", "avx2", "avx512", "avx512_bf16"]
 OPS = torch.ops.warmboot_cpu
 FP4 = -4
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    """Each instruction set this CPU has, forced for the test (skipped where it lacks one)."""
-    best = native.isa()
-    if best is None or ISAS.index(request.param) > ISAS.index(best):
-        pytest.skip(f"this CPU cannot run {request.param}")
-    OPS.use_isa(request.param)
-    yield request.param
-    OPS.use_isa(best)
 
 
 def _e2m1(codes: torch.Tensor) -> torch.Tensor:

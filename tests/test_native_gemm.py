@@ -14,23 +14,6 @@ pytestmark = pytest.mark.skipif(
     native.library() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"
 )
 
-ISAS = ["portable", "avx2", "avx512", "avx512_bf16"]
-
-
-def _runnable() -> list[str]:
-    best = native.isa()
-    return ISAS[: ISAS.index(best) + 1] if best else []
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    if request.param not in _runnable():
-        pytest.skip(f"this CPU cannot run {request.param}")
-    best = native.isa()
-    torch.ops.warmboot_cpu.use_isa(request.param)
-    yield request.param
-    torch.ops.warmboot_cpu.use_isa(best)
-
 
 def _case(m: int, n: int, k: int, bias: bool, seed: int = 0):
     g = torch.Generator().manual_seed(seed)

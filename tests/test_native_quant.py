@@ -10,30 +10,14 @@ import itertools
 import pytest
 import torch
 
-from tests.helpers import lent_a_helper
+from tests.helpers import lent_a_helper, runnable_isas
 from warmboot.kernels import native
 
 pytestmark = pytest.mark.skipif(
     native.library() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"
 )
 
-ISAS = ["portable", "avx2", "avx512", "avx512_bf16"]
 OPS = torch.ops.warmboot_cpu
-
-
-def _runnable() -> list[str]:
-    best = native.isa()
-    return ISAS[: ISAS.index(best) + 1] if best else []
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    if request.param not in _runnable():
-        pytest.skip(f"this CPU cannot run {request.param}")
-    best = native.isa()
-    OPS.use_isa(request.param)
-    yield request.param
-    OPS.use_isa(best)
 
 
 def _quantized(n, k, bits, gs, sdt=torch.float16, zeros=True, seed=0):
@@ -263,7 +247,7 @@ def test_fp8_routes_agree_bit_for_bit_even_with_daz(isa_name, other):
     """The routes differ by powers of 2 only: the fp16 route's bits, also where this thread
     zeroes subnormal inputs (MXCSR.DAZ: the subnormal route lifts it for the call, vcvtph2ps
     ignores it). The table route against fp16's dot products: bf16 x, 3 rows."""
-    if isa_name not in _runnable() or (other == "table" and isa_name != "avx512_bf16"):
+    if isa_name not in runnable_isas() or (other == "table" and isa_name != "avx512_bf16"):
         pytest.skip(f"{other} does not run on {isa_name} here")
     best, before = native.isa(), _fp8_routes(0)
     codes, threads = _fp8_codes(70, 256, seed=5), torch.get_num_threads()

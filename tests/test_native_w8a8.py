@@ -21,18 +21,7 @@ pytestmark = pytest.mark.skipif(
     native.library() is None, reason=f"native kernels unavailable: {native.unavailable_reason()}"
 )
 
-ISAS = ["portable", "avx2", "avx512", "avx512_bf16"]
 OPS = torch.ops.warmboot_cpu
-
-
-@pytest.fixture(params=ISAS)
-def isa(request):
-    best = native.isa()
-    if best is None or ISAS.index(request.param) > ISAS.index(best):
-        pytest.skip(f"this CPU cannot run {request.param}")
-    OPS.use_isa(request.param)
-    yield request.param
-    OPS.use_isa(best)
 
 
 def _operands(m, n, k, seed, sdt=torch.float32):
