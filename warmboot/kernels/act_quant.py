@@ -49,6 +49,13 @@ def quantize_int8(
     return q.to(torch.int8), scale.float().reshape(-1)
 
 
+def ct_codes(x: torch.Tensor, number: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x``'s codes per row (``int8`` integers or ``fp8`` values, in ``x``'s dtype) and
+    their scales by compressed-tensors' rule (its ``calculate_qparams``): what quantizing a
+    weight per output channel at load takes too (``kernels.quant.quantize_rows``)."""
+    return _quantized(x, number, "token", None, "ct", False, None)
+
+
 def _quantized(x, number, strategy, group_size, rule, ue8m0, static_scale):
     """The codes (in ``x``'s dtype; by groups for ``group``) and the scales they take."""
     if strategy == "group":

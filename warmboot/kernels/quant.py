@@ -29,13 +29,12 @@ import torch
 from torch.nn import functional as F
 
 from warmboot.kernels import native
+from warmboot.kernels.act_quant import ct_codes
 from warmboot.kernels.quant_layout import (  # noqa: F401 - the layout's names, re-exported
     COLS,
     FP4,
     FP4_VALUES,
     FP8,
-    FP8_MAX,
-    INT8_HALF_RANGE,
     packed_shapes,
 )
 
@@ -104,18 +103,11 @@ def dequantize(
 @torch.no_grad()
 def quantize_rows(w: torch.Tensor, number: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A dense ``(N, K)`` weight -> ``number`` (``fp8`` or ``int``: 8-bit) codes ``(N, K)``
-    and float32 scales ``(N, 1)``, as llm-compressor quantizes (compressed-tensors'
-    ``calculate_qparams``): ``s = amax / 448`` (FP8) or ``amax / 127.5`` (int8, codes
-    ``clamp(round(w / s), -128, 127) + 128``) per row, float32's eps where a row is zero."""
-    w = w.float()
-    half = FP8_MAX if number == "fp8" else INT8_HALF_RANGE
-    scale = w.abs().amax(dim=1, keepdim=True) / half
-    scale = torch.where(scale == 0, torch.finfo(torch.float32).eps, scale)
-    scaled = w / scale
-    if number == "fp8":
-        codes = scaled.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    else:
-        codes = (torch.round(scaled.clamp(-128, 127)) + 128).to(torch.uint8)
+    and float32 scales ``(N, 1)``, as llm-compressor quantizes (``act_quant.ct_codes``:
+    ``s = amax / 448`` or ``amax / 127.5`` per row, float32's eps where a row is zero)."""
+    fp8 = number == "fp8"
+    q, scale = ct_codes(w.float(), "fp8" if fp8 else "int8")
+    codes = q.to(torch.float8_e4m3fn).view(torch.uint8) if fp8 else (q + 128).to(torch.uint8)
     return codes, scale
 
 

@@ -12,8 +12,6 @@ FP8 = -8
 FP4 = -4
 """``bits`` of FP4 e2m1 codes (MXFP4): 4-bit panels whose nibbles are e2m1 values
 (``fp4(u) * s``: sign bit 3, then 0, 0.5, 1, 1.5, 2, 3, 4, 6 by bits 0-2), no zero points."""
-FP8_MAX = 448.0
-INT8_HALF_RANGE = 127.5
 FP4_VALUES = tuple(sign * v for sign in (1.0, -1.0) for v in (0, 0.5, 1, 1.5, 2, 3, 4, 6))
 
 
