@@ -104,6 +104,7 @@ COMPILED = {
     "exaone_moe": "dense, sparse and NoPE layers in one model: regions keyed by structure_key",
     "cohere2_moe": "parallel blocks, NoPE globals and dense prefix layers beside sparse ones",
     "afmoe": "a gated attention output, NoPE full layers, dense and sparse layers",
+    "glm_moe_dsa": "the indexed attention op (indexer keys, top-k selection) and shared selections",
 }
 """Kinds also run compiled with the pipelined loop, and what each brings into the compiled
 step. A cold compile costs 5-25 s (the suite's time, README); the other kinds differ from

@@ -77,7 +77,7 @@ class CompiledSteps:
     def __init__(
         self,
         model: CausalLM,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, ...]],
         backend: AttentionBackend,
         dtype: torch.dtype,
         cpu_threads: int | None = None,
@@ -330,10 +330,12 @@ def packed_view(model: CausalLM, table: PackedLinears, pack: bool = True) -> Cau
 
 
 def _number(layer: torch.nn.Module, i: int) -> None:
-    """Decoder layer ``i``, its linears and experts carry ``i`` (one tensor) as ``STEP_INDEX``."""
+    """Decoder layer ``i``, its linears, experts and other modules calling a step op
+    (``calls_step_op``) carry ``i`` (one tensor) as ``STEP_INDEX``."""
     index = torch.tensor(i)  # NOTE: on the CPU: the ops read it on the host
     for module in layer.modules():
-        if module is layer or isinstance(module, (Linear, FusedExperts, StateMixer)):
+        ops = isinstance(module, (Linear, FusedExperts, StateMixer))
+        if module is layer or ops or getattr(module, "calls_step_op", False):
             module.register_buffer(STEP_INDEX, index, persistent=False)
 
 

@@ -25,16 +25,26 @@ class Pools:
 
     def kv(
         self, layout: KVLayout, num_layers: int, num_blocks: int, block_size: int
-    ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    ) -> list[tuple[torch.Tensor, ...] | None]:
         """Per layer: its K and V pages ((blocks, block_size, heads, dim) each; one tensor as
-        both for a 1-entry layout, which ``write_kv`` writes once), None for a state layer."""
-        attends = [i for i in range(num_layers) if layout.attends(i)]
-        if not attends:
+        both for a 1-entry layout, which ``write_kv`` writes once), then its indexer keys'
+        pages ((blocks, block_size, index_dim)) where the layout keeps them; a layer reading
+        another's K/V (``KVLayout.kv_sources``) gets that layer's; None for a state layer."""
+        owners = [i for i in range(num_layers) if layout.owns_kv(i)]
+        if not owners:
             return [None] * num_layers
-        shape = (len(attends), layout.entries, num_blocks, block_size, layout.heads, layout.dim)
+        shape = (len(owners), layout.entries, num_blocks, block_size, layout.heads, layout.dim)
         cache = self.zeros(shape, self.dtype)
-        pages = {layer: cache[j].unbind(0) for j, layer in enumerate(attends)}
-        return [(pages[i][0], pages[i][-1]) if i in pages else None for i in range(num_layers)]
+        entries = {layer: cache[j].unbind(0) for j, layer in enumerate(owners)}
+        pages = {layer: (kv[0], kv[-1]) for layer, kv in entries.items()}  # NOTE: one: K is V
+        if layout.index_dim:
+            keys = self.zeros((len(owners), num_blocks, block_size, layout.index_dim), self.dtype)
+            pages = {layer: (*kv, keys[j]) for j, (layer, kv) in enumerate(pages.items())}
+        sources = layout.kv_sources or (None,) * num_layers
+        for i in range(num_layers):
+            if sources[i] is not None and layout.attends(i):
+                pages[i] = pages[sources[i]]
+        return [pages.get(i) for i in range(num_layers)]
 
     def states(self, layout: KVLayout, rows: int) -> list[dict[str, torch.Tensor] | None]:
         """Per layer: a state layer's tensors by name, ``rows`` rows each; None for attention."""

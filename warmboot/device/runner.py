@@ -52,7 +52,7 @@ class ModelRunner:
         self.kv_layout: KVLayout | None = None
         """What the model's KV cache holds per token and layer (``CausalLM.kv_layout``)."""
         self.max_model_len = max_model_len
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+        self.kv_caches: list[tuple[torch.Tensor, ...] | None] = []
         self.state_caches: list[dict[str, torch.Tensor] | None] = []
         """Per layer: K and V pages, or a state layer's tensors (``device.pools``: a row per
         request slot, ``scratch_state_slot`` written only by compile warm-ups, then
@@ -128,7 +128,7 @@ class ModelRunner:
         specs = [s for s in self.specs if s is not None]
         if not specs:
             return 0
-        k_cache, v_cache = next(kv for kv in self.kv_caches if kv is not None)
+        k_cache, v_cache = next(kv for kv in self.kv_caches if kv is not None)[:2]
         windows = {s.sliding_window for s in specs}
         heads = self.model_cfg.num_heads
         return self.attention.pretune(

@@ -81,6 +81,9 @@ class AttentionSpec:
     sinks: torch.Tensor | None = None
     """(Hq,) float32 logits that join each query's softmax denominator without a value
     (GPT-OSS's attention sinks); filled in from the model's weights after loading."""
+    kv_source: int | None = None
+    """The earlier layer whose cached K/V this layer reads (Gemma 3n's and Gemma 4's last
+    layers): it keeps and writes none of its own (``KVLayout.kv_sources``)."""
 
 
 @dataclass(frozen=True)
@@ -122,16 +125,28 @@ class KVLayout:
     ``short_conv``); empty: every layer attends."""
     states: tuple[tuple[StateSpec, ...], ...] = ()
     """Per layer (as ``kinds``): the state tensors it keeps per request; empty for attention."""
+    index_dim: int = 0
+    """Width of the indexer key each attention layer keeps per token beside its K/V (sparse
+    indexed attention, ``kernels.sparse_attention``), paged with them; 0: none."""
+    kv_sources: tuple[int | None, ...] = ()
+    """Per layer: the earlier layer whose K/V pages it reads instead of its own
+    (``AttentionSpec.kv_source``); empty: every attention layer has its own."""
 
     def bytes_per_token(self, dtype_size: int) -> int:
         """Cache bytes one token takes in one attention layer."""
-        return self.entries * self.heads * self.dim * dtype_size
+        return (self.entries * self.heads * self.dim + self.index_dim) * dtype_size
 
     def attends(self, layer: int) -> bool:
         return not self.kinds or self.kinds[layer] == ATTENTION
 
+    def owns_kv(self, layer: int) -> bool:
+        """An attention layer with pages of its own (not reading another's)."""
+        shared = self.kv_sources and self.kv_sources[layer] is not None
+        return self.attends(layer) and not shared
+
     def num_attention_layers(self, num_layers: int) -> int:
-        return sum(self.attends(i) for i in range(num_layers))
+        """The attention layers that keep K/V pages (the memory they take)."""
+        return sum(self.owns_kv(i) for i in range(num_layers))
 
     @property
     def has_state(self) -> bool:

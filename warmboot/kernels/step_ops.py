@@ -255,7 +255,8 @@ class StepContext:
     """One step's state: what attention needs per layer, and the packed weights."""
 
     backend: AttentionBackend
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    kv_caches: list[tuple[torch.Tensor, ...]]
+    """Per layer: K and V pages, then indexer key pages where kept (``Pools.kv``)."""
     meta: AttentionMetadata | None
     specs: list[AttentionSpec]
     """Per layer: scale, window, soft-cap (``CausalLM.attention_specs``)."""
@@ -274,11 +275,20 @@ class StepContext:
         """Layer ``layer``'s attention: write its new K/V and attend."""
         if self.meta is None:
             raise RuntimeError("attention ran in a step without attention metadata")
-        k_cache, v_cache = self.kv_caches[layer]
+        k_cache, v_cache = self.kv_caches[layer][:2]
         s = self.specs[layer]
+        if s.kv_source is not None:  # NOTE: the source layer wrote them this step: rewritten as is
+            k, v = cached_kv(k_cache, v_cache, self.meta.slot_mapping)
         return self.backend.forward(
             q, k, v, k_cache, v_cache, self.meta, s.scale, s.sliding_window, s.softcap, s.sinks
         )
+
+
+def cached_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):
+    """The K/V (N, Hkv, D) held at the step's slots: what a layer reading another's pages
+    attends with for its new tokens."""
+    hkv, d = k_cache.shape[-2:]
+    return k_cache.view(-1, hkv, d)[slots], v_cache.view(-1, hkv, d)[slots]
 
 
 _LOCAL = threading.local()

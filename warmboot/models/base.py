@@ -197,7 +197,9 @@ class CausalLM(nn.Module):
         return self.with_states(KVLayout(2, self.cfg.num_kv_heads, self.cfg.head_dim))
 
     def with_states(self, layout: KVLayout) -> KVLayout:
-        """``layout`` with the state layers declared (as is for a model without any)."""
+        """``layout`` with the state layers and the layers reading another's K/V declared (as
+        is for a model without any)."""
+        layout = self.with_kv_sources(layout)
         mixers = self.state_mixers()
         if not any(mixers):
             return layout
@@ -208,6 +210,18 @@ class CausalLM(nn.Module):
         kinds = tuple(ATTENTION if m is None else m.kind for m in mixers)
         states = tuple(() if m is None else m.state_specs() for m in mixers)
         return dataclasses.replace(layout, kinds=kinds, states=states)
+
+    def with_kv_sources(self, layout: KVLayout) -> KVLayout:
+        """``layout`` with the layers that read an earlier layer's K/V (``AttentionSpec``)."""
+        specs = [a if a is None else a.spec for a in self.attention_layers()]
+        sources = tuple(None if s is None else s.kv_source for s in specs)
+        for i, src in enumerate(sources):
+            owner = src is not None and 0 <= src < i and specs[src] is not None
+            if src is not None and not (owner and specs[src].kv_source is None):
+                raise UnsupportedModelError(f"layer {i} reads the K/V of layer {src}")
+        if all(s is None for s in sources):
+            return layout
+        return dataclasses.replace(layout, kv_sources=sources)
 
     def attention_specs(self) -> list[AttentionSpec | None]:
         """Per layer, with the module's current sinks (float32) once the weights are in;

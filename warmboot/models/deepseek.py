@@ -136,10 +136,13 @@ class DeepseekV2ForCausalLM(CausalLM):
             scale *= (0.1 * m_all * math.log(factor) + 1.0) ** 2
         return scale
 
+    def dense_mlp(self, index: int) -> bool:
+        return index < self.setting("first_k_dense_replace")
+
     def make_mlp(self, index: int) -> nn.Module:
         cfg = self.cfg
         act, bias = cfg.get("hidden_act", "silu"), bool(cfg.get("mlp_bias", False))
-        if index < self.setting("first_k_dense_replace"):
+        if self.dense_mlp(index):
             return GatedMLP(cfg.hidden_size, cfg.get("intermediate_size"), act, bias)
         experts, size = cfg.get("n_routed_experts"), cfg.get("moe_intermediate_size")
         shared = cfg.get("n_shared_experts") or 0

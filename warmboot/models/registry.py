@@ -116,6 +116,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "BeamForCausalLM": ("beam", "BeamForCausalLM"),
     "FlintForCausalLM": ("flint", "FlintForCausalLM"),
     # -- end issue 55 more variants block --
+    # -- issue 55, sparse indexed attention: deepseek_v32.py --
+    "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("deepseek_v32", "GlmMoeDsaForCausalLM"),
 }
 """Every architecture served; a test checks each against transformers."""
 
@@ -193,6 +196,8 @@ MODEL_TYPES: dict[str, str] = {
     "minimax": "MiniMaxForCausalLM",
     "bailing_hybrid": "BailingHybridForCausalLM",
     # -- issue 55, MoE variants --
+    "deepseek_v32": "DeepseekV32ForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "cohere2_moe": "Cohere2MoeForCausalLM",
     "exaone_moe": "ExaoneMoeForCausalLM",

@@ -94,10 +94,14 @@ class MLAttention(nn.Module):
         """One cache entry per token: the latent and the rotated key part, as one head."""
         return KVLayout(1, 1, self.rank + self.rope_dim)
 
-    def query(self, x: torch.Tensor) -> torch.Tensor:
+    def query_latent(self, x: torch.Tensor) -> torch.Tensor:
+        """The normed low-rank query latent (``x`` itself without ``q_lora_rank``)."""
         if self.q_lora_rank is None:
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            return x
+        return self.q_a_layernorm(self.q_a_proj(x))
+
+    def query(self, latent: torch.Tensor) -> torch.Tensor:
+        return self.q_proj(latent) if self.q_lora_rank is None else self.q_b_proj(latent)
 
     def latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(normed latent c (N, r), unrotated k_pe (N, rope))."""
@@ -106,16 +110,23 @@ class MLAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         n, h = x.shape[0], self.num_heads
-        q = self.query(x).view(n, h, self.nope_dim + self.rope_dim)
+        q_latent = self.query_latent(x)
+        q = self.query(q_latent).view(n, h, self.nope_dim + self.rope_dim)
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c, k_pe = self.latent(x)
         q_pe, k_pe = self.rope(positions, q_pe, k_pe.unsqueeze(1))
         w_uk, w_uv = self.kv_b_proj.absorbed()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # (N, H, r)
         entry = torch.cat([c.unsqueeze(1), k_pe], dim=-1)  # (N, 1, r + rope)
-        out = attend(torch.cat([q_lat, q_pe], dim=-1), entry, entry)  # (N, H, r + rope)
+        query = torch.cat([q_lat, q_pe], dim=-1)
+        out = self.attend_latent(attend, query, entry, x, q_latent, positions)  # (N, H, r + rope)
         o = torch.bmm(out[..., : self.rank].transpose(0, 1), w_uv.transpose(1, 2))  # (H, N, v)
         return self.project_out(x, o.transpose(0, 1))
+
+    def attend_latent(self, attend: Attend, query, entry, x, q_latent, positions) -> torch.Tensor:
+        """The absorbed query over the latent cache (the step's attention; an indexed layer
+        selects the positions first)."""
+        return attend(query, entry, entry)
 
     def project_out(self, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """The heads' outputs ``o`` (N, H, v) through ``o_proj`` (a gated variant gates them

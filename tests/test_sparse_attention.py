@@ -1,0 +1,104 @@
+"""Sparse indexed attention (``kernels.sparse_attention``): the selection against a float64
+reference of its formula, the tie rule, the indexer keys in the paged cache and the memory
+figure, and bad indexer settings refused by name. The families (DeepSeek-V3.2, GLM-5) are
+checked against transformers in ``test_families``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from warmboot import LLM
+from warmboot.kernels.sparse_attention import select
+from warmboot.models.registry import UnsupportedModelError
+
+
+def _reference(iq, iw, keys, valid, topk):
+    """The selection in float64, ties to the earlier position, by a plain loop."""
+    b, r = valid.shape[:2]
+    out = torch.zeros_like(valid)
+    scale = iq.shape[-1] ** -0.5
+    for i in range(b):
+        for j in range(r):
+            s = (iq[i, j].double() @ keys[i].double().T * scale).clamp(min=0)
+            score = iw[i, j].double() @ s
+            ranked = sorted(
+                (p for p in range(valid.shape[2]) if valid[i, j, p]),
+                key=lambda p: (-float(score[p]), p),
+            )
+            out[i, j, ranked[:topk]] = True
+    return out
+
+
+@pytest.mark.parametrize("topk", [1, 5, 40])
+def test_selection_matches_float64_reference(topk):
+    gen = torch.Generator().manual_seed(3)
+    b, r, h, d, length = 3, 4, 16, 12, 23
+    iq = torch.randn(b, r, h, d, generator=gen)
+    iw = torch.randn(b, r, h, generator=gen)
+    keys = torch.randn(b, length, d, generator=gen)
+    pos = torch.arange(length - r, length)
+    valid = (torch.arange(length)[None, :] <= pos[:, None]).expand(b, r, length).clone()
+    valid[1, :, 15:] = False  # NOTE: a shorter sequence in the batch
+    got = select(iq, iw, keys, valid, topk)
+    assert torch.equal(got, _reference(iq, iw, keys, valid, topk))
+    assert (got.sum(-1) == valid.sum(-1).clamp(max=topk)).all()
+    assert not (got & ~valid).any()
+
+
+def test_ties_go_to_the_earlier_position():
+    """Scores cut to zero by the ReLU tie; the earliest of them are taken."""
+    d, length = 4, 10
+    keys = torch.zeros(1, length, d)
+    keys[0, [2, 7], 0] = 1.0  # NOTE: the only positive scores; the other 8 are zero
+    iq = torch.zeros(1, 1, 1, d)
+    iq[..., 0] = 1.0
+    iw = torch.ones(1, 1, 1)
+    valid = torch.ones(1, 1, length, dtype=torch.bool)
+    got = select(iq, iw, keys, valid, topk=5)
+    assert got[0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3, 7]
+    keys[0, 7, 0] = 2.0  # NOTE: ranked first, then 2, then the zeros in position order
+    assert select(iq, iw, keys, valid, topk=3)[0, 0].nonzero().flatten().tolist() == [0, 2, 7]
+
+
+def test_indexer_keys_are_paged_and_counted(tiny_model_dir):
+    path = tiny_model_dir("glm_moe_dsa")
+    cfg = json.loads((path / "config.json").read_text())
+    llm = LLM(str(path), max_model_len=64, block_size=4, num_kv_blocks=16, enforce_eager=True)
+    runner = llm.engine.runner
+    layout = runner.kv_layout
+    assert layout.index_dim == cfg["index_head_dim"]
+    latent = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
+    per_layer = (latent + cfg["index_head_dim"]) * 4  # NOTE: float32
+    assert runner.kv_bytes_per_token() == cfg["num_hidden_layers"] * per_layer
+    pages = runner.kv_caches[0]
+    assert len(pages) == 3 and pages[2].shape[-1] == cfg["index_head_dim"]
+    assert pages[2].shape[:2] == pages[0].shape[:2]  # NOTE: the KV's blocks, block size
+    llm.generate([{"prompt_token_ids": list(range(3, 30))}])
+    assert pages[2].abs().sum() > 0  # NOTE: written through the slot mapping
+    llm.close()
+
+
+BAD = [
+    (dict(index_topk=0), "index_topk"),
+    (dict(index_n_heads=0), "index_n_heads"),
+    (dict(index_head_dim=8), "qk_rope_head_dim above index_head_dim"),
+    (dict(indexer_types=["shared", "full", "full", "shared"]), "first layer shares"),
+    (dict(indexer_types=["full", "sparse", "full", "full"]), "indexer_types"),
+    (dict(layer_types=["indexed_attention", "full_attention"] * 2), "layer_types"),
+    (dict(mlp_layer_types=["dense"]), "mlp_layer_types"),
+]
+
+
+@pytest.mark.parametrize(("change", "named"), BAD, ids=[n for _, n in BAD])
+def test_bad_indexer_settings_are_refused(tiny_model_dir, tmp_path, change, named):
+    source = tiny_model_dir("glm_moe_dsa")
+    for f in source.iterdir():
+        (tmp_path / f.name).symlink_to(f)
+    cfg = json.loads((source / "config.json").read_text()) | change
+    (tmp_path / "config.json").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UnsupportedModelError, match=named):
+        LLM(str(tmp_path), max_model_len=64, enforce_eager=True)
