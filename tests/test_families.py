@@ -104,6 +104,7 @@ COMPILED = {
     "exaone_moe": "dense, sparse and NoPE layers in one model: regions keyed by structure_key",
     "cohere2_moe": "parallel blocks, NoPE globals and dense prefix layers beside sparse ones",
     "afmoe": "a gated attention output, NoPE full layers, dense and sparse layers",
+    "longcat_flash": "sublayers as layers (2x hidden rows between them), zero experts",
     "glm_moe_dsa": "the indexed attention op (indexer keys, top-k selection) and shared selections",
 }
 """Kinds also run compiled with the pipelined loop, and what each brings into the compiled

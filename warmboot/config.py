@@ -303,7 +303,10 @@ class EngineConfig:
 
 def _num_layers(cfg: dict[str, Any]) -> int:
     """``num_hidden_layers``, or the length of the block list it is computed from (Nemotron-H
-    saved by transformers 5: ``layers_block_type``)."""
+    saved by transformers 5: ``layers_block_type``), or LongCat-Flash's ``num_layers`` times
+    its two attention sublayers (the engine's layers, one KV cache each: transformers' count)."""
+    if cfg.get("model_type") == "longcat_flash" and cfg.get("num_hidden_layers") is None:
+        return 2 * cfg["num_layers"]
     if "num_hidden_layers" in cfg or "layers_block_type" not in cfg:
         return cfg["num_hidden_layers"]
     return len(cfg["layers_block_type"])

@@ -116,6 +116,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "BeamForCausalLM": ("beam", "BeamForCausalLM"),
     "FlintForCausalLM": ("flint", "FlintForCausalLM"),
     # -- end issue 55 more variants block --
+    # -- issue 55, two attention sublayers a layer: longcat_flash.py --
+    "LongcatFlashForCausalLM": ("longcat_flash", "LongcatFlashForCausalLM"),
+    # -- end issue 55 longcat block --
     # -- issue 55, sparse indexed attention: deepseek_v32.py --
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("deepseek_v32", "GlmMoeDsaForCausalLM"),
@@ -220,6 +223,9 @@ MODEL_TYPES: dict[str, str] = {
     "beam": "BeamForCausalLM",
     "flint": "FlintForCausalLM",
     # -- end issue 55 more variants block --
+    # -- issue 55, longcat --
+    "longcat_flash": "LongcatFlashForCausalLM",
+    # -- end issue 55 longcat block --
 }
 """``model_type`` -> architecture, for configs without ``architectures``."""
 

@@ -208,17 +208,25 @@ def grouped_experts(
 ) -> torch.Tensor:  # (N, H)
     """Sum over each token's k experts of ``weight * down(act(up(x)))``: the (token, expert)
     pairs sorted by expert once, one GEMM pair per expert that has tokens, one activation
-    over all rows. One token (decode at batch 1) needs no sort: its k experts in turn."""
+    over all rows. One token (decode at batch 1) needs no sort: its k experts in turn.
+    Ids at or past ``num_experts`` (``SparseMoE``'s zero experts) are skipped."""
     n, k = ids.shape
     if n == 1:
-        experts = ids[0].tolist()
-        hidden = act_and_mul(torch.cat([up(e, x) for e in experts]))  # (k, I)
-        out = torch.cat([down(e, hidden[j : j + 1]) for j, e in enumerate(experts)])
+        picks = [(j, e) for j, e in enumerate(ids[0].tolist()) if e < num_experts]
+        if not picks:
+            return torch.zeros_like(x)
+        hidden = act_and_mul(torch.cat([up(e, x) for _, e in picks]))  # (k, I)
+        out = torch.cat([down(e, hidden[i : i + 1]) for i, (_, e) in enumerate(picks)])
+        if len(picks) < k:
+            weights = weights[:, [j for j, _ in picks]]
         return weights @ out  # (1, k) @ (k, H)
     flat = ids.flatten()
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()[:num_experts]
     spans = [(e, c) for e, c in enumerate(counts) if c]
+    if not spans:
+        return torch.zeros_like(x)
+    order = order[: sum(c for _, c in spans)]  # NOTE: skipped ids sort last
     token = order // k
     rows = x.index_select(0, token).split([c for _, c in spans])
     hidden = act_and_mul(torch.cat([up(e, r) for (e, _), r in zip(spans, rows, strict=True)]))
@@ -269,7 +277,9 @@ class FusedExperts(nn.Module):
 
 class SparseMoE(nn.Module):
     """The MoE block that replaces a layer's MLP: routed experts, plus an optional shared
-    expert (always run; scaled by ``sigmoid(shared_expert_gate(x))`` when given, Qwen2-MoE)."""
+    expert (always run; scaled by ``sigmoid(shared_expert_gate(x))`` when given, Qwen2-MoE).
+    ``zero_experts``: the router scores that many more ids than ``experts`` holds, identity
+    experts that give a token back times its weight (LongCat-Flash's zero-compute experts)."""
 
     def __init__(
         self,
@@ -277,14 +287,24 @@ class SparseMoE(nn.Module):
         experts: FusedExperts,
         shared_expert: nn.Module | None = None,
         shared_expert_gate: Linear | None = None,
+        zero_experts: int = 0,
     ):
         super().__init__()
+        if zero_experts and gate.num_experts != experts.num_experts + zero_experts:
+            raise ValueError(
+                f"a router of {gate.num_experts} ids over {experts.num_experts} experts"
+                f" and {zero_experts} zero experts"
+            )
         self.gate, self.experts = gate, experts
         self.shared_expert, self.shared_expert_gate = shared_expert, shared_expert_gate
+        self.zero_experts = zero_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         out = self.experts(x, weights, ids)
+        if self.zero_experts:
+            zero = ids >= self.experts.num_experts
+            out = out + x * torch.where(zero, weights, 0).sum(dim=-1, keepdim=True)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
