@@ -105,6 +105,7 @@ COMPILED = {
     "cohere2_moe": "parallel blocks, NoPE globals and dense prefix layers beside sparse ones",
     "afmoe": "a gated attention output, NoPE full layers, dense and sparse layers",
     "longcat_flash": "sublayers as layers (2x hidden rows between them), zero experts",
+    "minimax_m3": "block-sparse selection per KV head beside dense layers, clamped SwiGLU MLPs",
     "glm_moe_dsa": "the indexed attention op (indexer keys, top-k selection) and shared selections",
 }
 """Kinds also run compiled with the pipelined loop, and what each brings into the compiled

@@ -5,13 +5,15 @@ checked against transformers in ``test_families``."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 
 import pytest
 import torch
 
 from warmboot import LLM
-from warmboot.kernels.sparse_attention import select
+from warmboot.kernels.sparse_attention import select, select_blocks
 from warmboot.models.registry import UnsupportedModelError
 
 
@@ -42,7 +44,7 @@ def test_selection_matches_float64_reference(topk):
     pos = torch.arange(length - r, length)
     valid = (torch.arange(length)[None, :] <= pos[:, None]).expand(b, r, length).clone()
     valid[1, :, 15:] = False  # NOTE: a shorter sequence in the batch
-    got = select(iq, iw, keys, valid, topk)
+    got = select(iq, iw, keys, valid, topk)[:, 0]
     assert torch.equal(got, _reference(iq, iw, keys, valid, topk))
     assert (got.sum(-1) == valid.sum(-1).clamp(max=topk)).all()
     assert not (got & ~valid).any()
@@ -57,10 +59,43 @@ def test_ties_go_to_the_earlier_position():
     iq[..., 0] = 1.0
     iw = torch.ones(1, 1, 1)
     valid = torch.ones(1, 1, length, dtype=torch.bool)
-    got = select(iq, iw, keys, valid, topk=5)
+    got = select(iq, iw, keys, valid, topk=5)[:, 0]
     assert got[0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3, 7]
     keys[0, 7, 0] = 2.0  # NOTE: ranked first, then 2, then the zeros in position order
-    assert select(iq, iw, keys, valid, topk=3)[0, 0].nonzero().flatten().tolist() == [0, 2, 7]
+    assert select(iq, iw, keys, valid, topk=3)[0, 0, 0].nonzero().flatten().tolist() == [0, 2, 7]
+
+
+def _block_reference(iq, keys, valid, topk, block, local):
+    """MiniMax-M3's block selection in float64 by plain loops, ties to the earlier block."""
+    b, r, g, _ = iq.shape
+    length = keys.shape[1]
+    out = torch.zeros(b, g, r, length, dtype=torch.bool)
+    for i, j, h in itertools.product(range(b), range(r), range(g)):
+        past = [p for p in range(length) if valid[i, j, p]]
+        score = {}
+        for p in past:
+            s = float(iq[i, j, h].double() @ keys[i, p].double())
+            score[p // block] = max(score.get(p // block, -math.inf), s)
+        own = past[-1] // block
+        for back in range(local):
+            score[max(own - back, 0)] = math.inf
+        ranked = sorted(score, key=lambda blk: (-score[blk], blk))[:topk]
+        for p in past:
+            out[i, h, j, p] = p // block in ranked
+    return out
+
+
+@pytest.mark.parametrize(("topk", "block", "local"), [(1, 4, 1), (3, 4, 1), (2, 3, 2), (9, 5, 0)])
+def test_block_selection_matches_float64_reference(topk, block, local):
+    gen = torch.Generator().manual_seed(5)
+    b, r, g, d, length = 2, 5, 2, 8, 29
+    iq = torch.randn(b, r, g, d, generator=gen)
+    keys = torch.randn(b, length, d, generator=gen)
+    pos = torch.arange(length - r, length)
+    valid = (torch.arange(length)[None, :] <= pos[:, None]).expand(b, r, length).clone()
+    valid[1, :, 13:] = False
+    got = select_blocks(iq, keys, valid, topk, block, local)
+    assert torch.equal(got, _block_reference(iq, keys, valid, topk, block, local))
 
 
 def test_indexer_keys_are_paged_and_counted(tiny_model_dir):
@@ -82,19 +117,24 @@ def test_indexer_keys_are_paged_and_counted(tiny_model_dir):
 
 
 BAD = [
-    (dict(index_topk=0), "index_topk"),
-    (dict(index_n_heads=0), "index_n_heads"),
-    (dict(index_head_dim=8), "qk_rope_head_dim above index_head_dim"),
-    (dict(indexer_types=["shared", "full", "full", "shared"]), "first layer shares"),
-    (dict(indexer_types=["full", "sparse", "full", "full"]), "indexer_types"),
-    (dict(layer_types=["indexed_attention", "full_attention"] * 2), "layer_types"),
-    (dict(mlp_layer_types=["dense"]), "mlp_layer_types"),
+    ("glm_moe_dsa", dict(index_topk=0), "index_topk"),
+    ("glm_moe_dsa", dict(index_n_heads=0), "index_n_heads"),
+    ("glm_moe_dsa", dict(index_head_dim=8), "qk_rope_head_dim above index_head_dim"),
+    ("glm_moe_dsa", dict(indexer_types=["shared", "full", "full", "shared"]), "first layer shares"),
+    ("glm_moe_dsa", dict(indexer_types=["full", "sparse", "full", "full"]), "indexer_types"),
+    ("glm_moe_dsa", dict(layer_types=["indexed_attention", "full_attention"] * 2), "layer_types"),
+    ("glm_moe_dsa", dict(mlp_layer_types=["dense"]), "mlp_layer_types"),
+    ("minimax_m3", dict(index_n_heads=1), "index_n_heads 1"),
+    ("minimax_m3", dict(index_local_blocks=4), "index_local_blocks"),
+    ("minimax_m3", dict(index_head_dim=6), "index_head_dim under the rotary dims"),
+    ("minimax_m3", dict(index_block_size=0), "index_block_size"),
+    ("minimax_m3", dict(layer_types=["minimax_m3_sparse", "sliding_attention"] * 2), "layer_types"),
 ]
 
 
-@pytest.mark.parametrize(("change", "named"), BAD, ids=[n for _, n in BAD])
-def test_bad_indexer_settings_are_refused(tiny_model_dir, tmp_path, change, named):
-    source = tiny_model_dir("glm_moe_dsa")
+@pytest.mark.parametrize(("kind", "change", "named"), BAD, ids=[f"{k}-{n}" for k, _, n in BAD])
+def test_bad_indexer_settings_are_refused(tiny_model_dir, tmp_path, kind, change, named):
+    source = tiny_model_dir(kind)
     for f in source.iterdir():
         (tmp_path / f.name).symlink_to(f)
     cfg = json.loads((source / "config.json").read_text()) | change

@@ -41,15 +41,17 @@ def indexed(
     v: torch.Tensor,  # (N, Hkv, D)
     iq: torch.Tensor,  # (N, H_I, D_I), rotated
     ik: torch.Tensor,  # (N, D_I), rotated
-    iw: torch.Tensor,  # (N, H_I) float32, the head weights times their scale
-    topk: int,
-    reuse: bool,
+    iw: torch.Tensor,  # (N, H_I) float32, the head weights times their scale; (N, 0): blocks
+    how: tuple[int, int, int, bool],
 ) -> torch.Tensor:  # (N, Hq, D)
+    """``how``: (topk, block, local, reuse): ``block`` 0 picks ``topk`` positions
+    (``select``), else ``topk`` blocks of ``block`` positions per indexer head
+    (``select_blocks``, ``local`` blocks before each query's always in)."""
     meta = ctx.meta
     if meta is None:
         raise RuntimeError("attention ran in a step without attention metadata")
+    topk, block, local, reuse = how
     k_cache, v_cache, keys = ctx.kv_caches[layer]
-    spec = ctx.specs[layer]
     write_kv(k, v, k_cache, v_cache, meta)
     if not reuse:
         keys.view(-1, keys.shape[-1]).index_copy_(0, meta.slot_mapping, ik)
@@ -57,17 +59,24 @@ def indexed(
     if reuse and previous is None:
         raise RuntimeError("a layer reusing the index selection ran before any indexing layer")
     picks, out = [], torch.empty_like(q)
-    groups = _groups(meta, k_cache, v_cache, keys)
-    for j, (rows, kv_k, kv_v, index_keys, valid) in enumerate(groups):
-        qs = q[rows].view(valid.shape[0], -1, *q.shape[1:])
-        if previous is None:
-            shape = (valid.shape[0], -1, *iq.shape[1:])
+    for j, (rows, kv_k, kv_v, index_keys, valid) in enumerate(
+        _groups(meta, k_cache, v_cache, keys)
+    ):
+        b = valid.shape[0]
+        if previous is not None:
+            chosen = previous[j]
+        elif block:
+            chosen = select_blocks(
+                iq[rows].view(b, -1, *iq.shape[1:]), index_keys, valid, topk, block, local
+            )
+        else:
+            shape = (b, -1, *iq.shape[1:])
             chosen = select(
                 iq[rows].view(shape), iw[rows].view(*shape[:3]), index_keys, valid, topk
             )
-        else:
-            chosen = previous[j]
         picks.append(chosen)
+        qs = q[rows].view(b, -1, *q.shape[1:])
+        spec = ctx.specs[layer]
         out[rows] = attend(qs, kv_k, kv_v, chosen, spec.scale).flatten(0, 1)
     meta.cache[SELECTION] = picks
     return out
@@ -113,47 +122,93 @@ def select(
     index = torch.matmul(iw.unsqueeze(-2), F.relu(scores)).squeeze(-2)
     index = index.masked_fill(~valid, float("-inf"))
     order = torch.sort(index, dim=-1, descending=True, stable=True).indices[..., :topk]
-    return torch.zeros_like(valid).scatter_(-1, order, True) & valid
+    return (torch.zeros_like(valid).scatter_(-1, order, True) & valid).unsqueeze(1)
 
 
-def attend(q, k, v, mask, scale: float) -> torch.Tensor:
-    """q (B, R, Hq, D) over k, v (B, L, Hkv, Dv) where ``mask`` (B, R, L) allows; in float32
-    as transformers' eager attention."""
-    out = F.scaled_dot_product_attention(
-        q.float().transpose(1, 2),
-        k.float().transpose(1, 2),
-        v.float().transpose(1, 2),
-        attn_mask=mask.unsqueeze(1),
-        scale=scale,
-        enable_gqa=True,
-    )
+def select_blocks(
+    iq: torch.Tensor,  # (B, R, G, D_I): one indexer head per KV head
+    keys: torch.Tensor,  # (B, L, D_I)
+    valid: torch.Tensor,  # (B, R, L) bool
+    topk: int,
+    block: int,
+    local: int,
+) -> torch.Tensor:  # (B, G, R, L) bool
+    """MiniMax-M3's block selection: per indexer head, a block of ``block`` positions
+    (counted from position 0) scores the best of its past keys' ``q . k``; each query takes
+    its ``local`` blocks back from its own, then the best others up to ``topk`` blocks
+    (ties to the earlier block), and attends to their past positions."""
+    b, r, g, _ = iq.shape
+    length = keys.shape[1]
+    scores = torch.matmul(iq.float(), keys.float().transpose(-1, -2).unsqueeze(1))
+    scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    blocks = -(-length // block)
+    scores = F.pad(scores, (0, blocks * block - length), value=float("-inf"))
+    best = scores.view(b, r, g, blocks, block).amax(-1)  # (B, R, G, blocks)
+    own = (valid.sum(-1) - 1) // block  # (B, R): each query's block
+    for back in range(local):
+        at = (own - back).clamp(min=0)[:, :, None, None].expand(b, r, g, 1)
+        best.scatter_(-1, at, float("inf"))
+    order = torch.sort(best, dim=-1, descending=True, stable=True).indices[..., :topk]
+    taken = torch.zeros_like(best, dtype=torch.bool).scatter_(-1, order, True)
+    taken &= best > float("-inf")
+    tokens = taken.repeat_interleave(block, dim=-1)[..., :length]  # (B, R, G, L)
+    return tokens.transpose(1, 2) & valid.unsqueeze(1)
+
+
+def attend(q, k, v, mask, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q (B, R, Hq, D) over k, v (B, L, Hkv, Dv) where ``mask`` (B, G, R, L) allows, G
+    groups of query heads (one: every head alike); in float32 as transformers' eager
+    attention. ``sinks``: (Hq,) logits in each row's softmax, without a value (HY-V4)."""
+    mask = mask.repeat_interleave(q.shape[2] // mask.shape[1], dim=1)
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
+    if sinks is None:
+        out = F.scaled_dot_product_attention(
+            qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+    else:
+        out = _attend_with_sinks(qf, kf, vf, mask, scale, sinks)
     return out.transpose(1, 2).to(q.dtype)
+
+
+def _attend_with_sinks(q, k, v, mask, scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """q (B, Hq, R, D), k/v (B, Hkv, L, D), mask (B, Hq, R, L): a softmax over the allowed
+    scores and each head's sink logit, the sink's share dropped."""
+    b, hq, r, _ = q.shape
+    hkv, length = k.shape[1], k.shape[2]
+    grouped = q.reshape(b, hkv, hq // hkv * r, -1)
+    scores = torch.matmul(grouped, k.transpose(-1, -2)).view(b, hq, r, length) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, hq, 1, 1).expand(b, hq, r, 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    out = torch.matmul(probs.reshape(b, hkv, hq // hkv * r, length), v)
+    return out.view(b, hq, r, -1)
 
 
 # -- the op a compiled step calls, and what an indexed attention layer calls ---------------------
 _LIB = torch.library.Library("warmboot", "FRAGMENT")
 _LIB.define(
     "indexed_attention(Tensor q, Tensor k, Tensor v, Tensor iq, Tensor ik, Tensor iw, "
-    "Tensor layer, int topk, bool reuse) -> Tensor"
+    "Tensor layer, int topk, int block, int local, bool reuse) -> Tensor"
 )
 
 
-def _op(q, k, v, iq, ik, iw, layer, topk, reuse):
-    return indexed(_context("indexed_attention"), int(layer), q, k, v, iq, ik, iw, topk, reuse)
+def _op(q, k, v, iq, ik, iw, layer, topk, block, local, reuse):
+    how = (topk, block, local, reuse)
+    return indexed(_context("indexed_attention"), int(layer), q, k, v, iq, ik, iw, how)
 
 
 _LIB.impl("indexed_attention", _op, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("warmboot::indexed_attention")
-def _(q, k, v, iq, ik, iw, layer, topk, reuse):
+def _(q, k, v, iq, ik, iw, layer, topk, block, local, reuse):
     return torch.empty_like(q)
 
 
-def call_indexed(module, step, q, k, v, iq, ik, iw, topk: int, reuse: bool) -> torch.Tensor:
+def call_indexed(module, step, q, k, v, iq, ik, iw, how: tuple[int, int, int, bool]):
     """The op in a compiled step (the module carries its layer's ``STEP_INDEX``), else the
-    function on the eager step's context."""
+    function on the eager step's context; ``how`` as ``indexed``'s."""
     index = getattr(module, STEP_INDEX, None)
     if index is not None:
-        return torch.ops.warmboot.indexed_attention(q, k, v, iq, ik, iw, index, topk, reuse)
-    return indexed(step, step.layer, q, k, v, iq, ik, iw, topk, reuse)
+        return torch.ops.warmboot.indexed_attention(q, k, v, iq, ik, iw, index, *how)
+    return indexed(step, step.layer, q, k, v, iq, ik, iw, how)

@@ -122,6 +122,7 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     # -- issue 55, sparse indexed attention: deepseek_v32.py --
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("deepseek_v32", "GlmMoeDsaForCausalLM"),
+    "MiniMaxM3VLForCausalLM": ("minimax_m3", "MiniMaxM3VLForCausalLM"),
 }
 """Every architecture served; a test checks each against transformers."""
 
@@ -201,6 +202,7 @@ MODEL_TYPES: dict[str, str] = {
     # -- issue 55, MoE variants --
     "deepseek_v32": "DeepseekV32ForCausalLM",
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+    "minimax_m3_vl_text": "MiniMaxM3VLForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
     "cohere2_moe": "Cohere2MoeForCausalLM",
     "exaone_moe": "ExaoneMoeForCausalLM",
