@@ -136,15 +136,19 @@ def _perturb(model: torch.nn.Module) -> None:
     """Non-trivial norm weights and biases (HF inits them to ones and zeros)."""
     gen = torch.Generator().manual_seed(SEED + 1)
     for name, param in model.named_parameters():
-        if "norm" in name:
+        if "norm" in name or name.endswith("correct_output_scale"):  # NOTE: Gemma 3n: zeros
             param.copy_(0.5 + torch.rand(param.shape, generator=gen))
         elif name.endswith((".bias", "_proj_bias")):  # NOTE: GPT-OSS's experts' biases
             param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
         elif name.endswith(("e_score_correction_bias", "gate_bias")):  # NOTE: HF inits zeros
             param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
+        elif name.endswith(("router.scale", "per_expert_scale")):  # NOTE: Gemma 4: ones
+            param.copy_(0.5 + torch.rand(param.shape, generator=gen))
     for name, buf in model.named_buffers():  # NOTE: most families keep that bias as a buffer
         if name.endswith("e_score_correction_bias"):
             buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
+        elif name.endswith("layer_scalar"):  # NOTE: Gemma 4's, ones
+            buf.copy_(0.5 + torch.rand(buf.shape, generator=gen))
 
 
 @functools.cache

@@ -25,6 +25,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "GemmaForCausalLM": ("gemma", "GemmaForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    "Gemma3nForCausalLM": ("gemma3n", "Gemma3nForCausalLM"),
+    "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLM"),
     # -- phi3.py, gpt_neox.py, starcoder2.py, glm4.py, phi.py, stablelm.py --
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "GPTNeoXForCausalLM": ("gpt_neox", "GPTNeoXForCausalLM"),
@@ -137,6 +139,8 @@ MODEL_TYPES: dict[str, str] = {
     "gemma": "GemmaForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3n_text": "Gemma3nForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
     # -- phi3.py, gpt_neox.py, starcoder2.py, glm4.py, phi.py, stablelm.py --
     "phi3": "Phi3ForCausalLM",
     "gpt_neox": "GPTNeoXForCausalLM",
