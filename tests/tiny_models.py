@@ -144,6 +144,8 @@ def _perturb(model: torch.nn.Module) -> None:
             param.copy_(torch.randn(param.shape, generator=gen) * 0.1)
         elif name.endswith(("router.scale", "per_expert_scale")):  # NOTE: Gemma 4: ones
             param.copy_(0.5 + torch.rand(param.shape, generator=gen))
+        elif name.endswith("z_L_init"):  # NOTE: HRM-Text's, zeros
+            param.copy_(torch.randn(param.shape, generator=gen) * 0.5)
     for name, buf in model.named_buffers():  # NOTE: most families keep that bias as a buffer
         if name.endswith("e_score_correction_bias"):
             buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)

@@ -304,9 +304,24 @@ class EngineConfig:
 def _num_layers(cfg: dict[str, Any]) -> int:
     """``num_hidden_layers``, or the length of the block list it is computed from (Nemotron-H
     saved by transformers 5: ``layers_block_type``), or LongCat-Flash's ``num_layers`` times
-    its two attention sublayers (the engine's layers, one KV cache each: transformers' count)."""
+    its two attention sublayers (the engine's layers, one KV cache each: transformers' count),
+    or HRM-Text's attention calls (``hrm_calls``)."""
     if cfg.get("model_type") == "longcat_flash" and cfg.get("num_hidden_layers") is None:
         return 2 * cfg["num_layers"]
+    if cfg.get("model_type") == "hrm_text":
+        return hrm_calls(cfg)[0]
     if "num_hidden_layers" in cfg or "layers_block_type" not in cfg:
         return cfg["num_hidden_layers"]
     return len(cfg["layers_block_type"])
+
+
+def hrm_calls(cfg: Mapping[str, Any]) -> tuple[int, int, int, int]:
+    """HRM-Text's (attention calls, layers a stack, H_cycles, L_cycles): each H cycle runs
+    the L stack ``L_cycles`` times, then the H stack once. ``num_layers_per_stack`` where
+    saved (transformers then writes the call count as ``num_hidden_layers``), else
+    ``num_hidden_layers`` is the stack's (transformers' reading of an older config)."""
+    high = 2 if cfg.get("H_cycles") is None else cfg["H_cycles"]  # NOTE: transformers' defaults
+    low = 3 if cfg.get("L_cycles") is None else cfg["L_cycles"]
+    per_stack = cfg.get("num_layers_per_stack")
+    per_stack = cfg["num_hidden_layers"] if per_stack is None else per_stack
+    return per_stack * high * (low + 1), per_stack, high, low

@@ -64,6 +64,9 @@ class PackedLinears:
         self.head_bias: torch.Tensor | None = None
         self._sources: list[list[torch.Tensor]] = []
         self._head_source: torch.Tensor | None = None
+        self._packs: dict[int, torch.Tensor] = {}
+        """id of a source weight -> its packing: a weight several layers share (HRM-Text's
+        weight-tied calls) is packed once."""
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         return pack_weight(weight, self.kernel)
@@ -83,7 +86,14 @@ class PackedLinears:
     def add_layer(self, linears: list[nn.Module]) -> None:
         """One decoder layer's linears (anything with ``weight`` and ``bias``), in slot order."""
         self._sources.append([lin.weight for lin in linears])
-        self.layers.append([(self.pack(lin.weight), _detached(lin.bias)) for lin in linears])
+        self.layers.append([(self._pack_once(lin.weight), _detached(lin.bias)) for lin in linears])
+
+    def _pack_once(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` packed, or the packing another layer sharing it has already."""
+        packed = self._packs.get(id(weight))
+        if packed is None:
+            packed = self._packs[id(weight)] = self.pack(weight)
+        return packed
 
     def set_head(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self._head_source, self.head = weight, self.pack(weight)
@@ -92,9 +102,11 @@ class PackedLinears:
     def release(self) -> int:
         """Drop the packed copies (before a process checkpoint: the image then holds none);
         returns the bytes freed. ``repack`` makes them again from the model's weights."""
-        freed = sum(w.numel() * w.element_size() for w in self._sources_flat())
+        sources = {id(w): w for w in self._sources_flat()}.values()
+        freed = sum(w.numel() * w.element_size() for w in sources)
         freed += sum(table.release() for row in self.experts for table in row)
         self.layers = [[(None, b) for _, b in row] for row in self.layers]
+        self._packs.clear()
         self.head = None
         return freed
 
@@ -105,7 +117,14 @@ class PackedLinears:
         are released for ``repack``."""
         for table in (t for row in self.experts for t in row):
             table.release()
-        self.layers = [[(w if w is None else keep(w), b) for w, b in row] for row in self.layers]
+        kept: dict[int, torch.Tensor | None] = {}  # NOTE: a shared packing kept once
+        for w in (w for row in self.layers for w, _ in row if w is not None):
+            if id(w) not in kept:
+                kept[id(w)] = keep(w)
+        self.layers = [
+            [(w if w is None else kept[id(w)], b) for w, b in row] for row in self.layers
+        ]
+        self._packs.clear()
         self.head = None if self.head is None else keep(self.head)
 
     def repack(self) -> None:
@@ -114,7 +133,10 @@ class PackedLinears:
         for table in (t for row in self.experts for t in row):
             table.repack(self.kernel)
         self.layers = [
-            [(self.pack(s) if w is None else w, b) for s, (w, b) in zip(src, row, strict=True)]
+            [
+                (self._pack_once(s) if w is None else w, b)
+                for s, (w, b) in zip(src, row, strict=True)
+            ]
             for src, row in zip(self._sources, self.layers, strict=True)
         ]
         if self.head is None and self._head_source is not None:

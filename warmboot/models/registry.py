@@ -121,6 +121,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     # -- issue 55, two attention sublayers a layer: longcat_flash.py --
     "LongcatFlashForCausalLM": ("longcat_flash", "LongcatFlashForCausalLM"),
     # -- end issue 55 longcat block --
+    # -- issue 55, weight-tied recurrent stacks: hrm_text.py --
+    "HrmTextForCausalLM": ("hrm_text", "HrmTextForCausalLM"),
+    # -- end issue 55 hrm block --
     # -- issue 55, sparse indexed attention: deepseek_v32.py --
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("deepseek_v32", "GlmMoeDsaForCausalLM"),
@@ -232,6 +235,9 @@ MODEL_TYPES: dict[str, str] = {
     # -- issue 55, longcat --
     "longcat_flash": "LongcatFlashForCausalLM",
     # -- end issue 55 longcat block --
+    # -- issue 55, hrm --
+    "hrm_text": "HrmTextForCausalLM",
+    # -- end issue 55 hrm block --
 }
 """``model_type`` -> architecture, for configs without ``architectures``."""
 
