@@ -104,6 +104,7 @@ COMPILED = {
     "exaone_moe": "dense, sparse and NoPE layers in one model: regions keyed by structure_key",
     "cohere2_moe": "parallel blocks, NoPE globals and dense prefix layers beside sparse ones",
     "afmoe": "a gated attention output, NoPE full layers, dense and sparse layers",
+    "llama4_text": "chunked local attention, rope then L2 q/k norms, NoPE temperature tuning",
     "gemma4": "per-layer inputs in the layer's row, layers reading another's K/V, padded K/V",
     "gemma3n_shared_kv": "AltUp copies and per-layer inputs in one row, KV read from other layers",
     "hrm_text": "layers sharing weights (one stack's calls), two streams in one row",

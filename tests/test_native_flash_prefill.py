@@ -1,9 +1,9 @@
 """The flash kernel for bfloat16 prefills on AMX tiles (``csrc/flash_prefill.cpp``, behind
 ``causal_prefill`` for fresh prefills and ``paged_prefill`` over cached context): each row
 against a float64 reference, every head size and GQA group it takes, odd lengths, a running
-max that moves (the lazy rescale), windows and sinks, the same bits lent a helper or not,
-soft-capped scores, bad input refused, and the backend's routing. Skipped where the tiles are not usable (an AMD
-EPYC, gVisor)."""
+max that moves (the lazy rescale), windows, chunks and sinks, the same bits lent a helper or
+not, soft-capped scores, bad input refused, and the backend's routing. Skipped where the tiles
+are not usable (an AMD EPYC, gVisor)."""
 
 from __future__ import annotations
 
@@ -129,9 +129,12 @@ def _cache(ctxs, hkv, d, bs, seed):
     return kc, vc, tables
 
 
-def _paged_reference(q, kc, vc, table, start, n, ctx, scale, window=None, sinks=None, cap=None):
+def _paged_reference(
+    q, kc, vc, table, start, n, ctx, scale, window=None, sinks=None, cap=None, chunk=None
+):
     """The chunk's rows (the last n of ctx positions) in float64 over the gathered K/V: each
-    row sees the positions up to its own (the last ``window`` of them), ``sinks`` (one logit
+    row sees the positions up to its own (the last ``window`` of them; none before its
+    ``chunk``'s first, ``own - own % chunk``, Llama 4's chunked attention), ``sinks`` (one logit
     per query head) join each row's softmax without a value, and the scores are capped to
     ``cap * tanh(score / cap)`` first where ``cap`` (Gemma 2's soft-capping)."""
     hkv, d = kc.shape[2], kc.shape[3]
@@ -141,6 +144,8 @@ def _paged_reference(q, kc, vc, table, start, n, ctx, scale, window=None, sinks=
     qs = q[start : start + n].transpose(0, 1).double()
     pos, own = torch.arange(ctx)[None, :], torch.arange(ctx - n, ctx)[:, None]
     seen = (pos <= own) & ((pos > own - window) if window else True)
+    if chunk:
+        seen &= pos >= own - own % chunk
     scores = qs @ ks.transpose(1, 2) * scale
     if cap is not None:
         scores = cap * torch.tanh(scores / cap)
@@ -179,6 +184,41 @@ def test_flash_prefill_with_a_window_and_sinks():
         with pytest.raises(RuntimeError, match="a window, sinks or a softcap need the flash"):
             attention.causal_prefill(*fresh, out, [0], [64], 0.125, 20)
         assert not attention.paged_prefill(q, kc, vc, torch.empty_like(q), seqs, 0.125, 7)
+    finally:
+        torch.ops.warmboot_cpu.use_amx(True)
+
+
+def test_flash_prefill_with_chunks():
+    """Chunked local attention: chunks shorter than a 32-position block, of one, and longer
+    (not aligned to blocks), their boundaries inside a chunk's rows and across its cached
+    context, with a window (the later first position) and sinks too; fresh and over cached
+    context, against float64, whose chunk-free answer differs; without the flash kernel
+    chunks are refused."""
+    ctxs, lens, bs, d = [300, 100, 64], [300, 37, 64], 16, 64
+    kc, vc, tables = _cache(ctxs, 2, d, bs, seed=31)
+    q, _, _, starts = _batch(lens, 6, 2, d, seed=32)
+    seqs = _seqs(starts, lens, ctxs, tables)
+    sinks = torch.randn(6, generator=torch.Generator().manual_seed(33)) * 2
+    cases = ((8, None, None), (32, None, sinks), (48, 20, None), (100, 70, sinks))
+    for chunk, window, sink in cases:
+        out, change = torch.empty_like(q), 0.0
+        assert attention.paged_prefill(q, kc, vc, out, seqs, 0.125, window, sink, None, chunk)
+        for i, s in enumerate(seqs):
+            rows = slice(s.query_start, s.query_start + s.query_len)
+            at = (q, kc, vc, tables[i], s.query_start, s.query_len, s.context_len, 0.125, window)
+            ref = _paged_reference(*at, sink, chunk=chunk)
+            _check(out[rows], ref, vc[tables[i]])
+            change = max(change, (ref - _paged_reference(*at, sink)).abs().max())
+        assert change > 0.05, "chunks this test can tell from none"
+    fresh = q[:64], *(c[tables[2]].reshape(-1, 2, d)[:64] for c in (kc, vc))
+    out = torch.empty_like(fresh[0])
+    attention.causal_prefill(*fresh, out, [0], [64], 0.125, None, None, None, 24)
+    ref = _paged_reference(fresh[0], kc, vc, tables[2], 0, 64, 64, 0.125, chunk=24)
+    _check(out, ref, fresh[2])
+    torch.ops.warmboot_cpu.use_amx(False)
+    try:
+        with pytest.raises(RuntimeError, match="and so do chunks"):
+            attention.causal_prefill(*fresh, out, [0], [64], 0.125, None, None, None, 24)
     finally:
         torch.ops.warmboot_cpu.use_amx(True)
 

@@ -81,7 +81,8 @@ def _run(
         **kw,
     )
     assert o is out
-    ref = varlen_attention_ref(q, k, v, cu_q, cu_k, None, causal, window, softcap)
+    chunk = kw.get("chunk")
+    ref = varlen_attention_ref(q, k, v, cu_q, cu_k, None, causal, window, softcap, chunk=chunk)
     return _check(o, lse, *ref, dtype), o
 
 
@@ -101,6 +102,44 @@ MASKS = [
 def test_masks_and_gqa(case):
     _, hq, hkv, causal, window, cap = case
     _run(*LENS, hq, hkv, 64, causal=causal, window=window, softcap=cap)
+
+
+@pytest.mark.parametrize(
+    "chunk,window,paged", [(8, (-1, -1), False), (24, (-1, -1), True), (8, (5, -1), True)]
+)
+def test_chunks(chunk, window, paged):
+    """Chunked local attention (Llama 4's): each query sees its chunk's keys only, chunks
+    shorter and longer than a key block, boundaries inside the queries and across cached
+    context (37 queries over 50 keys), with a window too; packed and through a block table.
+    The reference without the chunk differs, so the mask is what is checked."""
+    lens_q, lens_k = [5, 1, 37, 20], [5, 9, 50, 20]
+    if not paged:
+        _run(lens_q, lens_k, 4, 2, 64, causal=True, window=window, chunk=chunk)
+        return
+    q, k, v = _inputs(lens_q, lens_k, 4, 2, 64, torch.float16, "chunk", chunk)
+    bs, cu_q, cu_k = 4, _cu(lens_q), _cu(lens_k)
+    blocks = [-(-n // bs) for n in lens_k]
+    table = torch.zeros(len(lens_k), max(blocks), dtype=torch.int32)
+    k_cache = torch.zeros(sum(blocks) + 1, bs, 2, 64, dtype=torch.float16)
+    v_cache = torch.zeros_like(k_cache)
+    first = 1  # NOTE: block 0 unused
+    for b, n in enumerate(lens_k):
+        table[b, : blocks[b]] = torch.arange(first, first + blocks[b]).flip(0)  # reversed
+        rows = slice(cu_k[b], cu_k[b] + n)
+        for i in range(blocks[b]):
+            part = slice(i * bs, min(n, (i + 1) * bs))
+            k_cache[table[b, i], : part.stop - part.start] = k[rows][part]
+            v_cache[table[b, i], : part.stop - part.start] = v[rows][part]
+        first += blocks[b]
+    lens = torch.tensor(lens_k, dtype=torch.int32)
+    opts = dict(causal=True, window_size=window, block_table=table, seqused_k=lens)
+    o, lse = flash_attn_varlen_func(
+        q, k_cache, v_cache, cu_q, None, 37, 50, return_lse=True, chunk=chunk, **opts
+    )
+    ref = varlen_attention_ref(q, k, v, cu_q, cu_k, None, True, window, chunk=chunk)
+    _check(o, lse, *ref, torch.float16)
+    without = varlen_attention_ref(q, k, v, cu_q, cu_k, None, True, window)[0]
+    assert (ref[0] - without).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("d", [16, 96, 128, 256])
@@ -220,22 +259,23 @@ def test_input_errors():
         flash_attn_varlen_func(q, k[..., :32], k[..., :32], cu, cu, 4, 4)
 
 
-@pytest.mark.parametrize("window", [None, 5])
-def test_pretune_probe_is_the_engines_prefill(window):
+@pytest.mark.parametrize("window,chunk", [(None, None), (5, None), (None, 4)])
+def test_pretune_probe_is_the_engines_prefill(window, chunk):
     """The start-up tuning's synthetic prefill (zero queries over the cache's first blocks)
-    is a well-formed engine prefill: each row averages V over exactly its visible keys."""
+    is a well-formed engine prefill: each row averages V over exactly its visible keys (a
+    chunked layer's too)."""
     from warmboot.kernels.triton_backend import prefill_probe
 
     g = _gen("probe", window or 0)
     k_cache = torch.randn(7, 4, 2, 16, generator=g).half()
     v_cache = torch.randn(7, 4, 2, 16, generator=g).half()
     q_len, k_len = 6, 19
-    out = prefill_probe(k_cache, v_cache, 4, 0.25, window, q_len, k_len)
+    out = prefill_probe(k_cache, v_cache, 4, 0.25, window, q_len, k_len, chunk)
     k, v = k_cache.flatten(0, 1)[:k_len], v_cache.flatten(0, 1)[:k_len]
     left = -1 if window is None else window - 1
     ref, _ = varlen_attention_ref(
         torch.zeros(q_len, 4, 16, dtype=torch.float16), k, v, _cu([q_len]), _cu([k_len]),
-        0.25, True, (left, 0),
+        0.25, True, (left, 0), chunk=chunk,
     )  # fmt: skip
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err <= BOUND[torch.float16], err

@@ -44,7 +44,7 @@ def _case(lens, hq, hkv, d, bs, dtype, table_dtype=torch.int32, *params, query_l
     return q, k_cache, v_cache, table.to(table_dtype), torch.tensor(lens, dtype=table_dtype)
 
 
-def _multi_ref(q, kc, vc, table, seqlens, query_len, window, softcap):
+def _multi_ref(q, kc, vc, table, seqlens, query_len, window, softcap, chunk=None):
     """float64 (out, lse) of query_len causal tokens per sequence: the varlen reference over
     each sequence's keys gathered from its blocks."""
     lens = seqlens.tolist()
@@ -57,11 +57,12 @@ def _multi_ref(q, kc, vc, table, seqlens, query_len, window, softcap):
     cu_q = torch.arange(0, (len(lens) + 1) * query_len, query_len)
     cu_k = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
     return varlen_attention_ref(q, gather(kc), gather(vc), cu_q, cu_k, None, True, window,
-                                softcap)  # fmt: skip
+                                softcap, chunk=chunk)  # fmt: skip
 
 
 def _run(lens, hq, hkv, d=64, bs=16, dtype=torch.float16, window=(-1, -1), softcap=0.0,
-         num_splits=2, table_dtype=torch.int32, query_len=1, strided=False):  # fmt: skip
+         num_splits=2, table_dtype=torch.int32, query_len=1, strided=False,
+         chunk=None):  # fmt: skip
     q, kc, vc, table, seqlens = _case(lens, hq, hkv, d, bs, dtype, table_dtype, window, softcap,
                                       strided, query_len=query_len)  # fmt: skip
     out = torch.full_like(q, float("nan"))
@@ -70,12 +71,12 @@ def _run(lens, hq, hkv, d=64, bs=16, dtype=torch.float16, window=(-1, -1), softc
         out = torch.cat([out, out], -1)[..., :d]
     o, lse = paged_decode_attention(
         q, kc, vc, table, seqlens, window_size=window, softcap=softcap,
-        num_splits=num_splits, return_lse=True, query_len=query_len, out=out,
+        num_splits=num_splits, return_lse=True, query_len=query_len, out=out, chunk=chunk,
     )  # fmt: skip
     if query_len == 1:
-        ro, rl = paged_decode_ref(q, kc, vc, table, seqlens, None, window, softcap)
+        ro, rl = paged_decode_ref(q, kc, vc, table, seqlens, None, window, softcap, chunk=chunk)
     else:
-        ro, rl = _multi_ref(q, kc, vc, table, seqlens, query_len, window, softcap)
+        ro, rl = _multi_ref(q, kc, vc, table, seqlens, query_len, window, softcap, chunk)
     assert o.data_ptr() == out.data_ptr() and not o.isnan().any()
     err = ((o.double() - ro).norm() / ro.norm()).item()
     assert err <= BOUND[dtype], f"relative error {err:.2e}"
@@ -137,6 +138,23 @@ def test_multi_token_splits(num_splits):
 )
 def test_multi_token_sliding_window(window, num_splits):
     _run(LENS_MULTI, 4, 2, query_len=4, window=window, num_splits=num_splits)
+
+
+@pytest.mark.parametrize(
+    "query_len,chunk,window,num_splits",
+    [(1, 8, (-1, -1), 3), (1, 24, (15, 0), 2), (4, 8, (-1, -1), 2), (4, 24, (10, 0), 3)],
+)
+def test_chunks(query_len, chunk, window, num_splits):
+    """Chunked local attention (Llama 4's): each token sees its chunk's keys only, chunks
+    shorter and longer than a key block, the new tokens of one sequence across a boundary
+    (30 .. 33 cross 32 with chunks of 8), with a window too (the later first key: the window's
+    at 69, the chunk's at 33). The reference without the chunk differs, so the mask is what
+    is checked."""
+    _run(LENS_MULTI, 4, 2, query_len=query_len, chunk=chunk, window=window, num_splits=num_splits)
+    q, kc, vc, table, lens = _case(LENS_MULTI, 4, 2, 16, 16, torch.float32, query_len=query_len)
+    with_chunk = _multi_ref(q, kc, vc, table, lens, query_len, window, 0.0, chunk)[0]
+    without = _multi_ref(q, kc, vc, table, lens, query_len, window, 0.0)[0]
+    assert (with_chunk - without).abs().max() > 0.1
 
 
 def test_multi_token_softcap():

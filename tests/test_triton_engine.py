@@ -40,8 +40,9 @@ def _greedy(path, backend: str, prompts, graphs: bool = False) -> list[list[int]
 
 
 @pytest.mark.slow  # the engine on Triton kernels in the interpreter
-@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2_softcap"])  # + soft-caps
+@pytest.mark.parametrize("kind", ["llama", "mistral", "gemma2_softcap", "llama4_text"])
 def test_greedy_matches_torch_backend(kind, tiny_model_dir):
+    """Windows (Mistral), soft-capped scores (Gemma 2), chunks of 8 (Llama 4) too."""
     path = tiny_model_dir(kind)
     prompts = random_prompts([30, 3, 17], VOCAB_SIZE, seed=11)
     prompts.append(prompts[0][:16] + [5, 6])  # a prefix-cache hit: prefill over cached blocks

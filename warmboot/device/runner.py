@@ -129,7 +129,7 @@ class ModelRunner:
         if not specs:
             return 0
         k_cache, v_cache = next(kv for kv in self.kv_caches if kv is not None)[:2]
-        windows = {s.sliding_window for s in specs}
+        windows = {s.tuning_key for s in specs}
         heads = self.model_cfg.num_heads
         return self.attention.pretune(
             k_cache, v_cache, heads, specs[0].scale, windows, max_q, max_k

@@ -13,6 +13,11 @@
 
 K/V come either packed (``cu_seqlens_k``) or from a paged cache (``block_table`` +
 ``seqused_k``, any block size), which the engine uses for prefill over cached context.
+
+Chunked local attention (Llama 4's, ``chunk``): a query at ``pos`` sees no key before
+``pos - pos % chunk``; it joins the left window's bound (the later of the two), so the kernels
+carry a window of ``NO_WINDOW`` where only a chunk bounds the keys, and a chunk of
+``NO_CHUNK`` where only a window does.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ L2_BUDGET = 50 * 2**20
 """Bytes of K+V per head section (FA-4's figure) that consecutive programs share via L2."""
 HEAD_DIMS = (64, 96, 128, 256)
 """Head dims tuned and benchmarked; any head dim <= 256 works (padded to a power of two)."""
+NO_WINDOW = 1 << 30
+"""The left window the kernels take where a chunk alone bounds the keys (none reaches it)."""
+NO_CHUNK = 1 << 30
+"""The chunk the kernels take where none is set: every position lies in chunk 0."""
 
 
 # ----------------------------------------------------------------------------- device code
@@ -114,6 +123,13 @@ def add_sink(acc, m_i, l_i, sink):
 
 
 @triton.jit
+def first_key(pos, window_left, chunk):
+    """The first key a query at ``pos`` sees (``HAS_LEFT``): its window's, or its chunk's
+    where later; below 0 where neither bounds it."""
+    return tl.maximum(pos - window_left, pos - pos % chunk)
+
+
+@triton.jit
 def kv_offsets(
     offs_n,
     b,
@@ -158,6 +174,7 @@ def _attn_block(
     cap_log2,
     window_left,
     window_right,
+    chunk,
     tau,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -190,7 +207,7 @@ def _attn_block(
     if MASKED:
         ok = n_ok[None, :]
         if HAS_LEFT:
-            ok = ok & (offs_n[None, :] >= pos_m[:, None] - window_left)
+            ok = ok & (offs_n[None, :] >= first_key(pos_m, window_left, chunk)[:, None])
         if HAS_RIGHT:
             ok = ok & (offs_n[None, :] <= pos_m[:, None] + window_right)
         s = tl.where(ok, s, float("-inf"))
@@ -232,6 +249,7 @@ def _attn_blocks(
     cap_log2,
     window_left,
     window_right,
+    chunk,
     tau,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -277,6 +295,7 @@ def _attn_blocks(
                 cap_log2,
                 window_left,
                 window_right,
+                chunk,
                 tau,
                 HEAD_DIM,
                 BLOCK_D,
@@ -315,6 +334,7 @@ def _attn_blocks(
                 cap_log2,
                 window_left,
                 window_right,
+                chunk,
                 tau,
                 HEAD_DIM,
                 BLOCK_D,
@@ -338,6 +358,7 @@ def _key_range(
     k_len,
     window_left,
     window_right,
+    chunk,
     HAS_LEFT: tl.constexpr,
     HAS_RIGHT: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -349,8 +370,8 @@ def _key_range(
     full_lo = 0
     full_hi = k_len
     if HAS_LEFT:
-        lo = tl.maximum(first - window_left, 0)
-        full_lo = tl.maximum(last - window_left, 0)
+        lo = tl.maximum(first_key(first, window_left, chunk), 0)
+        full_lo = tl.maximum(first_key(last, window_left, chunk), 0)
     if HAS_RIGHT:
         hi = tl.minimum(last + window_right + 1, k_len)
         full_hi = tl.minimum(tl.maximum(first + window_right + 1, 0), k_len)
@@ -391,6 +412,7 @@ def _fwd_kernel(
     cap_log2,
     window_left,
     window_right,
+    chunk,
     tau,
     batch,
     num_m_blocks,
@@ -452,7 +474,7 @@ def _fwd_kernel(
         first = m_block * BLOCK_M + shift
         last = tl.minimum(m_block * BLOCK_M + BLOCK_M, q_len) - 1 + shift
         lo, hi, full_lo, full_hi = _key_range(
-            first, last, k_len, window_left, window_right, HAS_LEFT, HAS_RIGHT, BLOCK_N
+            first, last, k_len, window_left, window_right, chunk, HAS_LEFT, HAS_RIGHT, BLOCK_N
         )
         kvh = head // GROUP
         Kh = K + kvh * stride_kh
@@ -483,6 +505,7 @@ def _fwd_kernel(
             cap_log2,
             window_left,
             window_right,
+            chunk,
             tau,
             HEAD_DIM,
             BLOCK_D,
@@ -522,6 +545,7 @@ def _fwd_kernel(
             cap_log2,
             window_left,
             window_right,
+            chunk,
             tau,
             HEAD_DIM,
             BLOCK_D,
@@ -561,6 +585,7 @@ def _fwd_kernel(
             cap_log2,
             window_left,
             window_right,
+            chunk,
             tau,
             HEAD_DIM,
             BLOCK_D,
@@ -670,12 +695,14 @@ def flash_attn_varlen_func(
     lpt: bool = True,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,  # (Hq,) float logits (natural units)
+    chunk: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """flash-attn's varlen forward: out (total_q, Hq, D) [, lse (Hq, total_q) fp32, natural].
 
     ``emulate_fraction=None`` lets the tuner choose (0 in the interpreter); ``tau=0`` rescales
     whenever a row max grows (the classic algorithm). ``sinks``: a per-head logit in every
-    row's softmax denominator (no value); the LSE includes it."""
+    row's softmax denominator (no value); the LSE includes it. ``chunk``: a query at ``pos``
+    sees no key before ``pos - pos % chunk`` (Llama 4's chunked local attention)."""
     paged = block_table is not None
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, block_table, seqused_k)
     check_sinks(sinks, q)
@@ -685,6 +712,7 @@ def flash_attn_varlen_func(
     scale = d**-0.5 if softmax_scale is None else float(softmax_scale)
     left, right = window_size
     right = 0 if causal else right
+    left, chunk = chunk_bounds(left, chunk)
     if out is None:
         out = torch.empty_like(q)
     else:
@@ -717,6 +745,7 @@ def flash_attn_varlen_func(
         softcap=softcap,
         left=left,
         right=right,
+        chunk=chunk,
         tau=tau,
         batch=batch,
         max_seqlen_q=max_seqlen_q,
@@ -769,6 +798,7 @@ def _launch(
     softcap,
     left,
     right,
+    chunk,
     tau,
     batch,
     max_seqlen_q,
@@ -816,6 +846,7 @@ def _launch(
         cap_log2,
         left,
         right,
+        chunk,
         float(tau),
         batch,
         num_m_blocks,
@@ -842,6 +873,15 @@ def _launch(
         num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
+
+
+def chunk_bounds(left: int, chunk: int | None) -> tuple[int, int]:
+    """A left window (-1: none) and a chunk (None: none) as the kernels take them: a chunk
+    alone makes the window ``NO_WINDOW`` (the mask's bound is then the chunk's)."""
+    if chunk is None:
+        return left, NO_CHUNK
+    _check(isinstance(chunk, int) and chunk > 0, f"chunk must be a positive int, got {chunk!r}")
+    return (NO_WINDOW if left < 0 else left), chunk
 
 
 def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:

@@ -81,9 +81,19 @@ class AttentionSpec:
     sinks: torch.Tensor | None = None
     """(Hq,) float32 logits that join each query's softmax denominator without a value
     (GPT-OSS's attention sinks); filled in from the model's weights after loading."""
+    chunk: int | None = None
+    """Attend only within the query's chunk of this many positions: a query at ``p`` sees
+    keys ``p - p % chunk`` .. ``p`` (Llama 4's chunked local attention; with a window too,
+    the later of the two first positions); None: no chunks."""
     kv_source: int | None = None
     """The earlier layer whose cached K/V this layer reads (Gemma 3n's and Gemma 4's last
     layers): it keeps and writes none of its own (``KVLayout.kv_sources``)."""
+
+    @property
+    def tuning_key(self) -> int | tuple[int | None, int] | None:
+        """What selects a prefill kernel variant: the window, or (window, chunk) where the
+        layer is chunked (``AttentionBackend.pretune``'s ``windows``)."""
+        return self.sliding_window if self.chunk is None else (self.sliding_window, self.chunk)
 
 
 @dataclass(frozen=True)
@@ -175,6 +185,7 @@ class AttentionBackend(ABC):
         sliding_window: int | None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,  # (Hq,) float32
+        chunk: int | None = None,  # AttentionSpec.chunk
     ) -> torch.Tensor:  # (N, Hq, D)
         ...
 
@@ -193,7 +204,8 @@ class AttentionBackend(ABC):
         max_k: int,
     ) -> int:
         """Measure launch configs for every prefill shape bucket before serving (a snapshot
-        then carries them); returns the number of shapes tuned. Nothing to tune here."""
+        then carries them); returns the number of shapes tuned. ``windows``: each layer's
+        window (None: none), or (window, chunk) for a chunked layer. Nothing to tune here."""
         return 0
 
 

@@ -16,8 +16,8 @@ against a paged KV cache ``(num_blocks, block_size, Hkv, D)``:
   a combine kernel merges them; with one split the kernel writes the output directly;
 - keys are addressed through the block table per key, so any power-of-two block size works;
 - sliding window (``window_size[0]`` keys to the left of each query; ``window_size[1]`` must
-  be -1 or 0), tanh softcap and attention sinks (added after the keys, in the combine with
-  splits).
+  be -1 or 0), chunks (``chunk``: no key before ``pos - pos % chunk``, as the varlen kernel),
+  tanh softcap and attention sinks (added after the keys, in the combine with splits).
 
 No host synchronisation and no data-dependent Python: the launch depends only on shapes, so
 it can be captured in a CUDA graph.
@@ -30,18 +30,25 @@ import triton
 import triton.language as tl
 
 from warmboot.kernels import tuning
-from warmboot.kernels.attention import LOG2E, _attn_blocks, add_sink, check_sinks
+from warmboot.kernels.attention import (
+    LOG2E,
+    _attn_blocks,
+    add_sink,
+    check_sinks,
+    chunk_bounds,
+    first_key,
+)
 
 
 @triton.jit
-def _regions(first, seq_len, window_left, HAS_LEFT: tl.constexpr):
+def _regions(first, seq_len, window_left, chunk, HAS_LEFT: tl.constexpr):
     """Keys of query positions [first, seq_len): visible to some row from ``lo``; to every
     row in [full_lo, full_hi); [lo, full_lo) and [full_hi, seq_len) need a per-row mask."""
     lo = 0
     full_lo = 0
     if HAS_LEFT:
-        lo = tl.maximum(first - window_left, 0)
-        full_lo = tl.maximum(seq_len - 1 - window_left, 0)
+        lo = tl.maximum(first_key(first, window_left, chunk), 0)
+        full_lo = tl.maximum(first_key(seq_len - 1, window_left, chunk), 0)
     full_hi = tl.maximum(first + 1, full_lo)
     return lo, full_lo, full_hi
 
@@ -49,7 +56,7 @@ def _regions(first, seq_len, window_left, HAS_LEFT: tl.constexpr):
 @triton.jit
 def _keys(
     acc, m_i, l_i, q, K, V, b, pos_m, lo, hi, BLOCK_TABLE, stride_bt, stride_kb, stride_kt,
-    stride_vb, stride_vt, qk_scale, cap_log2, window_left, tau,
+    stride_vb, stride_vt, qk_scale, cap_log2, window_left, chunk, tau,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     PAGE_SIZE: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
     DOT_FP32: tl.constexpr, NUM_STAGES: tl.constexpr, INTERPRET: tl.constexpr,
@@ -58,9 +65,9 @@ def _keys(
     causal masks at the rows' positions ``pos_m``."""
     return _attn_blocks(
         acc, m_i, l_i, q, K, V, b, 0, hi, pos_m, lo, hi, BLOCK_TABLE, stride_bt, stride_kb,
-        stride_kt, stride_vb, stride_vt, qk_scale, cap_log2, window_left, 0, tau, HEAD_DIM,
-        BLOCK_D, BLOCK_N, True, LEFT, RIGHT, SOFTCAP, 0, True, PAGE_SIZE, DOT_FP32, NUM_STAGES,
-        False, INTERPRET,
+        stride_kt, stride_vb, stride_vt, qk_scale, cap_log2, window_left, 0, chunk, tau,
+        HEAD_DIM, BLOCK_D, BLOCK_N, True, LEFT, RIGHT, SOFTCAP, 0, True, PAGE_SIZE, DOT_FP32,
+        NUM_STAGES, False, INTERPRET,
     )  # fmt: skip
 
 
@@ -71,7 +78,7 @@ def _decode_kernel(
     Q, K, V, Out, OPart, LPart, BLOCK_TABLE, SEQ_LENS, SINKS,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_bt, stride_ot, stride_oh, stride_pt, stride_ph,
-    qk_scale, cap_log2, window_left, tau, num_splits, query_len,
+    qk_scale, cap_log2, window_left, chunk, tau, num_splits, query_len,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr,
     SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
@@ -83,10 +90,10 @@ def _decode_kernel(
     b = tl.program_id(2)
     seq_len = tl.load(SEQ_LENS + b).to(tl.int32)
     first = seq_len - query_len  # position of the sequence's first new token
-    lo, full_lo, full_hi = _regions(first, seq_len, window_left, HAS_LEFT)
-    chunk = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
-    start = lo + split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    lo, full_lo, full_hi = _regions(first, seq_len, window_left, chunk, HAS_LEFT)
+    share = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * share
+    end = tl.minimum(start + share, seq_len)
     offs_r = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
     r_ok = offs_r < query_len * GROUP
@@ -113,20 +120,20 @@ def _decode_kernel(
         acc, m_i, l_i = _keys(
             acc, m_i, l_i, q, Kh, Vh, b, pos_m, start, tl.minimum(end, full_lo), BLOCK_TABLE,
             stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, cap_log2,
-            window_left, tau, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, HAS_LEFT, True, SOFTCAP,
-            DOT_FP32, 1, INTERPRET,
+            window_left, chunk, tau, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, HAS_LEFT, True,
+            SOFTCAP, DOT_FP32, 1, INTERPRET,
         )  # fmt: skip
     acc, m_i, l_i = _keys(
         acc, m_i, l_i, q, Kh, Vh, b, pos_m, f_lo, f_hi, BLOCK_TABLE, stride_bt, stride_kb,
-        stride_kt, stride_vb, stride_vt, qk_scale, cap_log2, window_left, tau, HEAD_DIM, BLOCK_D,
-        BLOCK_N, PAGE_SIZE, False, False, SOFTCAP, DOT_FP32, NUM_STAGES, INTERPRET,
+        stride_kt, stride_vb, stride_vt, qk_scale, cap_log2, window_left, chunk, tau, HEAD_DIM,
+        BLOCK_D, BLOCK_N, PAGE_SIZE, False, False, SOFTCAP, DOT_FP32, NUM_STAGES, INTERPRET,
     )  # fmt: skip
     if query_len > 1:  # the new tokens' own keys (query_len - 1): causal
         acc, m_i, l_i = _keys(
             acc, m_i, l_i, q, Kh, Vh, b, pos_m, tl.maximum(start, full_hi), end, BLOCK_TABLE,
             stride_bt, stride_kb, stride_kt, stride_vb, stride_vt, qk_scale, cap_log2,
-            window_left, tau, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, HAS_LEFT, True, SOFTCAP,
-            DOT_FP32, 1, INTERPRET,
+            window_left, chunk, tau, HEAD_DIM, BLOCK_D, BLOCK_N, PAGE_SIZE, HAS_LEFT, True,
+            SOFTCAP, DOT_FP32, 1, INTERPRET,
         )  # fmt: skip
     if HAS_SINKS and not SPLIT:  # NOTE: with splits the combine adds the sink
         sink = tl.load(SINKS + heads, mask=r_ok, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -259,10 +266,12 @@ def paged_decode_attention(
     tau: float = 8.0,
     out: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """out like q [, lse (Hq, batch * query_len) fp32 natural]; token i of sequence b sits at
     key position ``seqused_k[b] - query_len + i`` (causal; a row without keys gives 0, -inf).
-    ``sinks``: (Hq,) logits (natural units) in every row's denominator, no value."""
+    ``sinks``: (Hq,) logits (natural units) in every row's denominator, no value. ``chunk``:
+    a token at ``pos`` sees no key before ``pos - pos % chunk``."""
     _check_inputs(q, k_cache, v_cache, block_table, seqused_k)
     check_sinks(sinks, q)
     batch = block_table.shape[0]
@@ -280,17 +289,20 @@ def paged_decode_attention(
     f32 = dict(dtype=torch.float32, device=q.device)
     o_part = torch.empty((rows, hq, num_splits, block_d) if split else (1,), **f32)
     l_part = torch.empty((rows, hq, num_splits), **f32)
+    left, chunk = chunk_bounds(window_size[0], chunk)
     if rows:
         _launch(q, k_cache, v_cache, out, o_part, l_part, block_table, seqused_k, sinks, scale,
-                window_size[0], softcap, tau, num_splits, query_len, block_d)  # fmt: skip
+                (left, chunk), softcap, tau, num_splits, query_len, block_d)  # fmt: skip
     if not return_lse:
         return out
     return out, (l_part[:, :, 0] / LOG2E).transpose(0, 1)
 
 
-def _launch(q, k_cache, v_cache, out, o_part, l_part, table, seqlens, sinks, scale, left,
+def _launch(q, k_cache, v_cache, out, o_part, l_part, table, seqlens, sinks, scale, bounds,
             softcap, tau, num_splits, query_len, block_d) -> None:  # fmt: skip
+    """``bounds``: the left window and the chunk as ``chunk_bounds`` gives them."""
     rows, hq, d = q.shape
+    left, chunk = bounds
     _, bs, hkv, _ = k_cache.shape
     group = hq // hkv
     interp = tuning.interpreting()
@@ -304,7 +316,7 @@ def _launch(q, k_cache, v_cache, out, o_part, l_part, table, seqlens, sinks, sca
         q, k_cache, v_cache, out, o_part, l_part, table, seqlens, sink_ptr,
         q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], table.stride(0),
         out.stride(0), out.stride(1), l_part.stride(0), l_part.stride(1),
-        qk_scale, cap_log2, left, float(tau), num_splits, query_len,
+        qk_scale, cap_log2, left, chunk, float(tau), num_splits, query_len,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(query_len * group)), HEAD_DIM=d,
         BLOCK_D=block_d, BLOCK_N=block_n, PAGE_SIZE=bs, HAS_LEFT=left >= 0,
         SOFTCAP=softcap > 0, SPLIT=num_splits > 1,

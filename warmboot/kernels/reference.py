@@ -4,7 +4,8 @@ Conventions (flash-attn's): query i of a sequence sits at key position ``k_len -
 (bottom-right alignment); key j is visible when ``pos - left <= j <= pos + right`` (-1 means
 unbounded; causal sets ``right = 0``). Softcap: ``s = cap * tanh(s / cap)`` on scaled scores.
 Fully masked rows give output 0 and log-sum-exp -inf. Sinks: a per-head logit joins each
-row's softmax denominator (and the log-sum-exp) without a value.
+row's softmax denominator (and the log-sum-exp) without a value. Chunks (Llama 4's chunked
+local attention): a query at ``pos`` also sees no key before ``pos - pos % chunk``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import torch
 
 
-def visible(q_len: int, k_len: int, window: tuple[int, int], causal: bool) -> torch.Tensor:
+def visible(
+    q_len: int, k_len: int, window: tuple[int, int], causal: bool, chunk: int | None = None
+) -> torch.Tensor:
     """(q_len, k_len) bool mask, bottom-right aligned."""
     left, right = window
     if causal:
@@ -24,6 +27,8 @@ def visible(q_len: int, k_len: int, window: tuple[int, int], causal: bool) -> to
         mask &= j >= pos - left
     if right >= 0:
         mask &= j <= pos + right
+    if chunk is not None:
+        mask &= j >= pos - pos % chunk
     return mask
 
 
@@ -56,6 +61,7 @@ def varlen_attention_ref(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 (out (total_q, Hq, D), lse (Hq, total_q)) in natural log."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
@@ -67,7 +73,7 @@ def varlen_attention_ref(
         qs, qe, ks, ke = cq[b], cq[b + 1], ck[b], ck[b + 1]
         if qe == qs:
             continue
-        mask = visible(qe - qs, ke - ks, window_size, causal)
+        mask = visible(qe - qs, ke - ks, window_size, causal, chunk)
         o, l_ = _attend(
             qd[qs:qe].transpose(0, 1),
             kd[ks:ke].transpose(0, 1),
@@ -92,6 +98,7 @@ def paged_decode_ref(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 (out (B, Hq, D), lse (Hq, B)): one query token at the last position."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
@@ -105,7 +112,7 @@ def paged_decode_ref(
         blocks = block_table[b, : -(-n // k_cache.shape[1])].long()
         keys = k_cache[blocks].flatten(0, 1)[:n].double().transpose(0, 1)  # (Hkv, n, D)
         vals = v_cache[blocks].flatten(0, 1)[:n].double().transpose(0, 1)
-        mask = visible(1, n, window_size, causal=True)
+        mask = visible(1, n, window_size, causal=True, chunk=chunk)
         o, l_ = _attend(q[b].double().unsqueeze(1), keys, vals, mask, scale, softcap, sinks)
         out[b] = o[:, 0]
         lse[:, b] = l_[:, 0]

@@ -301,9 +301,8 @@ class StepContext:
         s = self.specs[layer]
         if s.kv_source is not None:  # NOTE: the source layer wrote them this step: rewritten as is
             k, v = cached_kv(k_cache, v_cache, self.meta.slot_mapping)
-        return self.backend.forward(
-            q, k, v, k_cache, v_cache, self.meta, s.scale, s.sliding_window, s.softcap, s.sinks
-        )
+        facts = (s.scale, s.sliding_window, s.softcap, s.sinks)
+        return self.backend.forward(q, k, v, k_cache, v_cache, self.meta, *facts, chunk=s.chunk)
 
 
 def cached_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor):

@@ -47,7 +47,18 @@ class TorchAttentionBackend(AttentionBackend):
         return native.ready() if self._native is None else self._native
 
     def forward(
-        self, q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap=None, sinks=None
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta,
+        scale,
+        sliding_window,
+        softcap=None,
+        sinks=None,
+        chunk=None,
     ):
         native = self.native and q.device.type == "cpu"
         if not (native and native_attention.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)):
@@ -55,32 +66,39 @@ class TorchAttentionBackend(AttentionBackend):
         nd = meta.num_decode_tokens
         # NOTE: sinks grouped like the queries, (Hkv, group, 1): query head h = kvh * group + g
         sinks = None if sinks is None else sinks.view(k.shape[1], -1, 1)
+        opts = (sliding_window, softcap, sinks, chunk)
         if native and nd == q.shape[0]:  # NOTE: decodes only: the kernel's fresh output as is
-            return self._decode(q, k_cache, v_cache, meta, scale, sliding_window, softcap, sinks)
+            return self._decode(q, k_cache, v_cache, meta, scale, *opts)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(
-                q[:nd], k_cache, v_cache, meta, scale, sliding_window, softcap, sinks
-            )
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale, *opts)
         prefills = meta.prefills
         if native and prefills:
-            prefills = self._flash_prefills(
-                q, k, v, k_cache, v_cache, out, prefills, scale, sliding_window, softcap, sinks
-            )
+            prefills = self._flash_prefills(q, k, v, k_cache, v_cache, out, prefills, scale, *opts)
         for seq in prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             out[rows] = self._prefill(
-                q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale, sliding_window, softcap,
-                sinks,
-            )  # fmt: skip
+                q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale, *opts
+            )
         return out
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, window, softcap, sinks):
+    def _decode(
+        self,
+        q,
+        k_cache,
+        v_cache,
+        meta: AttentionMetadata,
+        scale,
+        window,
+        softcap,
+        sinks,
+        chunk=None,
+    ):
         tables = meta.decode_block_tables  # (B, max_blocks)
         if self.native and q.device.type == "cpu":
             lens, flat = meta.decode_seq_lens, _flat(sinks)
             return native_attention.paged_decode(
-                q, k_cache, v_cache, tables, lens, scale, window, softcap, flat
+                q, k_cache, v_cache, tables, lens, scale, window, softcap, flat, chunk
             )
         batch, max_blocks = tables.shape
         _, bs, hkv, d = k_cache.shape
@@ -88,53 +106,56 @@ class TorchAttentionBackend(AttentionBackend):
         values = keys  # NOTE: one cache for both (MLA's latent): gathered once
         if v_cache is not k_cache:
             values = _gather(v_cache, tables, hkv, d).view(batch, -1, hkv, d).transpose(1, 2)
-        mask = self._decode_mask(meta, max_blocks * bs, window, q.dtype)  # (B, 1, 1, L)
+        mask = self._decode_mask(meta, max_blocks * bs, window, q.dtype, chunk)  # (B, 1, 1, L)
         qg = q.view(batch, hkv, -1, d)  # (B, Hkv, G, D)
         out = _sdpa(qg, keys, values, mask, scale, softcap, sinks)
         return out.reshape(batch, -1, d)
 
     @staticmethod
     def _decode_mask(
-        meta: AttentionMetadata, length: int, window: int | None, dtype
+        meta: AttentionMetadata, length: int, window: int | None, dtype, chunk=None
     ) -> torch.Tensor:
-        """Additive (B, 1, 1, L) mask, built once per step and window (SDPA would convert a
-        boolean mask in every layer)."""
-        key = ("decode_mask", window)
+        """Additive (B, 1, 1, L) mask, built once per step, window and chunk (SDPA would
+        convert a boolean mask in every layer)."""
+        key = ("decode_mask", window, chunk)
         if key not in meta.cache:
             lens = meta.decode_seq_lens.unsqueeze(1)  # (B, 1)
             pos = torch.arange(length, device=lens.device).unsqueeze(0)
             mask = pos < lens
             if window is not None:
                 mask &= pos >= lens - window
+            if chunk is not None:  # NOTE: the new token sits at lens - 1
+                mask &= pos >= lens - 1 - (lens - 1) % chunk
             additive = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
             meta.cache[key] = additive.masked_fill_(~mask, float("-inf"))[:, None, None, :]
         return meta.cache[key]
 
-    def _flash_prefills(self, q, k, v, k_cache, v_cache, out, seqs, scale, window, softcap, sinks):
+    def _flash_prefills(
+        self, q, k, v, k_cache, v_cache, out, seqs, scale, window, softcap, sinks, chunk=None
+    ):
         """The step's prefills that native calls take, into ``out``, shared with the helper
-        thread. Where the flash kernel runs (a window, sinks and soft-capping too): every fresh
-        one (no cached context) in one ``causal_prefill`` call and those over cached context in
-        one ``paged_prefill`` call. Otherwise (none of those three): the fresh ones that take
-        SDPA (tiled: see ``_native_prefill``) in one ``causal_prefill`` call. Returns the
-        others."""
+        thread. Where the flash kernel runs (a window, chunks, sinks and soft-capping too):
+        every fresh one (no cached context) in one ``causal_prefill`` call and those over cached
+        context in one ``paged_prefill`` call. Otherwise (none of those four): the fresh ones
+        that take SDPA (tiled: see ``_native_prefill``) in one ``causal_prefill`` call. Returns
+        the others."""
         usable = scale is not None and k.shape == v.shape
         if not (usable and q.dtype == torch.bfloat16 and native.amx()):
             return seqs
         flash = native_attention.flash_prefill(q, k, v)
-        if not flash and (window is not None or sinks is not None or softcap is not None):
+        options = (window, sinks, softcap, chunk)
+        if not flash and any(o is not None for o in options):
             return seqs
         least = 1 if flash else TILED_PREFILL_ROWS
         fresh = [s.context_len == s.query_len >= least for s in seqs]
         if any(fresh):
             starts = [s.query_start for s, f in zip(seqs, fresh, strict=True) if f]
             lens = [s.query_len for s, f in zip(seqs, fresh, strict=True) if f]
-            native_attention.causal_prefill(
-                q, k, v, out, starts, lens, scale, window, sinks, softcap
-            )
+            native_attention.causal_prefill(q, k, v, out, starts, lens, scale, *options)
         rest = [s for s, f in zip(seqs, fresh, strict=True) if not f]
         cached = flash and rest and v_cache is not k_cache  # NOTE: not MLA's one latent cache
         if cached and native_attention.paged_prefill(
-            q, k_cache, v_cache, out, rest, scale, window, sinks, softcap
+            q, k_cache, v_cache, out, rest, scale, *options
         ):
             return []
         return rest
@@ -146,13 +167,15 @@ class TorchAttentionBackend(AttentionBackend):
         tiled = q.dtype == torch.bfloat16 and q.shape[0] >= TILED_PREFILL_ROWS
         return not (tiled and softcap is None and sinks is None and native.amx())
 
-    def _prefill(self, q, k, v, k_cache, v_cache, seq: PrefillSeq, scale, window, softcap, sinks):
+    def _prefill(
+        self, q, k, v, k_cache, v_cache, seq: PrefillSeq, scale, window, softcap, sinks, chunk=None
+    ):
         n, _, d = q.shape
         hkv, ctx = k.shape[1], seq.context_len
         if self._native_prefill(q, softcap, sinks):  # NOTE: the chunk's K/V is in the cache
             table, flat = seq.block_table, _flat(sinks)
             return native_attention.paged_extend(
-                q, k_cache, v_cache, table, ctx, scale, window, softcap, flat
+                q, k_cache, v_cache, table, ctx, scale, window, softcap, flat, chunk
             )
         if ctx == n:  # nothing cached before this chunk: attend to the new k/v directly
             keys, values = k.transpose(0, 1), v.transpose(0, 1)
@@ -162,7 +185,8 @@ class TorchAttentionBackend(AttentionBackend):
             if v_cache is not k_cache:
                 values = _gather(v_cache, seq.block_table, hkv, d)[:ctx].transpose(0, 1)
         causal = ctx == n and window is None and softcap is None and sinks is None
-        mask = None if causal else _causal_mask(n, ctx, window, q.device)
+        causal = causal and chunk is None
+        mask = None if causal else _causal_mask(n, ctx, window, q.device, chunk)
         if softcap is not None or sinks is not None:
             # NOTE: GQA as (Hkv, group * n) query rows, no K/V copies
             group = q.shape[1] // hkv
@@ -215,11 +239,14 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, hkv: int, d: int) -> torc
     return rows.view(-1, hkv, d)
 
 
-def _causal_mask(q_len: int, ctx: int, window: int | None, device) -> torch.Tensor:
-    """(q_len, ctx) bool, bottom-right aligned: query i sits at position ctx - q_len + i."""
+def _causal_mask(q_len: int, ctx: int, window: int | None, device, chunk=None) -> torch.Tensor:
+    """(q_len, ctx) bool, bottom-right aligned: query i sits at position ctx - q_len + i;
+    with ``chunk``, only keys in the query's chunk of that many positions."""
     q_pos = torch.arange(ctx - q_len, ctx, device=device).unsqueeze(1)
     k_pos = torch.arange(ctx, device=device).unsqueeze(0)
     mask = k_pos <= q_pos
     if window is not None:
         mask &= k_pos > q_pos - window
+    if chunk is not None:
+        mask &= k_pos >= q_pos - q_pos % chunk
     return mask

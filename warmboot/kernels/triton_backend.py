@@ -22,7 +22,18 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
     def forward(
-        self, q, k, v, k_cache, v_cache, meta, scale, sliding_window, softcap=None, sinks=None
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta,
+        scale,
+        sliding_window,
+        softcap=None,
+        sinks=None,
+        chunk=None,
     ):
         cap = 0.0 if softcap is None else float(softcap)
         write_kv(k, v, k_cache, v_cache, meta)
@@ -41,6 +52,7 @@ class TritonAttentionBackend(AttentionBackend):
                 cap,
                 out=out[:nd],
                 sinks=sinks,
+                chunk=chunk,
             )
         if meta.prefills:
             cu_q, seqused_k, table, max_q, max_k = _prefill_inputs(meta, q.device)
@@ -60,6 +72,7 @@ class TritonAttentionBackend(AttentionBackend):
                 seqused_k=seqused_k,
                 out=out[nd:],
                 sinks=sinks,
+                chunk=chunk,
             )
         return out
 
@@ -79,9 +92,10 @@ class TritonAttentionBackend(AttentionBackend):
         if k_cache.device.type != "cuda" or tuning.interpreting():
             return 0  # NOTE: the interpreter and the CPU use one fixed config
         shapes = tuning.prefill_shapes(max_q, max_k)
-        for window in sorted(windows, key=lambda w: -1 if w is None else w):
+        for mask in sorted(windows, key=_mask_order):
+            window, chunk = mask if isinstance(mask, tuple) else (mask, None)
             for q_len, k_len in shapes:
-                prefill_probe(k_cache, v_cache, num_heads, scale, window, q_len, k_len)
+                prefill_probe(k_cache, v_cache, num_heads, scale, window, q_len, k_len, chunk)
         torch.cuda.synchronize(k_cache.device)
         return len(shapes) * len(windows)
 
@@ -89,10 +103,13 @@ class TritonAttentionBackend(AttentionBackend):
 MAX_HEAD_DIM = 256
 
 
-def prefill_probe(k_cache, v_cache, num_heads, scale, window, q_len, k_len) -> torch.Tensor:
+def prefill_probe(
+    k_cache, v_cache, num_heads, scale, window, q_len, k_len, chunk=None
+) -> torch.Tensor:
     """One sequence's causal prefill of ``q_len`` queries over the cache's first ``k_len``
     keys (blocks 0, 1, ...), with the argument dtypes of the engine's launches (an int64
-    table, int32 lengths: a different dtype would be another compiled variant)."""
+    table, int32 lengths: a different dtype would be another compiled variant); ``chunk``:
+    a chunked layer's (``AttentionSpec.chunk``)."""
     dev, (_, bs, _, d) = k_cache.device, k_cache.shape
     i32 = dict(dtype=torch.int32, device=dev)
     q = torch.zeros(q_len, num_heads, d, dtype=k_cache.dtype, device=dev)
@@ -109,7 +126,14 @@ def prefill_probe(k_cache, v_cache, num_heads, scale, window, q_len, k_len) -> t
         window_size=_window(window),
         block_table=torch.arange(triton.cdiv(k_len, bs), dtype=torch.int64, device=dev)[None],
         seqused_k=torch.tensor([k_len], **i32),
+        chunk=chunk,
     )
+
+
+def _mask_order(mask) -> tuple[int, int]:
+    """A pretune entry (a window or None, or a (window, chunk) pair) as a sort key."""
+    window, chunk = mask if isinstance(mask, tuple) else (mask, None)
+    return (-1 if window is None else window, -1 if chunk is None else chunk)
 
 
 def _window(sliding_window: int | None) -> tuple[int, int]:

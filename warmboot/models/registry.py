@@ -124,6 +124,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     # -- issue 55, weight-tied recurrent stacks: hrm_text.py --
     "HrmTextForCausalLM": ("hrm_text", "HrmTextForCausalLM"),
     # -- end issue 55 hrm block --
+    # -- issue 55, chunked local attention: llama4.py --
+    "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
+    # -- end issue 55 llama4 block --
     # -- issue 55, sparse indexed attention: deepseek_v32.py --
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("deepseek_v32", "GlmMoeDsaForCausalLM"),
@@ -238,6 +241,9 @@ MODEL_TYPES: dict[str, str] = {
     # -- issue 55, hrm --
     "hrm_text": "HrmTextForCausalLM",
     # -- end issue 55 hrm block --
+    # -- issue 55, chunked local attention --
+    "llama4_text": "Llama4ForCausalLM",
+    # -- end issue 55 llama4 block --
 }
 """``model_type`` -> architecture, for configs without ``architectures``."""
 

@@ -50,34 +50,35 @@ def flash_prefill(q: torch.Tensor, *kv: torch.Tensor) -> bool:
 
 
 def causal_prefill(q, k, v, out, starts: list[int], lens: list[int], scale: float,
-                   window=None, sinks=None, softcap=None) -> None:  # fmt: skip
+                   window=None, sinks=None, softcap=None, chunk=None) -> None:  # fmt: skip
     """Fresh prefills (no cached context: causal over their own K/V, the rows ``starts[i]``
     .. ``+ lens[i]`` of q, k, v) into the same rows of ``out``, shared with the helper
     threads (``csrc/causal_prefill.cpp``): flash attention on AMX tiles where
     ``flash_prefill`` (each row within bf16 SDPA's error of a float64 reference), else an
     SDPA call per sequence and KV head (its bits). ``window`` (positions a row sees, its own
-    included), ``sinks`` (one logit per query head) and ``softcap`` (scores capped to
-    ``softcap * tanh(score / softcap)``, Gemma 2's) take the flash kernel."""
+    included), ``sinks`` (one logit per query head), ``softcap`` (scores capped to
+    ``softcap * tanh(score / softcap)``, Gemma 2's) and ``chunk`` (a row at ``p`` sees
+    ``p - p % chunk`` .. ``p`` only) take the flash kernel."""
     torch.ops.warmboot_cpu.causal_prefill(
-        q, k, v, out, starts, lens, scale, window or 0, _sinks(sinks), softcap or 0.0
+        q, k, v, out, starts, lens, scale, window or 0, _sinks(sinks), softcap or 0.0, chunk or 0
     )
 
 
 def paged_prefill(
-    q, k_cache, v_cache, out, seqs, scale: float, window=None, sinks=None, softcap=None
+    q, k_cache, v_cache, out, seqs, scale: float, window=None, sinks=None, softcap=None, chunk=None
 ) -> bool:
     """Prefill chunks over cached context (``seqs``: ``PrefillSeq``-likes, each chunk's rows
     ``query_start`` .. ``+ query_len`` of q the last of its ``context_len`` positions, whose
     K/V are all in the caches already) through the flash kernel into the same rows of ``out``,
     K/V repacked from the blocks of each ``block_table`` where they lie (no gather); False,
     nothing done, where the kernel does not fit (``flash_prefill``; the caches bf16 rows).
-    ``window``, ``sinks`` and ``softcap`` as for ``causal_prefill``."""
+    ``window``, ``sinks``, ``softcap`` and ``chunk`` as for ``causal_prefill``."""
     return bool(
         torch.ops.warmboot_cpu.paged_prefill(
             q, k_cache, v_cache, out,
             [s.query_start for s in seqs], [s.query_len for s in seqs],
             [s.context_len for s in seqs], [s.block_table for s in seqs], scale,
-            window or 0, _sinks(sinks), softcap or 0.0,
+            window or 0, _sinks(sinks), softcap or 0.0, chunk or 0,
         )
     )  # fmt: skip
 
@@ -102,10 +103,12 @@ def paged_decode(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # (Hq,) logits
+    chunk: int | None = None,  # the token at p sees p - p % chunk .. p only
 ) -> torch.Tensor:  # (B, Hq, D)
     """One decode token per sequence; a sequence of length 0 gets zeros."""
+    opts = (window or 0, softcap or 0.0, sinks, chunk or 0)
     return torch.ops.warmboot_cpu.paged_decode(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0, softcap or 0.0, sinks
+        q, k_cache, v_cache, block_tables, seq_lens, scale, *opts
     )
 
 
@@ -119,8 +122,10 @@ def paged_extend(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:  # (N, Hq, D)
     """A prefill chunk of one sequence against its cached context and itself (causal)."""
+    opts = (window or 0, softcap or 0.0, sinks, chunk or 0)
     return torch.ops.warmboot_cpu.paged_extend(
-        q, k_cache, v_cache, block_table, context_len, scale, window or 0, softcap or 0.0, sinks
+        q, k_cache, v_cache, block_table, context_len, scale, *opts
     )

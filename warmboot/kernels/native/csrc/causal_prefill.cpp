@@ -1,8 +1,8 @@
 // A step's prefills, shared with the helper threads (parallel_chunks): the device thread runs
 // one torch thread, so one attention call per sequence left the host's other core idle.
 //
-// causal_prefill: fresh prefills (no cached context, causal; a sliding window, sinks and
-// soft-capped scores only on the flash kernel), their K/V the step's own rows. bf16 where
+// causal_prefill: fresh prefills (no cached context, causal; a sliding window, chunks, sinks
+// and soft-capped scores only on the flash kernel), their K/V the step's own rows. bf16 where
 // flash_fits: flash attention on AMX tiles (flash_prefill.cpp); otherwise (fp32, no AMX,
 // other head sizes) torch's SDPA, one (sequence, KV head) a call, each giving the bits of one
 // call over all heads.
@@ -52,11 +52,13 @@ bool rows_fit(const at::Tensor& t) {  // bf16, each token's heads contiguous
   return t.scalar_type() == at::kBFloat16 && t.stride(-1) == 1 && t.stride(-2) == t.size(-1);
 }
 
-// The call's window, sinks and soft-cap for the flash kernel (sinks as float32 in `keep`).
+// The call's window, sinks, soft-cap and chunk for the flash kernel (sinks as float32 in
+// `keep`).
 FlashOpts options(const at::Tensor& q, double scale, int64_t window,
-                  const std::optional<at::Tensor>& sinks, double softcap, at::Tensor& keep,
-                  const char* op) {
+                  const std::optional<at::Tensor>& sinks, double softcap, int64_t chunk,
+                  at::Tensor& keep, const char* op) {
   TORCH_CHECK(window >= 0, op, ": window must be 0 (none) or positive, got ", window);
+  TORCH_CHECK(chunk >= 0, op, ": chunk must be 0 (none) or positive, got ", chunk);
   TORCH_CHECK(softcap >= 0, op, ": softcap must be 0 (none) or positive, got ", softcap);
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->numel() == q.size(1), op, ": sinks must hold ", q.size(1),
@@ -64,13 +66,13 @@ FlashOpts options(const at::Tensor& q, double scale, int64_t window,
     keep = sinks->to(at::kFloat).contiguous();
   }
   return FlashOpts{scale, window, keep.defined() ? keep.data_ptr<float>() : nullptr,
-                   static_cast<float>(softcap)};
+                   static_cast<float>(softcap), chunk};
 }
 
 void causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                     const at::Tensor& out, at::IntArrayRef starts, at::IntArrayRef lens,
                     double scale, int64_t window, const std::optional<at::Tensor>& sinks,
-                    double softcap) {
+                    double softcap, int64_t chunk) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && out.sizes() == q.sizes(),
               "causal_prefill wants q, out (N, Hq, D) and k, v (N, Hkv, D), got ", q.sizes(), ", ",
               k.sizes(), ", ", v.sizes(), ", ", out.sizes());
@@ -86,7 +88,8 @@ void causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
                 ") is outside the ", tokens, " tokens");
   }
   at::Tensor keep;
-  const FlashOpts opts = options(q, scale, window, sinks, softcap, keep, "causal_prefill");
+  const FlashOpts opts =
+      options(q, scale, window, sinks, softcap, chunk, keep, "causal_prefill");
   if (flash_fits(q, out) && rows_fit(k) && rows_fit(v)) {
     std::vector<FlashSeq> seqs;
     for (size_t i = 0; i < starts.size(); ++i) seqs.push_back({starts[i], lens[i], lens[i]});
@@ -96,9 +99,9 @@ void causal_prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& 
     });
     return;
   }
-  TORCH_CHECK(window == 0 && !sinks.has_value() && softcap == 0,
+  TORCH_CHECK(window == 0 && chunk == 0 && !sinks.has_value() && softcap == 0,
               "causal_prefill: a window, sinks or a softcap need the flash kernel (bf16 on AMX "
-              "tiles)");
+              "tiles), and so do chunks");
   sdpa_calls(q, k, v, out, Seqs{starts, lens, hkv, q.size(1) / hkv}, scale);
 }
 
@@ -122,7 +125,8 @@ void check_tables(const std::vector<at::Tensor>& tables, at::IntArrayRef ctxs, i
 bool paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& out, at::IntArrayRef starts, at::IntArrayRef lens,
                    at::IntArrayRef ctxs, const std::vector<at::Tensor>& tables, double scale,
-                   int64_t window, const std::optional<at::Tensor>& sinks, double softcap) {
+                   int64_t window, const std::optional<at::Tensor>& sinks, double softcap,
+                   int64_t chunk) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && k_cache.dim() == 4 &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.size(3) == q.size(2),
               "paged_prefill wants q, out (N, Hq, D) and caches (blocks, block size, Hkv, D), "
@@ -145,7 +149,7 @@ bool paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
     return false;
   }
   at::Tensor keep;
-  const FlashOpts opts = options(q, scale, window, sinks, softcap, keep, "paged_prefill");
+  const FlashOpts opts = options(q, scale, window, sinks, softcap, chunk, keep, "paged_prefill");
   std::vector<FlashSeq> seqs;
   for (size_t i = 0; i < starts.size(); ++i) seqs.push_back({starts[i], lens[i], ctxs[i]});
   const int64_t d = q.size(2);
@@ -161,10 +165,10 @@ bool paged_prefill(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 
 TORCH_LIBRARY_FRAGMENT(warmboot_cpu, m) {
   m.def("causal_prefill(Tensor q, Tensor k, Tensor v, Tensor(a!) out, int[] starts, int[] lens, "
-        "float scale, int window=0, Tensor? sinks=None, float softcap=0) -> ()",
+        "float scale, int window=0, Tensor? sinks=None, float softcap=0, int chunk=0) -> ()",
         &warmboot::causal_prefill);
   m.def("paged_prefill(Tensor q, Tensor k_cache, Tensor v_cache, Tensor(a!) out, int[] starts, "
         "int[] lens, int[] contexts, Tensor[] tables, float scale, int window=0, "
-        "Tensor? sinks=None, float softcap=0) -> bool",
+        "Tensor? sinks=None, float softcap=0, int chunk=0) -> bool",
         &warmboot::paged_prefill);
 }

@@ -82,6 +82,7 @@ struct Flash {  // one item's running state: rows r < rows are tokens t0 + r
 struct Part {  // an item: query rows [t0, t0 + rows), row r at position pos0 + r
   int64_t t0, rows, pos0;
   int64_t window;  // positions a row sees, its own included (0: every one before it)
+  int64_t chunk;   // a row at p sees p - p % chunk .. p only (0: no chunks)
   float scale;
   float sink;  // a logit joining each row's softmax without a value (-inf: none)
   float cap;   // scores capped to cap tanh(score / cap) (0: none)
@@ -137,8 +138,14 @@ __m512 scaled(const float* x, __m512 sc, float cap) {
   return _mm512_mul_ps(_mm512_set1_ps(cap), tanh16(_mm512_mul_ps(y, _mm512_set1_ps(1.f / cap))));
 }
 
+// The first position a row at `pos` sees: its window's and its chunk's (0: every one before).
+int64_t first_seen(const Part& it, int64_t pos) {
+  const int64_t from = it.window ? pos + 1 - it.window : 0;
+  return it.chunk ? std::max(from, pos - pos % it.chunk) : from;
+}
+
 // The block's scores scaled (and capped), positions a row does not see (past its own, before
-// its window; all, for padding rows) at -inf, in place; each row's max.
+// its window or its chunk; all, for padding rows) at -inf, in place; each row's max.
 __m512 masked(Flash& f, const Part& it, int64_t p0) {
   const __m512 sc = _mm512_set1_ps(it.scale), ninf = _mm512_set1_ps(-INFINITY);
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
@@ -148,8 +155,8 @@ __m512 masked(Flash& f, const Part& it, int64_t p0) {
     const int64_t own = it.pos0 + r - p0;
     const __m512i last = _mm512_set1_epi32(r < it.rows ? static_cast<int>(own) : -1);
     __mmask16 m0 = _mm512_cmple_epi32_mask(lane, last), m1 = _mm512_cmple_epi32_mask(lane16, last);
-    if (it.window) {  // NOTE: and none before the window's first position
-      const int64_t from = std::max<int64_t>(own + 1 - it.window, -kSpan);
+    if (it.window || it.chunk) {  // NOTE: and none before the window's or chunk's first
+      const int64_t from = std::max<int64_t>(first_seen(it, it.pos0 + r) - p0, -kSpan);
       const __m512i first = _mm512_set1_epi32(static_cast<int>(from));
       m0 &= _mm512_cmpge_epi32_mask(lane, first);
       m1 &= _mm512_cmpge_epi32_mask(lane16, first);
@@ -270,7 +277,7 @@ void item(Flash& f, const uint16_t* q, int64_t ldq, const uint16_t* kp, const ui
     f.m[r] = sink ? it.sink : -INFINITY, f.l[r] = sink ? 1.f : 0.f;
   }
   if (d <= 64) park(f, d, false);
-  const int64_t lo = it.window ? std::max<int64_t>(0, it.pos0 + 1 - it.window) / kSpan : 0;
+  const int64_t lo = std::max<int64_t>(0, first_seen(it, it.pos0)) / kSpan;
   for (int64_t b = lo; b * kSpan < it.pos0 + it.rows; ++b) {
     scores(f, kp, b, d);
     // NOTE: the first block's accumulator is zeros, whatever alpha
@@ -290,7 +297,7 @@ void item(Flash& f, const uint16_t* q, int64_t ldq, const uint16_t* kp, const ui
 #else
 struct Flash {};
 struct Part {
-  int64_t t0, rows, pos0, window;
+  int64_t t0, rows, pos0, window, chunk;
   float scale, sink, cap;
 };
 void item(Flash&, const uint16_t*, int64_t, const uint16_t*, const uint16_t*, uint16_t*, int64_t,
@@ -333,7 +340,7 @@ void flash_amx(const at::Tensor& q, const at::Tensor& out, const std::vector<Fla
       const int64_t at = packed[i] + head / group * padded(i) * d;
       const float sink = opts.sinks ? opts.sinks[head] : -INFINITY;
       const Part it{t0, std::min(kRows, s.n - t0), s.ctx - s.n + t0, opts.window,
-                    static_cast<float>(opts.scale), sink, opts.softcap};
+                    opts.chunk, static_cast<float>(opts.scale), sink, opts.softcap};
       item(f, bits(q) + s.start * q.stride(0) + head * d, q.stride(0), kp + at, vp + at,
            o + s.start * out.stride(0) + head * d, out.stride(0), d, it);
     }

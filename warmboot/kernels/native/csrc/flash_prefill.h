@@ -32,6 +32,7 @@ struct FlashOpts {
   int64_t window = 0;            // positions a row sees, its own included (0: all before it)
   const float* sinks = nullptr;  // per query head: a logit in each row's softmax, no value
   float softcap = 0;             // scores become softcap tanh(score / softcap) (0: as they are)
+  int64_t chunk = 0;             // a row at p sees only p - p % chunk .. p too (0: no chunks)
 };
 
 // A bf16 tensor's data as raw 16-bit values.

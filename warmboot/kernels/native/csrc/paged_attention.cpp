@@ -508,7 +508,7 @@ Kernels<T> kernels() {
 }
 
 struct Geometry {  // one call's shapes and strides (in elements)
-  int64_t hq, group, d, dp, q_tok, q_head, kb, kt, kh, vb, vt, vh, nblocks, bs, window;
+  int64_t hq, group, d, dp, q_tok, q_head, kb, kt, kh, vb, vt, vh, nblocks, bs, window, chunk;
   float scale, cap;
   const float* sinks;
 };
@@ -535,8 +535,11 @@ struct Work {  // a work item's rows: ((h - h0) * nq + token) * group + (query h
   }
 };
 
-int64_t window_start(const Geometry& g, int64_t end) {  // first position a query sees
-  return g.window > 0 ? std::max<int64_t>(0, end - g.window) : 0;
+// The first position a query at end - 1 sees: its window's, and where later its chunk's
+// (chunked local attention: the positions from end - 1 - (end - 1) % chunk).
+int64_t window_start(const Geometry& g, int64_t end) {
+  const int64_t from = g.window > 0 ? std::max<int64_t>(0, end - g.window) : 0;
+  return g.chunk > 0 && end > 0 ? std::max(from, end - 1 - (end - 1) % g.chunk) : from;
 }
 
 // Positions [lo, hi) of a task, its KV heads from h0 on.
@@ -690,7 +693,7 @@ void run(const Geometry& g, const at::Tensor& q, const at::Tensor& kc, const at:
 
 Geometry check(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, double scale,
                int64_t window, double softcap, const std::optional<at::Tensor>& sinks,
-               at::Tensor& sinks_f32) {
+               at::Tensor& sinks_f32, int64_t chunk) {
   TORCH_CHECK(q.dim() == 3, "paged attention: q must be (tokens, heads, head_dim), got ",
               q.sizes());
   const auto dt = q.scalar_type();
@@ -715,6 +718,7 @@ Geometry check(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, 
                 c->strides());
   }
   TORCH_CHECK(window >= 0, "paged attention: window must be >= 0 (0: full), got ", window);
+  TORCH_CHECK(chunk >= 0, "paged attention: chunk must be >= 0 (0: none), got ", chunk);
   TORCH_CHECK(softcap >= 0, "paged attention: softcap must be >= 0 (0: none), got ", softcap);
   if (sinks.has_value()) {
     TORCH_CHECK(sinks->numel() == hq, "paged attention: sinks must hold ", hq, " logits, got ",
@@ -725,8 +729,8 @@ Geometry check(const at::Tensor& q, const at::Tensor& kc, const at::Tensor& vc, 
   return {hq,           hq / hkv,     d,            (d + 31) / 32 * 32,
           q.stride(0),  q.stride(1),  kc.stride(0), kc.stride(1),
           kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2),
-          kc.size(0),   kc.size(1),   window,       float(scale),
-          float(softcap), sink_ptr};
+          kc.size(0),   kc.size(1),   window,       chunk,
+          float(scale), float(softcap), sink_ptr};
 }
 
 at::Tensor dispatch(const Geometry& g, const at::Tensor& q, const at::Tensor& kc,
@@ -743,9 +747,10 @@ at::Tensor dispatch(const Geometry& g, const at::Tensor& q, const at::Tensor& kc
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
-                        int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
+                        int64_t window, double softcap, const std::optional<at::Tensor>& sinks,
+                        int64_t chunk) {
   at::Tensor sinks_f32;
-  const Geometry g = check(q, k_cache, v_cache, scale, window, softcap, sinks, sinks_f32);
+  const Geometry g = check(q, k_cache, v_cache, scale, window, softcap, sinks, sinks_f32, chunk);
   const int64_t batch = q.size(0);
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == batch &&
                   block_tables.scalar_type() == at::kLong,
@@ -769,9 +774,10 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
 
 at::Tensor paged_extend(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& block_table, int64_t context_len, double scale,
-                        int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
+                        int64_t window, double softcap, const std::optional<at::Tensor>& sinks,
+                        int64_t chunk) {
   at::Tensor sinks_f32;
-  const Geometry g = check(q, k_cache, v_cache, scale, window, softcap, sinks, sinks_f32);
+  const Geometry g = check(q, k_cache, v_cache, scale, window, softcap, sinks, sinks_f32, chunk);
   const int64_t n = q.size(0);
   TORCH_CHECK(block_table.dim() == 1 && block_table.scalar_type() == at::kLong,
               "paged_extend: block_table must be (num_blocks,) int64, got ", block_table.sizes(),
@@ -790,13 +796,13 @@ at::Tensor paged_extend(const at::Tensor& q, const at::Tensor& k_cache, const at
 // Meta kernels: the output's shape for torch.compile's fake tensors.
 at::Tensor decode_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&,
                        const at::Tensor&, const at::Tensor&, double, int64_t, double,
-                       const std::optional<at::Tensor>&) {
+                       const std::optional<at::Tensor>&, int64_t) {
   return at::empty_symint(q.sym_sizes(), q.options());
 }
 
 at::Tensor extend_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&,
                        const at::Tensor&, int64_t, double, int64_t, double,
-                       const std::optional<at::Tensor>&) {
+                       const std::optional<at::Tensor>&, int64_t) {
   return at::empty_symint(q.sym_sizes(), q.options());
 }
 
@@ -806,10 +812,12 @@ at::Tensor extend_meta(const at::Tensor& q, const at::Tensor&, const at::Tensor&
 TORCH_LIBRARY_FRAGMENT(warmboot_cpu, m) {
   m.def(
       "paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor seq_lens, float scale, int window, float softcap, Tensor? sinks) -> Tensor");
+      "Tensor seq_lens, float scale, int window, float softcap, Tensor? sinks, int chunk=0) "
+      "-> Tensor");
   m.def(
       "paged_extend(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_table, "
-      "int context_len, float scale, int window, float softcap, Tensor? sinks) -> Tensor");
+      "int context_len, float scale, int window, float softcap, Tensor? sinks, int chunk=0) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(warmboot_cpu, CPU, m) {
