@@ -9,7 +9,7 @@ with the indexer's queries ``q_I`` (H_I heads) and weights ``w`` of the query to
 indexer key ``k_I`` of each past token, which each attention layer keeps per token beside its
 K/V in the paged cache (``KVLayout.index_dim``, ``Pools.kv``). The query then attends, as it
 would densely, over the ``topk`` positions of highest score (all of them while it has no more
-than ``topk``). Ties: among equal scores the earlier position is taken first (a stable sort), so
+than ``topk``). Ties: among equal scores the earlier position is taken first (``best``), so
 a selection never depends on the kernel's order of work.
 
 - ``warmboot::indexed_attention(q, k, v, iq, ik, iw, layer, topk, reuse)``: write the layer's
@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from warmboot.kernels.backend import AttentionMetadata, write_kv
+from warmboot.kernels.native import attention as native_attention
 from warmboot.kernels.step_ops import STEP_INDEX, StepContext, _context
 
 SELECTION = "index_selection"
@@ -59,16 +60,15 @@ def indexed(
     if reuse and previous is None:
         raise RuntimeError("a layer reusing the index selection ran before any indexing layer")
     picks, out = [], torch.empty_like(q)
-    for j, (rows, kv_k, kv_v, index_keys, valid) in enumerate(
-        _groups(meta, k_cache, v_cache, keys)
-    ):
+    spec = ctx.specs[layer]
+    for j, (rows, table, length, valid) in enumerate(_groups(meta, k_cache.device)):
         b = valid.shape[0]
+        index_keys = _gather(keys, table)[:, :length]
         if previous is not None:
             chosen = previous[j]
         elif block:
-            chosen = select_blocks(
-                iq[rows].view(b, -1, *iq.shape[1:]), index_keys, valid, topk, block, local
-            )
+            shape = (b, -1, *iq.shape[1:])
+            chosen = select_blocks(iq[rows].view(shape), index_keys, valid, topk, block, local)
         else:
             shape = (b, -1, *iq.shape[1:])
             chosen = select(
@@ -76,30 +76,66 @@ def indexed(
             )
         picks.append(chosen)
         qs = q[rows].view(b, -1, *q.shape[1:])
-        spec = ctx.specs[layer]
-        out[rows] = attend(qs, kv_k, kv_v, chosen, spec.scale).flatten(0, 1)
+        if chosen.shape[1] == 1 and qs.shape[1] == 1:  # NOTE: decodes: the chosen alone
+            slots, count = _chosen_slots(table, chosen[:, 0, 0], topk, k_cache.shape[1])
+            if _native(ctx, q, k_cache):
+                out[rows] = _native_decode(q[rows], k_cache, v_cache, slots, count, spec)
+                continue
+            kk, vv = (_at_slots(c, slots) for c in (k_cache, v_cache))
+            real = torch.arange(slots.shape[1], device=slots.device) < count[:, None]
+            out[rows] = attend(qs, kk, vv, real[:, None, None], spec.scale, spec.sinks)[:, 0]
+            continue
+        kk, vv = (_gather(c, table)[:, :length] for c in (k_cache, v_cache))
+        out[rows] = attend(qs, kk, vv, chosen, spec.scale, spec.sinks).flatten(0, 1)
     meta.cache[SELECTION] = picks
     return out
 
 
-def _groups(meta: AttentionMetadata, k_cache, v_cache, keys):
+def _groups(meta: AttentionMetadata, device: torch.device):
     """The step's rows in groups that share a key span: the decodes together (a batch of one
-    row each), then each prefill; per group (rows, K, V, indexer keys, valid) with K/V
-    (B, L, Hkv, D), indexer keys (B, L, D_I) and valid (B, R, L): the causal span."""
+    row each), then each prefill; per group (rows, block table (B, W), span length L, valid
+    (B, R, L): each row's causal span)."""
     nd = meta.num_decode_tokens
     if nd:
         tables, lens = meta.decode_block_tables, meta.decode_seq_lens
-        kk, vv, ii = (_gather(c, tables) for c in (k_cache, v_cache, keys))
-        span = torch.arange(kk.shape[1], device=kk.device)
-        yield slice(0, nd), kk, vv, ii, (span < lens[:, None]).unsqueeze(1)
+        span = torch.arange(tables.shape[1] * meta.block_size, device=device)
+        yield slice(0, nd), tables, span.shape[0], (span < lens[:, None]).unsqueeze(1)
     for p in meta.prefills:
-        table = p.block_table.unsqueeze(0)
-        kk, vv, ii = (_gather(c, table)[:, : p.context_len] for c in (k_cache, v_cache, keys))
-        span = torch.arange(p.context_len, device=kk.device)
-        first = p.context_len - p.query_len
-        pos = torch.arange(first, p.context_len, device=kk.device)
+        span = torch.arange(p.context_len, device=device)
+        pos = torch.arange(p.context_len - p.query_len, p.context_len, device=device)
         valid = (span[None, :] <= pos[:, None]).unsqueeze(0)
-        yield slice(p.query_start, p.query_start + p.query_len), kk, vv, ii, valid
+        rows = slice(p.query_start, p.query_start + p.query_len)
+        yield rows, p.block_table.unsqueeze(0), p.context_len, valid
+
+
+def _chosen_slots(tables, chosen, topk: int, block: int):
+    """The cache slots (B, k) of each decode row's chosen positions (``chosen`` (B, L)),
+    earliest first, and how many there are (a row may choose fewer than ``topk``)."""
+    length = chosen.shape[-1]
+    order = torch.arange(length, 0, -1, device=chosen.device, dtype=torch.int32)
+    idx = (chosen.to(torch.int32) * order).topk(min(topk, length), dim=-1, sorted=True).indices
+    count = chosen.sum(-1)  # NOTE: idx holds them first (the highest ranks), earliest first
+    return tables.gather(1, idx // block) * block + idx % block, count
+
+
+def _at_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """(B, k, H, D) of the paged ``cache`` at ``slots`` (B, k)."""
+    return cache.view(-1, *cache.shape[-2:])[slots]
+
+
+def _native(ctx: StepContext, q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether the native paged decode kernel takes the sparse decode rows."""
+    native = getattr(ctx.backend, "native", False)
+    return native and q.device.type == "cpu" and q.dtype == cache.dtype
+
+
+def _native_decode(q, k_cache, v_cache, slots, count, spec) -> torch.Tensor:
+    """The native paged decode kernel over the chosen positions alone: the cache read as
+    blocks of one slot, each row's table its chosen slots (no copy)."""
+    keys = k_cache.view(-1, 1, *k_cache.shape[-2:])
+    values = keys if v_cache is k_cache else v_cache.view(-1, 1, *v_cache.shape[-2:])
+    sinks = None if spec.sinks is None else spec.sinks.float()
+    return native_attention.paged_decode(q, keys, values, slots, count, spec.scale, sinks=sinks)
 
 
 def _gather(pages: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -118,11 +154,21 @@ def select(
     """The positions each query attends to: its ``topk`` best index scores among ``valid``
     (ties to the earlier position), all of them when it has no more."""
     scale = iq.shape[-1] ** -0.5 if scale is None else scale
-    scores = torch.matmul(iq.float(), keys.float().transpose(-1, -2).unsqueeze(1)) * scale
-    index = torch.matmul(iw.unsqueeze(-2), F.relu(scores)).squeeze(-2)
-    index = index.masked_fill(~valid, float("-inf"))
-    order = torch.sort(index, dim=-1, descending=True, stable=True).indices[..., :topk]
-    return (torch.zeros_like(valid).scatter_(-1, order, True) & valid).unsqueeze(1)
+    scores = torch.matmul(iq.float(), keys.float().transpose(-1, -2).unsqueeze(1))
+    scores = scores.mul_(scale).relu_()  # NOTE: in place: (B, R, H_I, L) is the big one
+    index = torch.matmul(iw.unsqueeze(-2), scores).squeeze(-2)
+    index = index.masked_fill_(~valid, float("-inf"))
+    return (best(index, topk) & valid).unsqueeze(1)
+
+
+def best(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """A mask of the ``k`` highest ``scores`` along the last dim, ties to the earlier: the
+    k-th value found by ``topk``, then those above it and the earliest of those equal."""
+    k = min(k, scores.shape[-1])
+    kth = scores.topk(k, dim=-1).values[..., -1:]
+    above, ties = scores > kth, scores == kth
+    room = k - above.sum(-1, keepdim=True)
+    return above | (ties & (ties.cumsum(-1) <= room))
 
 
 def select_blocks(
@@ -143,30 +189,29 @@ def select_blocks(
     scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
     blocks = -(-length // block)
     scores = F.pad(scores, (0, blocks * block - length), value=float("-inf"))
-    best = scores.view(b, r, g, blocks, block).amax(-1)  # (B, R, G, blocks)
+    pooled = scores.view(b, r, g, blocks, block).amax(-1)  # (B, R, G, blocks)
     own = (valid.sum(-1) - 1) // block  # (B, R): each query's block
     for back in range(local):
         at = (own - back).clamp(min=0)[:, :, None, None].expand(b, r, g, 1)
-        best.scatter_(-1, at, float("inf"))
-    order = torch.sort(best, dim=-1, descending=True, stable=True).indices[..., :topk]
-    taken = torch.zeros_like(best, dtype=torch.bool).scatter_(-1, order, True)
-    taken &= best > float("-inf")
+        pooled.scatter_(-1, at, float("inf"))
+    taken = best(pooled, topk) & (pooled > float("-inf"))
     tokens = taken.repeat_interleave(block, dim=-1)[..., :length]  # (B, R, G, L)
     return tokens.transpose(1, 2) & valid.unsqueeze(1)
 
 
 def attend(q, k, v, mask, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q (B, R, Hq, D) over k, v (B, L, Hkv, Dv) where ``mask`` (B, G, R, L) allows, G
-    groups of query heads (one: every head alike); in float32 as transformers' eager
-    attention. ``sinks``: (Hq,) logits in each row's softmax, without a value (HY-V4)."""
+    groups of query heads (one: every head alike); the softmax in float32, as transformers'
+    eager attention. ``sinks``: (Hq,) logits in each row's softmax, without a value (HY-V4)."""
     mask = mask.repeat_interleave(q.shape[2] // mask.shape[1], dim=1)
-    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
-    if sinks is None:
+    if sinks is None:  # NOTE: SDPA accumulates a bf16 softmax in float32 itself
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(
-            qf, kf, vf, attn_mask=mask, scale=scale, enable_gqa=True
+            qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True
         )
-    else:
-        out = _attend_with_sinks(qf, kf, vf, mask, scale, sinks)
+        return out.transpose(1, 2)
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))
+    out = _attend_with_sinks(qf, kf, vf, mask, scale, sinks)
     return out.transpose(1, 2).to(q.dtype)
 
 

@@ -87,9 +87,10 @@ def _counted(tensors: Iterable[tuple[str, torch.Tensor]], progress: Callable[[in
         yield name, tensor
 
 
-FLOAT32_PARAMS = re.compile(r"(^|\.)e_score_correction_bias$")
+FLOAT32_PARAMS = re.compile(r"(^|\.)(e_score_correction_bias|indexer\.weights_proj\.weight)$")
 """Parameters kept in float32 whatever the engine's dtype (as transformers keeps them): the
-router's score-correction bias, which separates experts by differences below bf16's step."""
+router's score-correction bias, which separates experts by differences below bf16's step,
+and the sparse-attention indexer's head weights."""
 
 
 def param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:

@@ -127,6 +127,11 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     # -- issue 55, chunked local attention: llama4.py --
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     # -- end issue 55 llama4 block --
+    # -- issue 55, sparse indexed attention variants: axk2.py, hy_v4.py, dots3_note.py --
+    "AXK2ForCausalLM": ("axk2", "AXK2ForCausalLM"),
+    "HYV4ForCausalLM": ("hy_v4", "HYV4ForCausalLM"),
+    "Dots3NoteForCausalLM": ("dots3_note", "Dots3NoteForCausalLM"),
+    # -- end issue 55 sparse variants block --
     # -- issue 55, sparse indexed attention: deepseek_v32.py --
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("deepseek_v32", "GlmMoeDsaForCausalLM"),
@@ -244,6 +249,11 @@ MODEL_TYPES: dict[str, str] = {
     # -- issue 55, chunked local attention --
     "llama4_text": "Llama4ForCausalLM",
     # -- end issue 55 llama4 block --
+    # -- issue 55, sparse indexed attention variants --
+    "axk2": "AXK2ForCausalLM",
+    "hy_v4": "HYV4ForCausalLM",
+    "dots3_note_text": "Dots3NoteForCausalLM",
+    # -- end issue 55 sparse variants block --
 }
 """``model_type`` -> architecture, for configs without ``architectures``."""
 

@@ -109,9 +109,12 @@ class MLAttention(nn.Module):
         return self.kv_a_layernorm(c), k_pe
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
-        n, h = x.shape[0], self.num_heads
         q_latent = self.query_latent(x)
-        q = self.query(q_latent).view(n, h, self.nope_dim + self.rope_dim)
+        q = self.query(q_latent).view(x.shape[0], self.num_heads, self.nope_dim + self.rope_dim)
+        return self.project_out(x, self.attend_heads(x, q, q_latent, positions, attend))
+
+    def attend_heads(self, x, q, q_latent, positions, attend: Attend) -> torch.Tensor:
+        """The heads' outputs (N, H, v) of queries ``q`` (N, H, nope + rope), unrotated."""
         q_nope, q_pe = q.split([self.nope_dim, self.rope_dim], dim=-1)
         c, k_pe = self.latent(x)
         q_pe, k_pe = self.rope(positions, q_pe, k_pe.unsqueeze(1))
@@ -121,7 +124,7 @@ class MLAttention(nn.Module):
         query = torch.cat([q_lat, q_pe], dim=-1)
         out = self.attend_latent(attend, query, entry, x, q_latent, positions)  # (N, H, r + rope)
         o = torch.bmm(out[..., : self.rank].transpose(0, 1), w_uv.transpose(1, 2))  # (H, N, v)
-        return self.project_out(x, o.transpose(0, 1))
+        return o.transpose(0, 1)
 
     def attend_latent(self, attend: Attend, query, entry, x, q_latent, positions) -> torch.Tensor:
         """The absorbed query over the latent cache (the step's attention; an indexed layer

@@ -1,0 +1,109 @@
+"""Sparse indexed attention's decode step against the dense latent attention it replaces:
+one layer of DeepSeek-V3.2's shape (the absorbed query: 576-wide latent entries, one KV head;
+16 query heads instead of 128, a 2-core CPU; the indexer's 64 heads of 128, ``index_topk``
+2048), bf16, at batch 1 and 8 and contexts of 1k to 32k tokens.
+
+- ``dense``: the torch backend's decode over every cached position (the native paged kernel,
+  as DeepSeek-V3 runs).
+- ``sparse``: ``kernels.sparse_attention.indexed``: the indexer's keys scored, the top 2048
+  picked, attention over those alone.
+
+Time per step (median of repeats, after a warm-up), and the sparse/dense ratio. Writes
+``docs/benchmarks/sparse_attention.{json,md,png}``. ``python bench/sparse_attention.py
+[--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import pyplot, report_meta, save_report
+from warmboot.kernels.backend import AttentionMetadata, AttentionSpec
+from warmboot.kernels.sparse_attention import indexed
+from warmboot.kernels.step_ops import StepContext
+from warmboot.kernels.torch_attention import TorchAttentionBackend
+
+OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
+HEADS, ENTRY, INDEX_HEADS, INDEX_DIM, TOPK, BLOCK = 16, 576, 64, 128, 2048, 16
+DTYPE = torch.bfloat16
+
+
+def _step(batch: int, context: int) -> tuple[StepContext, tuple]:
+    """A decode step of ``batch`` sequences of ``context`` tokens (their last one new)."""
+    blocks = context // BLOCK
+    pages = torch.randn(batch * blocks + 1, BLOCK, 1, ENTRY, dtype=DTYPE)
+    keys = torch.randn(batch * blocks + 1, BLOCK, INDEX_DIM, dtype=DTYPE)
+    tables = torch.arange(batch * blocks).view(batch, blocks)
+    lens = torch.full((batch,), context)
+    slots = tables[:, -1] * BLOCK + BLOCK - 1
+    meta = AttentionMetadata(slots, batch, tables, lens, [], BLOCK)
+    spec = AttentionSpec(scale=(192**-0.5))
+    ctx = StepContext(TorchAttentionBackend(), [(pages, pages, keys)], meta, [spec])
+    q = torch.randn(batch, HEADS, ENTRY, dtype=DTYPE)
+    entry = torch.randn(batch, 1, ENTRY, dtype=DTYPE)
+    iq = torch.randn(batch, INDEX_HEADS, INDEX_DIM, dtype=DTYPE)
+    ik = torch.randn(batch, INDEX_DIM, dtype=DTYPE)
+    iw = torch.randn(batch, INDEX_HEADS) * INDEX_HEADS**-0.5
+    return ctx, (q, entry, entry, iq, ik, iw)
+
+
+def _time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(batch: int, context: int, repeats: int) -> dict:
+    ctx, (q, k, v, iq, ik, iw) = _step(batch, context)
+    dense = _time(lambda: ctx.attend(0, q, k, v), repeats)
+    how = (TOPK, 0, 0, False)
+    sparse = _time(lambda: indexed(ctx, 0, q, k, v, iq, ik, iw, how), repeats)
+    return dict(batch=batch, context=context, dense_ms=dense * 1e3, sparse_ms=sparse * 1e3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    contexts = [1024, 4096] if args.quick else [1024, 4096, 16384, 32768]
+    repeats = 3 if args.quick else 9
+    rows = [measure(b, c, repeats) for b in (1, 8) for c in contexts]
+    meta = report_meta(threads=torch.get_num_threads(), heads=HEADS, topk=TOPK)
+    lines = [
+        "# Sparse indexed attention: one decode step of one layer",
+        "",
+        f"{meta['date']}, {meta['machine']}, {meta['threads']} threads; DeepSeek-V3.2's layer"
+        f" shape with {HEADS} query heads, `index_topk` {TOPK}, bf16 (`bench/sparse_attention.py`).",
+        "",
+        "| batch | context | dense ms | sparse ms | sparse / dense |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        ratio = r["sparse_ms"] / r["dense_ms"]
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {r['dense_ms']:.2f} | {r['sparse_ms']:.2f}"
+            f" | {ratio:.2f}x |"
+        )
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for b in (1, 8):
+        sel = [r for r in rows if r["batch"] == b]
+        xs = [r["context"] for r in sel]
+        ax.plot(xs, [r["dense_ms"] for r in sel], "o-", label=f"dense, batch {b}")
+        ax.plot(xs, [r["sparse_ms"] for r in sel], "s--", label=f"sparse, batch {b}")
+    ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms per step")
+    ax.legend()
+    save_report(OUT, "sparse_attention", meta, rows, lines, fig)
+
+
+if __name__ == "__main__":
+    main()
