@@ -109,6 +109,7 @@ COMPILED = {
     "gemma3n_shared_kv": "AltUp copies and per-layer inputs in one row, KV read from other layers",
     "hrm_text": "layers sharing weights (one stack's calls), two streams in one row",
     "hy_v4": "hyper-connection streams as (N, streams * hidden) rows, sinks in the indexed op",
+    "deepseek_v4": "the compressed-attention op (compressor rows paged, pooled per step), hash ids in the row",
     "longcat_flash": "sublayers as layers (2x hidden rows between them), zero experts",
     "minimax_m3": "block-sparse selection per KV head beside dense layers, clamped SwiGLU MLPs",
     "glm_moe_dsa": "the indexed attention op (indexer keys, top-k selection) and shared selections",

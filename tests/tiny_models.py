@@ -151,6 +151,22 @@ def _perturb(model: torch.nn.Module) -> None:
             buf.copy_(torch.randn(buf.shape, generator=gen) * 0.1)
         elif name.endswith("layer_scalar"):  # NOTE: Gemma 4's, ones
             buf.copy_(0.5 + torch.rand(buf.shape, generator=gen))
+    if getattr(model.config, "model_type", None) == "deepseek_v4":
+        _perturb_v4(model, gen)
+
+
+@torch.no_grad()
+def _perturb_v4(model: torch.nn.Module, gen: torch.Generator) -> None:
+    """DeepSeek-V4's zero-initialised sinks, window biases and hyper-connection biases
+    random; its hash table (zeros: expert 0 for every token) random expert ids; the pad
+    token's embedding row (zeros) too: a zero query scores every compressed entry 0, a tie
+    torch.topk breaks in no documented order (ours: the earlier entry)."""
+    model.get_input_embeddings().weight[0].normal_(0.0, 0.2, generator=gen)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if name.endswith(("sinks", "position_bias", "hc.base", "hc_base")):
+            t.copy_(torch.randn(t.shape, generator=gen) * 0.5)
+        elif name.endswith("tid2eid"):
+            t.copy_(torch.randint(0, model.config.n_routed_experts, t.shape, generator=gen))
 
 
 @functools.cache

@@ -55,7 +55,8 @@ def load_model(
     model = build_model(cfg)
     skip = lambda name: model.map_name(name) is None  # noqa: E731
     stored = scheme is not None and not scheme.online
-    tensors = iter_checkpoint(model_dir, skip=skip, integers=stored)
+    integers = stored or getattr(model, "integer_tensors", False)  # NOTE: a hash table
+    tensors = iter_checkpoint(model_dir, skip=skip, integers=integers)
     if scheme is not None and scheme.online:
         quantize_modules(model, scheme, online_modules(model))
     elif stored:

@@ -132,6 +132,9 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "HYV4ForCausalLM": ("hy_v4", "HYV4ForCausalLM"),
     "Dots3NoteForCausalLM": ("dots3_note", "Dots3NoteForCausalLM"),
     # -- end issue 55 sparse variants block --
+    # -- issue 55, compressed K/V streams: deepseek_v4.py --
+    "DeepseekV4ForCausalLM": ("deepseek_v4", "DeepseekV4ForCausalLM"),
+    # -- end issue 55 deepseek_v4 block --
     # -- issue 55, sparse indexed attention: deepseek_v32.py --
     "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
     "GlmMoeDsaForCausalLM": ("deepseek_v32", "GlmMoeDsaForCausalLM"),
@@ -254,6 +257,9 @@ MODEL_TYPES: dict[str, str] = {
     "hy_v4": "HYV4ForCausalLM",
     "dots3_note_text": "Dots3NoteForCausalLM",
     # -- end issue 55 sparse variants block --
+    # -- issue 55, compressed K/V streams --
+    "deepseek_v4": "DeepseekV4ForCausalLM",
+    # -- end issue 55 deepseek_v4 block --
 }
 """``model_type`` -> architecture, for configs without ``architectures``."""
 
