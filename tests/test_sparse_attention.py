@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from warmboot import LLM
+from warmboot import LLM, SamplingParams
 from warmboot.kernels.sparse_attention import select, select_blocks
 from warmboot.models.registry import UnsupportedModelError
 
@@ -142,3 +142,28 @@ def test_bad_indexer_settings_are_refused(tiny_model_dir, tmp_path, kind, change
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UnsupportedModelError, match=named):
         LLM(str(tmp_path), max_model_len=64, enforce_eager=True)
+
+
+def test_a_snapshot_restores_the_same_tokens(tiny_model_dir, tmp_path):
+    """bf16: the indexer's head weights stay float32 in memory and in the image; a restored
+    engine picks and answers as the one that published."""
+    path, store = tiny_model_dir("deepseek_v32"), tmp_path / "store"
+    args = dict(max_model_len=96, snapshot_store=str(store), enforce_eager=True, dtype="bfloat16")
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (9, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    cold = LLM(str(path), **args)
+    expected = [o.outputs[0].token_ids for o in cold.generate(prompts, params)]
+    weights = [
+        m.weights_proj.weight
+        for m in cold.engine.runner.model.modules()
+        if hasattr(m, "weights_proj")
+    ]
+    assert weights and all(w.dtype == torch.float32 for w in weights)
+    cold.close()
+    warm = LLM(str(path), **args)
+    assert warm.engine.start_info.path == "restored_image", warm.engine.start_info.reason
+    assert [o.outputs[0].token_ids for o in warm.generate(prompts, params)] == expected
+    (manifest,) = (store / "manifests").glob("*.json")
+    dtypes = {t["name"]: t["dtype"] for t in json.loads(manifest.read_text())["tensors"]}
+    assert dtypes["layers.0.self_attn.indexer.weights_proj.weight"] == "float32"
+    warm.close()
