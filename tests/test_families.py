@@ -107,12 +107,12 @@ COMPILED = {
     "llama4_text": "chunked local attention, rope then L2 q/k norms, NoPE temperature tuning",
     "gemma4": "per-layer inputs in the layer's row, layers reading another's K/V, padded K/V",
     "gemma3n_shared_kv": "AltUp copies and per-layer inputs in one row, KV read from other layers",
-    "hrm_text": "layers sharing weights (one stack's calls), two streams in one row",
-    "hy_v4": "hyper-connection streams as (N, streams * hidden) rows, sinks in the indexed op",
-    "deepseek_v4": "the compressed-attention op (compressor rows paged, pooled per step), hash ids in the row",
     "longcat_flash": "sublayers as layers (2x hidden rows between them), zero experts",
+    "hrm_text": "layers sharing weights (one stack's calls), two streams in one row",
     "minimax_m3": "block-sparse selection per KV head beside dense layers, clamped SwiGLU MLPs",
     "glm_moe_dsa": "the indexed attention op (indexer keys, top-k selection) and shared selections",
+    "hy_v4": "hyper-connection streams as (N, streams * hidden) rows, sinks in the indexed op",
+    "deepseek_v4": "the compressed-attention op (compressor rows paged, pooled per step), hash ids in the row",
 }
 """Kinds also run compiled with the pipelined loop, and what each brings into the compiled
 step. A cold compile costs 5-25 s (the suite's time, README); the other kinds differ from

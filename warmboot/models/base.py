@@ -34,8 +34,12 @@ TOWER_RENAMES = (
     (r"^language_model\.lm_head\.", "lm_head."),
 )
 """A multimodal checkpoint's language-model tensors under the text model's names."""
-TOWER_OTHERS = r"^(model\.)?(visual|vision_tower|vision_model|multi_modal_projector)\."
-"""Its other towers' tensors: not read (``registry.TEXT_TOWERS``)."""
+TOWER_OTHERS = (
+    r"^(model\.)?(visual|vision_tower|vision_model|multi_modal_projector|audio_tower"
+    r"|embed_vision|embed_audio|patch_merge_mlp)\."
+)
+"""Its other towers' tensors (and their embedders into the text width): not read
+(``registry.TEXT_TOWERS``; Gemma 3n reads its embedders' token tables)."""
 RunLayer = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 """Runs one decoder layer: ``(layer, x, positions) -> x`` (the compiled step's graph)."""
 

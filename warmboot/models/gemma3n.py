@@ -50,6 +50,7 @@ from warmboot.models.layers.per_layer import (
     split_row,
 )
 from warmboot.models.layers.rope import RotaryEmbedding
+from warmboot.models.layers.towers import hard_token_embeddings
 from warmboot.models.registry import UnsupportedModelError
 
 
@@ -175,9 +176,14 @@ class Gemma3nForCausalLM(Gemma3ForCausalLM):
             hidden,
             self.make_norm,
         )
+        self.hard_tokens = hard_token_embeddings(cfg)  # NOTE: a multimodal release's
 
     def make_norm(self, size: int) -> nn.Module:
         return Gemma3nRMSNorm(size, self.cfg.get("rms_norm_eps", 1e-6))
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = super().embed(input_ids)
+        return x if self.hard_tokens is None else self.hard_tokens(input_ids, x)
 
     def layer_type(self, index: int) -> str:
         return self.types[index]
@@ -256,7 +262,11 @@ class Gemma3nForCausalLM(Gemma3ForCausalLM):
 
     def map_name(self, name: str) -> tuple[str, int | None] | None:
         """As the base's; a shared layer's K/V projections and norms (real checkpoints keep
-        them, transformers does not read them) ignored."""
+        them, transformers does not read them) ignored; a multimodal release's vision and
+        audio vocabularies' embedders read (``layers.towers``)."""
+        hard = re.match(r"^model\.(embed_vision|embed_audio)\.(\w+)\.weight$", name)
+        if hard and self.hard_tokens is not None and hard[2] != "soft_embedding_norm":
+            return f"hard_tokens.{hard[1]}.{hard[2]}.weight", None
         found = re.match(r"^model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm|v_norm)\.", name)
         if found and int(found[1]) < len(self.sources) and self.sources[int(found[1])] is not None:
             return None

@@ -44,6 +44,7 @@ from warmboot.models.layers.per_layer import (
     split_row,
 )
 from warmboot.models.layers.rope import RopeSpec, RotaryEmbedding
+from warmboot.models.layers.towers import placeholders, placeholders_to_pad
 from warmboot.models.registry import UnsupportedModelError
 
 DEFAULT_ROPE = {
@@ -202,8 +203,8 @@ class Gemma4ForCausalLM(CausalLM):
         self.act = cfg.get("hidden_activation", "gelu_pytorch_tanh")
         self.width = cfg.get("hidden_size_per_layer_input", 256) or 0
         super().__init__(cfg)
-        self.final_softcap = cfg.get("final_logit_softcapping")
-        self.per_layer_embedding = None
+        self.final_softcap, self.per_layer_embedding = cfg.get("final_logit_softcapping"), None
+        self.placeholders = placeholders(cfg)  # NOTE: a multimodal release's (``layers.towers``)
         if self.width:
             vocab = cfg.get("vocab_size_per_layer_input", 262_144)
             self.per_layer_embedding = PerLayerEmbedding(
@@ -266,9 +267,8 @@ class Gemma4ForCausalLM(CausalLM):
         step: StepContext | None,
         run_layer: RunLayer | None = None,
     ) -> torch.Tensor:
-        x = self.embed(input_ids)
-        ple = self.per_layer_embedding
-        per_layer = None if ple is None else ple(input_ids, x)
+        x = self.embed(input_ids := placeholders_to_pad(input_ids, self.placeholders))
+        per_layer = None if (ple := self.per_layer_embedding) is None else ple(input_ids, x)
         return self.norm(run_layers(self.layers, x, per_layer, positions, step, run_layer))
 
     def kv_layout(self) -> KVLayout:

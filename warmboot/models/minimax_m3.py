@@ -19,7 +19,7 @@ from torch import nn
 
 from warmboot.config import ModelConfig
 from warmboot.kernels.backend import AttentionSpec, KVLayout
-from warmboot.models.base import CausalLM
+from warmboot.models.base import EXPERT_PROJECTIONS, CausalLM
 from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.attention import Attention
 from warmboot.models.layers.decoder import DecoderLayer
@@ -45,9 +45,18 @@ class ClampedSwigluMLP(GatedMLP):
 class MiniMaxM3VLForCausalLM(CausalLM):
     renames = (
         (r"^model\.", ""),
+        # NOTE: the release's own names (a multimodal checkpoint as MiniMax saves it)
+        (r"\.block_sparse_moe\.e_score_correction_bias$", ".mlp.gate.e_score_correction_bias"),
+        (r"\.block_sparse_moe\.", ".mlp."),
+        (r"\.self_attn\.index_([qk])_(proj|norm)\.", r".self_attn.indexer.\1_\2."),
         (r"\.mlp\.shared_experts\.", ".mlp.shared_expert."),
         (r"\.indexer\.([qk])_proj\.", r".indexer.w\1."),
     )
+    expert_projections = EXPERT_PROJECTIONS | {
+        "w1": ("gate_up_proj", 0),
+        "w3": ("gate_up_proj", 1),
+        "w2": ("down_proj", 0),
+    }
 
     def __init__(self, cfg: ModelConfig):
         _check(cfg)

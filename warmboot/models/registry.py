@@ -127,6 +127,10 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     # -- issue 55, chunked local attention: llama4.py --
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
     # -- end issue 55 llama4 block --
+    # -- issue 55, sparse indexed attention: deepseek_v32.py --
+    "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
+    "GlmMoeDsaForCausalLM": ("deepseek_v32", "GlmMoeDsaForCausalLM"),
+    "MiniMaxM3VLForCausalLM": ("minimax_m3", "MiniMaxM3VLForCausalLM"),
     # -- issue 55, sparse indexed attention variants: axk2.py, hy_v4.py, dots3_note.py --
     "AXK2ForCausalLM": ("axk2", "AXK2ForCausalLM"),
     "HYV4ForCausalLM": ("hy_v4", "HYV4ForCausalLM"),
@@ -135,10 +139,6 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     # -- issue 55, compressed K/V streams: deepseek_v4.py --
     "DeepseekV4ForCausalLM": ("deepseek_v4", "DeepseekV4ForCausalLM"),
     # -- end issue 55 deepseek_v4 block --
-    # -- issue 55, sparse indexed attention: deepseek_v32.py --
-    "DeepseekV32ForCausalLM": ("deepseek_v32", "DeepseekV32ForCausalLM"),
-    "GlmMoeDsaForCausalLM": ("deepseek_v32", "GlmMoeDsaForCausalLM"),
-    "MiniMaxM3VLForCausalLM": ("minimax_m3", "MiniMaxM3VLForCausalLM"),
 }
 """Every architecture served; a test checks each against transformers."""
 
@@ -264,29 +264,72 @@ MODEL_TYPES: dict[str, str] = {
 """``model_type`` -> architecture, for configs without ``architectures``."""
 
 
-TEXT_TOWERS: dict[str, str] = {
-    # a multimodal checkpoint's architecture: the architecture of its text tower
-    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+TEXT_TOWERS: dict[str, dict[str, str]] = {
+    # a multimodal checkpoint's architecture: its text_config's model_type -> the text tower's
+    # architecture (the first: transformers' default where the text_config names none)
+    "Qwen3_5ForConditionalGeneration": {"qwen3_5_text": "Qwen3_5ForCausalLM"},
+    "Qwen3_5MoeForConditionalGeneration": {"qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"},
+    "Gemma3ForConditionalGeneration": {"gemma3_text": "Gemma3ForCausalLM"},
+    "Gemma3nForConditionalGeneration": {"gemma3n_text": "Gemma3nForCausalLM"},
+    "Gemma4ForConditionalGeneration": {"gemma4_text": "Gemma4ForCausalLM"},
+    "Mistral3ForConditionalGeneration": {
+        "mistral": "MistralForCausalLM",
+        "ministral3": "Ministral3ForCausalLM",
+    },
+    "MiniMaxM3SparseForConditionalGeneration": {"minimax_m3_vl_text": "MiniMaxM3VLForCausalLM"},
+    "Llama4ForConditionalGeneration": {"llama4_text": "Llama4ForCausalLM"},
 }
 """Multimodal checkpoints served as their language model: text in, text out (a request with
 an image is refused by the API, never served without it). ``text_tower`` reads the config,
-``models.base.TOWER_RENAMES`` the tensors; the vision tower's are ignored."""
+``models.base.TOWER_RENAMES`` the tensors; the vision and audio towers' are ignored."""
 TOWER_KEY = "text_tower_of"
 """Set in a text tower's config: the multimodal architecture it came from."""
-_TOP_LEVEL = (
-    "tie_word_embeddings",
-    "eos_token_id",
-    "bos_token_id",
-    "pad_token_id",
-    "quantization_config",
-)
+TOWER_PARTS = "text_tower_parts"
+"""Set in a text tower's config: the multimodal config's settings its family reads
+(``_TOWER_PARTS``: Gemma 3n's multimodal vocabularies, Gemma 4's placeholder ids)."""
+_TOP_LEVEL = ("eos_token_id", "bos_token_id", "pad_token_id", "quantization_config")
+_TOWER_TIES: dict[str, bool | str] = {
+    # its tied head: the top-level tie_word_embeddings (this default where config.json omits
+    # it); "text": the text config's (the language model keeps its own head); "either": tied
+    # where either config says so (MiniMax-M3's config)
+    "Qwen3_5ForConditionalGeneration": False,
+    "Qwen3_5MoeForConditionalGeneration": False,
+    "Gemma3ForConditionalGeneration": True,
+    "Gemma3nForConditionalGeneration": True,
+    "Gemma4ForConditionalGeneration": True,
+    "Mistral3ForConditionalGeneration": True,
+    "MiniMaxM3SparseForConditionalGeneration": "either",
+    "Llama4ForConditionalGeneration": "text",
+}
+_TOWER_SETTINGS: dict[str, dict[str, Any]] = {
+    # NOTE: Gemma 3's multimodal head applies no final soft-cap (its text config's is unread)
+    "Gemma3ForConditionalGeneration": {"final_logit_softcapping": None},
+}
+_TOWER_PARTS: dict[str, tuple[str, ...]] = {
+    "Gemma3nForConditionalGeneration": ("vision_config", "audio_config"),
+    "Gemma4ForConditionalGeneration": ("image_token_id", "video_token_id", "audio_token_id"),
+}
+_TEXT_DEFAULTS: dict[str, dict[str, Any]] = {
+    # NOTE: Gemma 3's releases write a short text_config: transformers' Gemma3TextConfig
+    # shape for what it leaves out (the family's code knows the other defaults)
+    "Gemma3ForConditionalGeneration": {
+        "vocab_size": 262_208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 131_072,
+    },
+}
 
 
 def text_tower(cfg: dict[str, Any]) -> dict[str, Any]:
     """A multimodal checkpoint's config (``TEXT_TOWERS``) as its text tower's: the
-    ``text_config`` with the fields a multimodal config keeps at the top level (the tied
-    head, the special tokens, a quantization) taken from there; any other config as it is."""
+    ``text_config`` (of a model_type served) with the fields a multimodal config keeps at the
+    top level (the special tokens, a quantization) taken from there, the release's tie rule
+    and own settings applied; any other config as it is."""
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in TEXT_TOWERS), None) if isinstance(archs, list) else None
     if arch is None:
@@ -294,9 +337,30 @@ def text_tower(cfg: dict[str, Any]) -> dict[str, Any]:
     text = cfg.get("text_config")
     if not isinstance(text, dict):
         raise UnsupportedModelError(f"{arch} config without a text_config object")
-    text = text | {k: cfg[k] for k in _TOP_LEVEL if cfg.get(k) is not None}
+    towers = TEXT_TOWERS[arch]
+    kind = text.get("model_type") or next(iter(towers))
+    if kind not in towers:
+        raise UnsupportedModelError(
+            f"{arch} with a {kind!r} text_config; served: {', '.join(towers)}"
+        )
+    top = {k: cfg[k] for k in _TOP_LEVEL if cfg.get(k) is not None}
+    text = _TEXT_DEFAULTS.get(arch, {}) | text | top
+    text |= {"tie_word_embeddings": _tied(arch, cfg, text)} | _TOWER_SETTINGS.get(arch, {})
     dtype = text.get("dtype") or cfg.get("dtype") or cfg.get("torch_dtype")
-    return text | {"architectures": [TEXT_TOWERS[arch]], TOWER_KEY: arch, "dtype": dtype}
+    parts = {k: cfg[k] for k in _TOWER_PARTS.get(arch, ()) if cfg.get(k) is not None}
+    tower = {"architectures": [towers[kind]], TOWER_KEY: arch, TOWER_PARTS: parts}
+    return text | tower | {"dtype": dtype}
+
+
+def _tied(arch: str, cfg: dict[str, Any], text: dict[str, Any]) -> bool | None:
+    """Whether the multimodal model ties its head (``_TOWER_TIES``); None: the family's
+    default (a text config that does not say)."""
+    rule, top = _TOWER_TIES.get(arch, False), cfg.get("tie_word_embeddings")
+    if rule == "text":
+        return text.get("tie_word_embeddings")
+    if rule == "either":
+        return bool(top) or bool(text.get("tie_word_embeddings"))
+    return rule if top is None else bool(top)
 
 
 def resolve_architecture(cfg: dict[str, Any]) -> str:
