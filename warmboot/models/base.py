@@ -21,6 +21,7 @@ from warmboot.config import ModelConfig
 from warmboot.kernels.backend import ATTENTION, AttentionSpec, KVLayout
 from warmboot.kernels.step_ops import StepContext
 from warmboot.models.layers.attention import Attention
+from warmboot.models.layers.decoder import run_layers
 from warmboot.models.layers.linear import Linear
 from warmboot.models.layers.moe import FusedExperts
 from warmboot.models.layers.norm import RMSNorm
@@ -166,13 +167,7 @@ class CausalLM(nn.Module):
         run_layer: RunLayer | None = None,
     ) -> torch.Tensor:  # (N, hidden), final-normed
         x = self.embed(input_ids)
-        for i, layer in enumerate(self.layers):
-            if run_layer is not None:  # NOTE: a compiled step: the layer knows its number
-                x = run_layer(layer, x, positions)
-                continue
-            step.layer = i
-            x = layer(x, positions, step)
-        return self.norm(x)
+        return self.norm(run_layers(self.layers, x, positions, step, run_layer))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(M, hidden) -> (M, vocab) float32."""

@@ -32,6 +32,7 @@ from warmboot.models.deepseek import _refuser
 from warmboot.models.hy_v4 import HyperHead, clamped_silu
 from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.compressed import CompressedAttention, LightningIndexer
+from warmboot.models.layers.decoder import run_layers
 from warmboot.models.layers.moe import FusedExperts
 from warmboot.models.layers.rope import RopeSpec, RotaryEmbedding
 
@@ -292,12 +293,7 @@ class DeepseekV4ForCausalLM(CausalLM):
         shifts = torch.tensor([16, 8, 0], device=input_ids.device)
         digits = ((input_ids.unsqueeze(1) >> shifts) & 255).to(x.dtype)
         row = torch.cat([x.repeat(1, self.streams), digits], dim=1)
-        for i, layer in enumerate(self.layers):
-            if run_layer is not None:  # NOTE: a compiled step: the layer knows its number
-                row = run_layer(layer, row, positions)
-                continue
-            step.layer = i
-            row = layer(row, positions, step)
+        row = run_layers(self.layers, row, positions, step, run_layer)
         streams = row[:, :-ID_COLUMNS].unflatten(1, (self.streams, -1))
         return self.norm(self.hc_head(streams))
 

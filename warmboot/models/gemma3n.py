@@ -41,12 +41,13 @@ from warmboot.models.layers.altup import (
     merge_copies,
 )
 from warmboot.models.layers.attention import Attend
+from warmboot.models.layers.decoder import run_layers
 from warmboot.models.layers.linear import Linear
 from warmboot.models.layers.per_layer import (
     PER_LAYER_RENAMES,
     PerLayerEmbedding,
     PerLayerInput,
-    layer_row,
+    per_layer_rows,
     split_row,
 )
 from warmboot.models.layers.rope import RotaryEmbedding
@@ -250,13 +251,9 @@ class Gemma3nForCausalLM(Gemma3ForCausalLM):
         x = self.embed(input_ids)
         per_layer = self.per_layer_embedding(input_ids, x)
         copies = expand_copies(self.altup_projections, x).flatten(1)
-        for i, layer in enumerate(self.layers):
-            row = layer_row(copies, per_layer, i)
-            if run_layer is not None:  # NOTE: a compiled step: the layer knows its number
-                copies = run_layer(layer, row, positions)
-                continue
-            step.layer = i
-            copies = layer(row, positions, step)
+        copies = run_layers(
+            self.layers, copies, positions, step, run_layer, per_layer_rows(per_layer)
+        )
         copies = copies.reshape(-1, self.altup_inputs, self.cfg.hidden_size)
         return self.norm(merge_copies(self.altup_unembed_projections, copies))
 

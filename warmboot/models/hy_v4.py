@@ -37,6 +37,7 @@ from warmboot.kernels.step_ops import StepContext
 from warmboot.models.base import RunLayer
 from warmboot.models.deepseek_v32 import GlmMoeDsaForCausalLM
 from warmboot.models.layers.attention import Attend
+from warmboot.models.layers.decoder import run_layers
 from warmboot.models.layers.indexer import IndexedMLAttention, Indexer
 from warmboot.models.layers.linear import Linear
 from warmboot.models.layers.moe import SparseMoE
@@ -236,12 +237,7 @@ class HYV4ForCausalLM(GlmMoeDsaForCausalLM):
     ) -> torch.Tensor:
         x = self.embed(input_ids)
         row = x.repeat(1, self.streams)  # NOTE: the streams side by side, each the embedding
-        for i, layer in enumerate(self.layers):
-            if run_layer is not None:  # NOTE: a compiled step: the layer knows its number
-                row = run_layer(layer, row, positions)
-                continue
-            step.layer = i
-            row = layer(row, positions, step)
+        row = run_layers(self.layers, row, positions, step, run_layer)
         return self.norm(self.hc_head(row.unflatten(1, (self.streams, -1))))
 
     def map_name(self, name: str) -> tuple[str, int | None] | None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -29,3 +31,17 @@ class DecoderLayer(nn.Module):
         x = x + (h if self.residual_scale is None else h * self.residual_scale)
         h = self.mlp(self.post_attention_layernorm(x))
         return x + (h if self.residual_scale is None else h * self.residual_scale)
+
+
+def run_layers(layers, x, positions, step, run_layer, row: Callable | None = None):
+    """``CausalLM.forward``'s layer loop: each layer given ``x`` (or ``row(i, x)``: that
+    layer's own row), eagerly with the step context, or through the compiled step's
+    ``run_layer`` (a compiled layer knows its number)."""
+    for i, layer in enumerate(layers):
+        given = x if row is None else row(i, x)
+        if run_layer is not None:
+            x = run_layer(layer, given, positions)
+            continue
+        step.layer = i
+        x = layer(given, positions, step)
+    return x

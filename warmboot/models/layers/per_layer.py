@@ -109,14 +109,6 @@ def split_row(row: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor
     return row[:, :-width], row[:, -width:]
 
 
-def run_layers(layers, x, per_layer, positions, step, run_layer) -> torch.Tensor:
-    """``CausalLM.forward``'s layer loop, each layer given its ``layer_row``: eagerly with the
-    step context, or through the compiled step's ``run_layer`` (the layer knows its number)."""
-    for i, layer in enumerate(layers):
-        row = layer_row(x, per_layer, i)
-        if run_layer is not None:
-            x = run_layer(layer, row, positions)
-            continue
-        step.layer = i
-        x = layer(row, positions, step)
-    return x
+def per_layer_rows(per_layer: torch.Tensor | None):
+    """``decoder.run_layers``' ``row``: each layer's ``layer_row``."""
+    return lambda i, x: layer_row(x, per_layer, i)
