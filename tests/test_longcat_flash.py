@@ -10,7 +10,6 @@ import json
 import pytest
 import torch
 import transformers
-from transformers.models.longcat_flash import modeling_longcat_flash as hf_longcat
 
 from warmboot.config import ModelConfig
 from warmboot.kernels.step_ops import ExpertTable, can_pack
@@ -22,6 +21,10 @@ ROUTED, ZERO, TOP_K, HIDDEN = 4, 3, 3, 24
 
 def _pair() -> tuple[torch.nn.Module, torch.nn.Module]:
     """transformers' MoE block with random weights, and ours (a tiny model's) holding them."""
+    # NOTE: imported here: its modeling module imports triton, which the Triton tests import
+    # first, after setting TRITON_INTERPRET (collection imports every test module)
+    from transformers.models.longcat_flash import modeling_longcat_flash as hf_longcat
+
     config = transformers.LongcatFlashConfig(
         vocab_size=32,
         hidden_size=HIDDEN,
