@@ -62,9 +62,29 @@ def _cache(out) -> dict:
     return dict(cache_params=out.cache_params)
 
 
+SELF_SPREAD = {
+    "qwen3_next": "its recurrent decode fallback against its chunked form: up to 1.6e-4 on an"
+    " Intel Xeon with AMX (2026-12-07), ours within 6.5e-5 of its decode alone",
+}
+"""Kinds whose transformers reference disagrees with itself (its cached decode against its own
+uncached forward over the same tokens) by more than ``LOGPROB_TOL`` on some CPUs: each
+prompt's tolerance is then twice that disagreement, measured here on this machine."""
+
+
+@torch.no_grad()
+def hf_self_spread(model, prompt: list[int], tokens: list[int], lps: list[float]) -> float:
+    """The largest difference between transformers' cached-decode logprobs and its uncached
+    forward's over the same tokens."""
+    logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    full = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    pairs = enumerate(zip(tokens, lps, strict=True))
+    return max(abs(lp - float(full[i, t])) for i, (t, lp) in pairs)
+
+
 @pytest.fixture(scope="module")
 def references(tiny_model_dir, hf_model):
-    """kind -> (prompts, greedy tokens, their logprobs) from transformers (once per kind)."""
+    """kind -> (prompts, greedy tokens, their logprobs, each prompt's logprob tolerance) from
+    transformers (once per kind)."""
     cache = {}
 
     def get(kind: str):
@@ -72,7 +92,11 @@ def references(tiny_model_dir, hf_model):
             path = tiny_model_dir(kind)
             hf, prompts = hf_model(path), _prompts()
             tokens, lps = zip(*(hf_greedy_logprobs(hf, p, MAX_NEW) for p in prompts), strict=True)
-            cache[kind] = prompts, tokens, lps
+            tols = [LOGPROB_TOL] * len(prompts)
+            if kind in SELF_SPREAD:
+                spreads = [hf_self_spread(hf, *r) for r in zip(prompts, tokens, lps, strict=True)]
+                tols = [max(LOGPROB_TOL, 2 * s) for s in spreads]
+            cache[kind] = prompts, tokens, lps, tols
         return cache[kind]
 
     return get
@@ -104,20 +128,17 @@ COMPILED = {
     "exaone_moe": "dense, sparse and NoPE layers in one model: regions keyed by structure_key",
     "cohere2_moe": "parallel blocks, NoPE globals and dense prefix layers beside sparse ones",
     "afmoe": "a gated attention output, NoPE full layers, dense and sparse layers",
-    "llama4_text": "chunked local attention, rope then L2 q/k norms, NoPE temperature tuning",
-    "gemma4": "per-layer inputs in the layer's row, layers reading another's K/V, padded K/V",
     "gemma3n_shared_kv": "AltUp copies and per-layer inputs in one row, KV read from other layers",
-    "longcat_flash": "sublayers as layers (2x hidden rows between them), zero experts",
     "hrm_text": "layers sharing weights (one stack's calls), two streams in one row",
-    "minimax_m3": "block-sparse selection per KV head beside dense layers, clamped SwiGLU MLPs",
     "glm_moe_dsa": "the indexed attention op (indexer keys, top-k selection) and shared selections",
-    "hy_v4": "hyper-connection streams as (N, streams * hidden) rows, sinks in the indexed op",
     "deepseek_v4": "the compressed-attention op (compressor rows paged, pooled per step), hash ids in the row",
 }
 """Kinds also run compiled with the pipelined loop, and what each brings into the compiled
 step. A cold compile costs 5-25 s (the suite's time, README); the other kinds differ from
 these in elementwise details or routing arithmetic, which their eager runs check (every kind
-ran compiled here, identical to transformers, until 2026-12-03)."""
+ran compiled here, identical to transformers, until 2026-12-03; the 2026-12-07 families, which
+add to these only elementwise work or what runs inside the opaque ops: Llama 4, Gemma 4,
+LongCat-Flash, MiniMax-M3, HY-V4, A.X-K2, dots3-note, ran compiled once each, identical)."""
 
 
 def _runs() -> list:
@@ -134,7 +155,7 @@ def _runs() -> list:
 @pytest.mark.parametrize(("kind", "mode"), _runs())
 def test_family_matches_transformers(kind, mode, tiny_model_dir, references):
     path = tiny_model_dir(kind)
-    prompts, ref_tokens, ref_lps = references(kind)
+    prompts, ref_tokens, ref_lps, tols = references(kind)
     llm = LLM(
         str(path),
         max_model_len=96,
@@ -151,7 +172,7 @@ def test_family_matches_transformers(kind, mode, tiny_model_dir, references):
         assert got.token_ids == ref_tokens[i], f"{kind}: prompt {i} differs"
         lps = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids, strict=True)]
         err = max(abs(a - b) for a, b in zip(lps, ref_lps[i], strict=True))
-        assert err < LOGPROB_TOL, f"{kind}: prompt {i} logprob error {err:.2e}"
+        assert err < tols[i], f"{kind}: prompt {i} logprob error {err:.2e}"
     stats = llm.stats()
     assert stats["preemptions"] > 0
     assert stats["prefix_caching_off"] is None
