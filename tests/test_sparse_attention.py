@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from warmboot import LLM, SamplingParams
+from warmboot.kernels import sparse_attention
 from warmboot.kernels.sparse_attention import select, select_blocks
 from warmboot.models.registry import UnsupportedModelError
 
@@ -167,3 +168,14 @@ def test_a_snapshot_restores_the_same_tokens(tiny_model_dir, tmp_path):
     dtypes = {t["name"]: t["dtype"] for t in json.loads(manifest.read_text())["tensors"]}
     assert dtypes["layers.0.self_attn.indexer.weights_proj.weight"] == "float32"
     warm.close()
+
+
+def test_paged_scores_in_spans_equal_one_pass(monkeypatch):
+    """The decode and prefill scores come from the paged keys a span of blocks at a time."""
+    gen = torch.Generator().manual_seed(9)
+    pages = torch.randn(20, 4, 12, generator=gen)
+    table = torch.tensor([[3, 7, 1, 0, 19, 5, 8], [2, 4, 6, 9, 11, 13, 15]])
+    iq, iw = torch.randn(2, 3, 5, 12, generator=gen), torch.randn(2, 3, 5, generator=gen)
+    whole = sparse_attention.index_scores(iq, iw, pages[table].flatten(1, 2))
+    monkeypatch.setattr(sparse_attention, "SCORE_SPAN", 8)  # NOTE: 2 blocks a span: 4 spans
+    assert torch.allclose(sparse_attention._paged_scores(iq, iw, pages, table), whole)
