@@ -1,7 +1,8 @@
-"""Sparse indexed attention (DeepSeek Sparse Attention: DeepSeek-V3.2, GLM-5): a light indexer
-scores every past key of a query, and the query attends only to the ``topk`` best.
+"""Sparse indexed attention: a light indexer scores the past keys of a query, and the query
+attends only to the best (DeepSeek Sparse Attention: DeepSeek-V3.2, GLM-5, A.X-K2, HY-V4,
+dots3-note; MiniMax-M3's blocks).
 
-Per query ``t`` and past position ``s`` (``s <= t``) the index score is
+Per query ``t`` and past position ``s`` (``s <= t``) DeepSeek's index score is
 
     I[t, s] = sum_h w[t, h] * relu(scale * q_I[t, h] . k_I[s])
 
@@ -10,15 +11,18 @@ indexer key ``k_I`` of each past token, which each attention layer keeps per tok
 K/V in the paged cache (``KVLayout.index_dim``, ``Pools.kv``). The query then attends, as it
 would densely, over the ``topk`` positions of highest score (all of them while it has no more
 than ``topk``). Ties: among equal scores the earlier position is taken first (``best``), so
-a selection never depends on the kernel's order of work.
+a selection never depends on the kernel's order of work. MiniMax-M3 picks blocks of positions
+per KV head instead (``select_blocks``).
 
-- ``warmboot::indexed_attention(q, k, v, iq, ik, iw, layer, topk, reuse)``: write the layer's
-  new K/V and indexer keys, select and attend. ``reuse``: take the selection the last indexing
-  layer of the step made (GLM-5's ``shared`` layers, which have no indexer).
+- ``warmboot::indexed_attention(q, k, v, iq, ik, iw, layer, topk, block, local, reuse)``: write
+  the layer's new K/V and indexer keys, select and attend. ``reuse``: take the selection the
+  last indexing layer of the step made (GLM-5's ``shared`` layers, which have no indexer).
 
-One torch implementation serves every device and both backends: the selection as a masked
-dense score, the attention as SDPA under the selection's mask (cost of dense attention; a
-gather of the selected positions is the long-context path still to write).
+One torch implementation serves every device and both backends. A decode row attends over its
+chosen positions alone: on the CPU the native paged decode kernel reads them in place (the
+cache as blocks of one slot), elsewhere SDPA over them gathered. A prefill chunk attends by
+SDPA under the selection's mask (the cost of dense attention). The scores are float32, as
+transformers computes them, over the paged keys a span at a time (``_paged_scores``).
 """
 
 from __future__ import annotations
