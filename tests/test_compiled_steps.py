@@ -109,9 +109,9 @@ def test_the_device_thread_runs_pinned_with_its_threads(tiny_model_dir):
     ],
 )
 def test_auto_dtype_on_the_cpu_follows_native_bf16(monkeypatch, ckpt, flags, want):
-    from warmboot.snapshot import key
+    from warmboot import host
 
-    monkeypatch.setattr(key, "host_cpu_features", lambda: f"Some CPU | {flags}")
+    monkeypatch.setattr(host, "host_cpu_features", lambda: f"Some CPU | {flags}")
     cfg = _tiny_config(ckpt)
     assert settings.resolve_dtype("auto", cfg, torch.device("cpu")) == want
     assert settings.resolve_dtype("float32", cfg, torch.device("cpu")) == torch.float32

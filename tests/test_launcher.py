@@ -218,6 +218,7 @@ def test_a_sandboxed_worker_runs_one_torch_thread_unless_told(tmp_path):
 def test_the_worker_is_handed_the_hosts_native_cache_outside_the_key(tmp_path, monkeypatch):
     """The host's native build reaches the worker (``kernels.native``), and where that cache
     lies is no part of the process key (a copied store restores under another $HOME)."""
+    from warmboot.host import HOST_NATIVE_ENV
     from warmboot.launcher import spec
     from warmboot.snapshot import key as key_mod
 
@@ -228,7 +229,7 @@ def test_the_worker_is_handed_the_hosts_native_cache_outside_the_key(tmp_path, m
     for home in ("/home/a", "/home/b"):
         monkeypatch.setattr(spec, "cache_root", lambda h=home: Path(h) / ".cache" / "warmboot")
         worker = launch_mod.worker_spec(cfg)
-        assert worker.env[key_mod.HOST_NATIVE_ENV] == f"{home}/.cache/warmboot/native"
+        assert worker.env[HOST_NATIVE_ENV] == f"{home}/.cache/warmboot/native"
         keys.append(spec.process_key(spec.process_key_fields(cfg.engine, RUNSC, worker)))
     assert keys[0] == keys[1]
 

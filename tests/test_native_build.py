@@ -74,26 +74,26 @@ def test_a_sandboxed_worker_takes_the_library_its_host_built(tmp_path):
     (``$WARMBOOT_HOST_NATIVE``). With CPU flags hidden (as gVisor's CPUID does) and no
     compiler, the worker copies the host's library into its own cache (which the process
     image captures) and loads it there: the same load key, no 20-60 s build."""
-    from warmboot.snapshot import key as key_mod
+    from warmboot import host
 
     host_lib = native.library()
     if host_lib is None:
         pytest.skip(f"native kernels unavailable: {native.unavailable_reason()}")
     code = (
         "from warmboot.kernels import native as n\n"
-        "from warmboot.snapshot import key as k\n"
+        "from warmboot import host as k\n"
         "k._cpu_info.cache_clear(); k._cpu_info = lambda: ('a sandbox', 'fpu sse2')\n"
         "print(n.library(), '|', n.isa())"
     )
     env = {**os.environ, "CXX": "/nonexistent/g++", "WARMBOOT_CACHE": str(tmp_path / "own")}
-    env |= {key_mod.HOST_CPU_ENV: key_mod.host_cpu_features()}
-    env |= {key_mod.HOST_NATIVE_ENV: str(host_lib.parent.parent.parent)}
+    env |= {host.HOST_CPU_ENV: host.host_cpu_features()}
+    env |= {host.HOST_NATIVE_ENV: str(host_lib.parent.parent.parent)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     own = tmp_path / "own" / "native" / host_lib.parent.parent.name / host_lib.parent.name
     assert out.stdout.strip() == f"{own / native.LIBRARY_NAME} | {native.isa()}"
     assert (own / native.LIBRARY_NAME).read_bytes() == host_lib.read_bytes()
-    del env[key_mod.HOST_CPU_ENV]  # NOTE: the sandbox's own flags: another load key
+    del env[host.HOST_CPU_ENV]  # NOTE: the sandbox's own flags: another load key
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.stdout.strip() == "None | None", out.stdout + out.stderr[-2000:]
 

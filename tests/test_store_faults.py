@@ -296,21 +296,22 @@ def test_a_copied_store_and_another_working_directory_restore(path, golden, tmp_
 def test_sandbox_hidden_cpu_flags_do_not_change_the_key(path, monkeypatch):
     """gVisor's /proc/cpuinfo hides flags; with the host's reading handed in (as the launcher
     does), the worker computes the same tier-A key as an engine outside the sandbox."""
+    from warmboot import host as host_mod
     from warmboot.snapshot import key as key_mod
 
     outside = key_mod.device_fields(__import__("torch").device("cpu"))
-    host = key_mod.host_cpu_features()
+    host = host_mod.host_cpu_features()
     model, _, flags = host.partition(" | ")
     hidden = " ".join(f for f in flags.split() if not f.startswith(("amx", "avx512")))
-    monkeypatch.setattr(key_mod, "_cpu_info", lambda: (model, hidden))
-    key_mod.host_cpu_features.cache_clear()
+    monkeypatch.setattr(host_mod, "_cpu_info", lambda: (model, hidden))
+    host_mod.host_cpu_features.cache_clear()
     try:
         inside = key_mod.device_fields(__import__("torch").device("cpu"))
-        monkeypatch.setenv(key_mod.HOST_CPU_ENV, host)
-        key_mod.host_cpu_features.cache_clear()
+        monkeypatch.setenv(host_mod.HOST_CPU_ENV, host)
+        host_mod.host_cpu_features.cache_clear()
         handed_in = key_mod.device_fields(__import__("torch").device("cpu"))
     finally:
-        key_mod.host_cpu_features.cache_clear()
+        host_mod.host_cpu_features.cache_clear()
     assert handed_in == outside
     assert inside != outside or hidden == flags
 

@@ -147,7 +147,7 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
 
 def native_bf16() -> bool:
     """The host CPU computes bf16 natively (read from the host's flags, also in gVisor)."""
-    from warmboot.snapshot.key import host_cpu_flags
+    from warmboot.host import host_cpu_flags
 
     return bool(host_cpu_flags() & {"avx512_bf16", "amx_bf16"})
 

@@ -41,7 +41,7 @@ from torch.nn import functional as F
 
 from warmboot.kernels import native
 from warmboot.kernels.backend import AttentionBackend, AttentionMetadata, AttentionSpec
-from warmboot.models.layers.moe import FusedExperts, grouped_experts
+from warmboot.kernels.experts import grouped_experts
 
 
 class PackedLinears:
@@ -166,7 +166,7 @@ class ExpertTable:
     """One ``FusedExperts``' weights for the compiled step: each expert's two matrices packed
     (``pack_weight``: copies, when ``pack``), or the module's own dense weights."""
 
-    def __init__(self, module: FusedExperts, pack: bool, kernel: str = "native"):
+    def __init__(self, module: nn.Module, pack: bool, kernel: str = "native"):
         self.module, self.kernel = module, kernel
         self.pack = pack and module.method.packable
         self.method = module.method  # NOTE: before the view swaps in OpExperts

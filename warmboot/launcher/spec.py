@@ -13,8 +13,8 @@ from importlib import metadata
 from pathlib import Path
 
 from warmboot.config import cache_root, pid_alive, resolve_eager
+from warmboot.host import HOST_CPU_ENV, HOST_NATIVE_ENV, host_cpu_features
 from warmboot.launcher.sandbox import SandboxSpec, delete_containers
-from warmboot.snapshot.key import HOST_CPU_ENV, HOST_NATIVE_ENV, host_cpu_features
 
 STORE_MOUNT = "store-mount"
 """The tier-A store appears inside the sandbox at ``<work_dir>/store-mount``, wherever it

@@ -54,8 +54,8 @@ from functools import cache
 from pathlib import Path
 
 from warmboot.config import cache_root, read_cache_dict, write_cache_dict
+from warmboot.host import HOST_NATIVE_ENV, host_cpu_features
 from warmboot.snapshot.deadline import run_with_deadline
-from warmboot.snapshot.key import HOST_NATIVE_ENV, host_cpu_features
 
 log = logging.getLogger(__name__)
 ENV = "WARMBOOT_START_BY_COST"

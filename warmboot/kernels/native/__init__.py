@@ -126,7 +126,7 @@ def _from_host() -> Path | None:
     """A sandboxed worker's copy of the library its host built (``$WARMBOOT_HOST_NATIVE``,
     the host's cache, read-only in the sandbox) into its own cache, which a process image
     captures: the first boot in gVisor then skips a 20-60 s build. None where there is none."""
-    from warmboot.snapshot.key import HOST_NATIVE_ENV
+    from warmboot.host import HOST_NATIVE_ENV
 
     host = os.environ.get(HOST_NATIVE_ENV)
     if not host:
@@ -247,9 +247,9 @@ HOST_ISAS = (("avx512_bf16", ("avx512_bf16", "avx512bw")), ("avx512", ("avx512f"
 
 
 def host_isa(host_cpu: str) -> str | None:
-    """The best set a host's ``model | flags`` reading (``snapshot.key.host_cpu_features``)
+    """The best set a host's ``model | flags`` reading (``warmboot.host.host_cpu_features``)
     lists, or None."""
-    from warmboot.snapshot.key import host_cpu_flags
+    from warmboot.host import host_cpu_flags
 
     flags = host_cpu_flags(host_cpu)
     return next((name for name, need in HOST_ISAS if flags.issuperset(need)), None)
@@ -261,7 +261,7 @@ def _adopt_host_isa() -> None:
     Where the launcher handed it the host's reading (``$WARMBOOT_HOST_CPU``), the kernels run
     with the best set it lists: the worker runs on that host, and a process image is keyed by
     the host's flags, so it is restored only where they hold. AMX still needs the OS's grant."""
-    from warmboot.snapshot.key import HOST_CPU_ENV
+    from warmboot.host import HOST_CPU_ENV
 
     if (host := os.environ.get(HOST_CPU_ENV)) and (name := host_isa(host)):
         torch.ops.warmboot_cpu.adopt_host_isa(name)
@@ -353,8 +353,8 @@ def _compiler_version(compiler: str) -> str:
 
 
 def _cpu_flags() -> str:
-    """The host's CPU flags, as a sandboxed worker is handed them (``snapshot.key``): gVisor's
+    """The host's CPU flags, as a sandboxed worker is handed them (``warmboot.host``): gVisor's
     CPUID hides some, and the library built on the host is the one a worker there loads."""
-    from warmboot.snapshot.key import host_cpu_flags
+    from warmboot.host import host_cpu_flags
 
     return " ".join(sorted(host_cpu_flags()))

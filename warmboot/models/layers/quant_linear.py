@@ -13,8 +13,9 @@ from torch import nn
 
 from warmboot.kernels import quant
 from warmboot.kernels.act_quant import fake_quant, quantize_int8
+from warmboot.kernels.experts import grouped_experts
 from warmboot.models.layers.linear import Linear, LinearMethod
-from warmboot.models.layers.moe import ExpertsMethod, FusedExperts, grouped_experts
+from warmboot.models.layers.moe import ExpertsMethod, FusedExperts
 from warmboot.models.quant_config import QuantScheme
 from warmboot.models.quant_formats import partial_groups
 from warmboot.models.registry import UnsupportedModelError
