@@ -12,11 +12,12 @@ from pathlib import Path
 import pytest
 
 from warmboot.config import resolve_eager
-from warmboot.launcher import engine_process, process_image, runsc_image
+from warmboot.launcher import engine_process, runsc_image
 from warmboot.launcher import launch as launch_mod
 from warmboot.launcher.launch import LaunchConfig, launch
 from warmboot.launcher.sandbox import runsc_status
 from warmboot.sampling_params import SamplingParams
+from warmboot.snapshot import process_image
 from warmboot.snapshot.canary import HALF_ATOL, canary_mismatch
 from warmboot.snapshot.store import open_store
 

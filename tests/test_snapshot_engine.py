@@ -320,7 +320,7 @@ def test_a_huge_manifest_is_refused_unread(path, golden, store, monkeypatch):
 
 
 def test_a_deeply_nested_manifest_is_a_reason_not_a_traceback(path, golden, store):
-    from warmboot.launcher import process_image
+    from warmboot.snapshot import process_image
 
     deep = b"[" * 200_000 + b"]" * 200_000
     (store.root / "manifests" / f"{golden[1]}.json").write_bytes(deep)

@@ -250,7 +250,7 @@ def test_publish_removes_stale_temporary_files(store):
 def test_process_images_share_the_store_operations(store, tmp_path):
     """A process image (tier P) next to an engine image: ls-level operations understand it,
     verify and copy it, and garbage collection neither blocks on it nor frees its chunks."""
-    from warmboot.launcher import process_image
+    from warmboot.snapshot import process_image
 
     publish(store, "k1")
     engine_bytes = store.stored_bytes()
@@ -272,7 +272,7 @@ def test_the_weights_a_process_image_maps_are_read_ahead(store, tmp_path, monkey
     """The tier-A chunks a restored process maps are read into the page cache in the
     background (the launcher starts it while ``runsc restore`` runs); a chunk gone from a
     local store is skipped (the restore reports it), and a remote store is left alone."""
-    from warmboot.launcher import process_image
+    from warmboot.snapshot import process_image
 
     weights = {}
     for size in (1000, 2000):
@@ -308,7 +308,7 @@ def test_a_fetched_process_image_is_linked_when_it_can_be(store, tmp_path, monke
     """A one-chunk image file is hard-linked from a local store (no copy), then verified; a
     file of several chunks, or a store without local files, is copied; a corrupt chunk is
     refused either way."""
-    from warmboot.launcher import process_image
+    from warmboot.snapshot import process_image
 
     image = tmp_path / "image"
     image.mkdir()

@@ -17,9 +17,8 @@ import pytest
 from tests.store_faults import StallingProxy, tree
 from tests.test_snapshot_engine import ENGINE_ARGS, outputs
 from warmboot import LLM
-from warmboot.launcher import process_image
+from warmboot.snapshot import process_image, s3_store
 from warmboot.snapshot import publish as publish_mod
-from warmboot.snapshot import s3_store
 from warmboot.snapshot.image import IntegrityError, Manifest, SnapshotError
 from warmboot.snapshot.lease import try_lease
 from warmboot.snapshot.ops import remove_snapshot

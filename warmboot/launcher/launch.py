@@ -35,10 +35,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from warmboot.engine import progress
-from warmboot.launcher import engine_process, local, process_image, runsc_image
+from warmboot.launcher import engine_process, local, runsc_image
 from warmboot.launcher import spec as spec_mod
 from warmboot.launcher.remote import Channel, LaunchInfo, RemoteLLM, WorkerError
-from warmboot.snapshot import start_costs
+from warmboot.snapshot import process_image, start_costs
 from warmboot.snapshot.canary import canary_mismatch
 from warmboot.snapshot.deadline import StoreTimeout, run_with_deadline
 from warmboot.snapshot.lease import holder, try_lease

@@ -116,7 +116,7 @@ def _ls(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from warmboot.launcher import process_image
+    from warmboot.snapshot import process_image
     from warmboot.snapshot.image import SnapshotError
     from warmboot.snapshot.ops import load_manifest
 
@@ -149,7 +149,7 @@ def _ls(args) -> int:
 
 def _process_row(store, key: str) -> list[str]:
     """An ``ls`` row for a process image (tier P) in the same store."""
-    from warmboot.launcher import process_image
+    from warmboot.snapshot import process_image
 
     try:
         m = process_image.parse(store.get_manifest(key) or b"")
@@ -161,7 +161,7 @@ def _process_row(store, key: str) -> list[str]:
 
 
 def _inspect(args) -> int:
-    from warmboot.launcher import process_image
+    from warmboot.snapshot import process_image
     from warmboot.snapshot.ops import load_manifest, resolve_keys
 
     store = _open(args.store)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from warmboot.launcher import process_image
+from warmboot.snapshot import process_image
 from warmboot.snapshot.image import IntegrityError, Manifest, SnapshotError, verify_chunk
 from warmboot.snapshot.store import Store
 
