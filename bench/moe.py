@@ -563,7 +563,7 @@ def _out_features(ev) -> int | None:
 def mla_section(args, report: dict) -> None:
     """KV bytes per token of a DeepSeek-V3 (MLA) against MHA / GQA models of the same width
     (the engine's ``stats()``), and 4k-token sequences per ``POOL_BYTES`` pool."""
-    from warmboot.models.registry import ARCHITECTURES
+    from warmboot.architectures import ARCHITECTURES
 
     served = "DeepseekV3ForCausalLM" in ARCHITECTURES
     info: dict = {"served": served, "run": report["run"]}

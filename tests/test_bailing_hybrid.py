@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.models.loader import build_model
-from warmboot.models.registry import UnsupportedModelError
 
 _RAW = dict(
     architectures=["BailingHybridForCausalLM"],

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from warmboot import LLM
+from warmboot.architectures import UnsupportedModelError
 from warmboot.kernels.sparse_attention import attend
 from warmboot.models.axk2 import ZeroMaskedRouter
 from warmboot.models.dots3_note import dots_settings
-from warmboot.models.registry import UnsupportedModelError
 
 
 def test_axk2_groups_masked_to_zero():

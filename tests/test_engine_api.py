@@ -18,8 +18,8 @@ import torch
 from tests.helpers import assert_engine_clean, hf_greedy, hf_logits, random_prompts, stop_window
 from tests.tiny_models import FAMILY_KINDS, KINDS, VOCAB_SIZE
 from warmboot import LLM, SamplingParams
+from warmboot.architectures import ARCHITECTURES
 from warmboot.engine.llm_engine import InvalidRequestError
-from warmboot.models.registry import ARCHITECTURES
 from warmboot.outputs import OutputFolder
 
 MAX_MODEL_LEN = 128

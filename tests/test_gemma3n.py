@@ -12,9 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.models.loader import build_model, load_model
-from warmboot.models.registry import UnsupportedModelError
 
 KIND = "gemma3n_shared_kv"  # NOTE: 6 layers, the last two reading layers 1 and 3
 

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from warmboot import LLM
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.kernels.backend import KVLayout
 from warmboot.models.loader import build_model, load_model
-from warmboot.models.registry import UnsupportedModelError
 
 KIND = "gemma4"  # NOTE: 6 layers, the last two reading layers 3 (sliding) and 2 (full)
 SOURCES = (None, None, None, None, 3, 2)

@@ -15,11 +15,11 @@ from safetensors.torch import save_file
 from tests.helpers import random_prompts
 from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM, SamplingParams
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.kernels.step_ops import HEAD_SLOT
 from warmboot.models.layers.linear import Linear
 from warmboot.models.loader import build_model
-from warmboot.models.registry import UnsupportedModelError
 
 ARGS = dict(max_model_len=64, block_size=4, num_kv_blocks=64)
 CALLS, STACK_LAYERS = 12, 4

@@ -15,11 +15,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.kernels.lightning import lightning_prefill, lightning_step, slopes
 from warmboot.models.layers.lightning import LightningAttention
 from warmboot.models.loader import build_model
-from warmboot.models.registry import UnsupportedModelError
 
 TOL = 2e-5
 CASES = [(T, L) for T in (4, 8, 64) for L in sorted({1, 3, T - 1, T, 2 * T + 5})]

@@ -9,9 +9,9 @@ import json
 import pytest
 import torch
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.models.llama4 import Llama4ForCausalLM, Llama4Router
-from warmboot.models.registry import UnsupportedModelError
 
 
 def test_router_picks_by_logit_where_the_sigmoids_tie():

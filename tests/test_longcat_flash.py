@@ -11,10 +11,10 @@ import pytest
 import torch
 import transformers
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.kernels.step_ops import ExpertTable, can_pack
 from warmboot.models.longcat_flash import LongcatFlashForCausalLM
-from warmboot.models.registry import UnsupportedModelError
 
 ROUTED, ZERO, TOP_K, HIDDEN = 4, 3, 3, 24
 

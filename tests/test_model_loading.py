@@ -18,8 +18,8 @@ from safetensors.torch import load_file, save_file
 from tests.helpers import hf_greedy, random_prompts
 from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM, SamplingParams
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelFilesError
-from warmboot.models.registry import UnsupportedModelError
 
 ROOT = Path(__file__).resolve().parent.parent
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

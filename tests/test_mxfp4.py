@@ -17,9 +17,9 @@ from tests.helpers import random_prompts
 from tests.mxfp4_checkpoints import write_gpt_oss_mxfp4
 from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM, SamplingParams
+from warmboot.architectures import UnsupportedModelError
 from warmboot.kernels import quant
 from warmboot.models.layers.quant_linear import QuantExperts
-from warmboot.models.registry import UnsupportedModelError
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 

@@ -16,8 +16,8 @@ from tests.quant_act_checkpoints import reference_model, write_act_quantized
 from tests.test_engine_vs_hf import _engine_logits
 from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM, SamplingParams
+from warmboot.architectures import UnsupportedModelError
 from warmboot.models.layers.quant_linear import QuantExperts, QuantMethod
-from warmboot.models.registry import UnsupportedModelError
 
 CASES = {  # name -> (model kind, quantization, the release it equals)
     "fp8-dense": ("qwen3", "fp8", ("ct-fp8", "dynamic")),

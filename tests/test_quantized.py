@@ -18,8 +18,8 @@ from tests.mxfp4_checkpoints import write_gpt_oss_mxfp4
 from tests.quant_checkpoints import write_quantized
 from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM, SamplingParams
+from warmboot.architectures import UnsupportedModelError
 from warmboot.models.layers.quant_linear import QuantExperts, QuantMethod
-from warmboot.models.registry import UnsupportedModelError
 
 CASES = {
     "ct-pack-w4-g32-sym": ("mistral", "ct-pack", dict(bits=4, group_size=32, sym=True)),

@@ -20,12 +20,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.kernels.backend import AttentionMetadata, PrefillSeq
 from warmboot.kernels.selective_scan import selective_scan_chunk, selective_scan_step
 from warmboot.kernels.step_ops import StepContext
 from warmboot.models.layers.mamba1 import Mamba1Mixer
-from warmboot.models.registry import UnsupportedModelError, model_class
+from warmboot.models.registry import model_class
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, tol: float) -> None:

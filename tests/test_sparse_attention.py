@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from warmboot import LLM, SamplingParams
+from warmboot.architectures import UnsupportedModelError
 from warmboot.kernels import sparse_attention
 from warmboot.kernels.sparse_attention import select, select_blocks
-from warmboot.models.registry import UnsupportedModelError
 
 
 def _reference(iq, iw, keys, valid, topk):

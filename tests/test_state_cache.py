@@ -16,9 +16,9 @@ from tests.test_families import LOGPROB_TOL, _prompts, hf_greedy_logprobs
 from tests.test_model_loading import _copy, _edit_config, _serve
 from tests.tiny_models import VOCAB_SIZE
 from warmboot import LLM, SamplingParams
+from warmboot.architectures import UnsupportedModelError
 from warmboot.device.inputs import InputBuilder
 from warmboot.device.pools import StateMoves
-from warmboot.models.registry import UnsupportedModelError
 
 KIND = "qwen3_5"
 CHUNK = 16

@@ -1,5 +1,5 @@
 """A multimodal release (Qwen3.5's ``...ForConditionalGeneration``, with a vision tower) served
-as its language model (``registry.TEXT_TOWERS``): its text config lifted, its language-model
+as its language model (``architectures.TEXT_TOWERS``): its text config lifted, its language-model
 tensors read under the text model's names, the vision tower's left unread. Built with
 transformers itself; greedy tokens and logprobs as transformers' multimodal model gives for
 text prompts (fp32), tied and untied heads, dense and MoE. A quantized release is still
@@ -19,9 +19,9 @@ from tests.test_families import LOGPROB_TOL, hf_greedy_logprobs
 from tests.tiny_models import _COMMON, _SPECS, SEED, TOKENIZER_FILES, VOCAB_SIZE, _perturb
 from tests.tiny_models import _tokenizer_dir as tokenizer_dir
 from warmboot import LLM, SamplingParams
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.models.checkpoint import check_servable
-from warmboot.models.registry import UnsupportedModelError
 
 VISION = dict(
     depth=1,

@@ -1,5 +1,5 @@
 """The 2026 multimodal releases (``...ForConditionalGeneration``) served as their language
-model (``registry.TEXT_TOWERS``): Gemma 3, Gemma 3n (vision and audio), Gemma 4 (vision and
+model (``architectures.TEXT_TOWERS``): Gemma 3, Gemma 3n (vision and audio), Gemma 4 (vision and
 audio), Mistral 3 (a Ministral 3 or a Mistral text config), MiniMax-M3 and Llama 4. Each is
 built with transformers itself around a family's tiny text spec with tiny towers, saved, and
 reloaded by transformers as the reference: greedy tokens and logprobs (fp32) as its multimodal
@@ -29,8 +29,8 @@ from tests.test_text_tower import _served
 from tests.tiny_models import _COMMON, _SPECS, SEED, TOKENIZER_FILES, VOCAB_SIZE, _perturb
 from tests.tiny_models import _tokenizer_dir as tokenizer_dir
 from warmboot import LLM
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
-from warmboot.models.registry import UnsupportedModelError
 
 SIGLIP = dict(
     model_type="siglip_vision_model",

@@ -9,10 +9,10 @@ import json
 import pytest
 import torch
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.kernels.backend import ATTENTION
 from warmboot.models.loader import build_model, load_model
-from warmboot.models.registry import UnsupportedModelError
 
 
 def _config(path) -> dict:

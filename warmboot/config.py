@@ -10,7 +10,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from warmboot.models.registry import UnsupportedModelError, resolve_architecture, text_tower
+from warmboot.architectures import UnsupportedModelError, resolve_architecture, text_tower
 
 
 def pid_alive(pid: int) -> bool:
@@ -90,7 +90,7 @@ class ModelConfig:
     the family's model class reads the rest from ``hf``."""
 
     architecture: str
-    """The model class's registry name (``models.registry``)."""
+    """The served architecture's name (``warmboot.architectures``)."""
     vocab_size: int
     hidden_size: int
     num_layers: int

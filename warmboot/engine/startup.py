@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from warmboot.architectures import ARCHITECTURES
 from warmboot.config import EngineConfig, ModelConfig, ModelFilesError, SchedulerConfig
 from warmboot.core.block_manager import BlockManager
 from warmboot.device.runner import ModelRunner
@@ -42,7 +43,6 @@ from warmboot.kernels import native
 from warmboot.kernels.backend import KVLayout
 from warmboot.models.checkpoint import check_servable, checkpoint_files
 from warmboot.models.quant_config import ONLINE
-from warmboot.models.registry import ARCHITECTURES
 from warmboot.snapshot import start_costs
 from warmboot.snapshot.canary import run_canary
 from warmboot.snapshot.compile_artifacts import saved_artifacts

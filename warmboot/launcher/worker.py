@@ -219,8 +219,8 @@ def _wired(params):
 
 def _user_error(e: Exception) -> bool:
     """Bad settings or model files (what ``EngineHolder`` reports without a traceback)."""
+    from warmboot.architectures import UnsupportedModelError
     from warmboot.config import ModelFilesError
-    from warmboot.models.registry import UnsupportedModelError
 
     return isinstance(e, (UnsupportedModelError, ModelFilesError, ValueError))
 

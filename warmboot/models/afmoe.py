@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.models.base import STACKED
 from warmboot.models.glm4 import Glm4DecoderLayer
@@ -18,7 +19,6 @@ from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.linear import Linear
 from warmboot.models.layers.moe import FusedExperts, Router, SparseMoE
 from warmboot.models.llama import LlamaForCausalLM
-from warmboot.models.registry import UnsupportedModelError
 
 
 class AfmoeForCausalLM(LlamaForCausalLM):

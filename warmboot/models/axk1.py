@@ -11,11 +11,11 @@ import re
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.models.deepseek import DeepseekV3ForCausalLM
 from warmboot.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from warmboot.models.layers.moe import SparseMoE
-from warmboot.models.registry import UnsupportedModelError
 
 _POST_NORM = re.compile(r"^model\.layers\.(\d+)\.(?:mlp\.)?post_mlp_layernorm\.")
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.models.granitemoehybrid import ATTENTION, MAMBA, mamba_mixer
 from warmboot.models.layers.decoder import DecoderLayer
 from warmboot.models.llama import LlamaForCausalLM
-from warmboot.models.registry import UnsupportedModelError
 
 
 class BambaForCausalLM(LlamaForCausalLM):

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from warmboot.architectures import TOWER_KEY, UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.kernels.backend import ATTENTION, AttentionSpec, KVLayout
 from warmboot.kernels.step_ops import StepContext
@@ -27,7 +28,6 @@ from warmboot.models.layers.moe import FusedExperts
 from warmboot.models.layers.norm import RMSNorm
 from warmboot.models.layers.rope import RopeSpec, RotaryEmbedding
 from warmboot.models.layers.state import StateMixer
-from warmboot.models.registry import TOWER_KEY, UnsupportedModelError
 
 TOWER_RENAMES = (
     (r"^model\.language_model\.", "model."),  # NOTE: transformers 5's names
@@ -40,7 +40,7 @@ TOWER_OTHERS = (
     r"|embed_vision|embed_audio|patch_merge_mlp)\."
 )
 """Its other towers' tensors (and their embedders into the text width): not read
-(``registry.TEXT_TOWERS``; Gemma 3n reads its embedders' token tables)."""
+(``architectures.TEXT_TOWERS``; Gemma 3n reads its embedders' token tables)."""
 RunLayer = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 """Runs one decoder layer: ``(layer, x, positions) -> x`` (the compiled step's graph)."""
 

@@ -15,6 +15,7 @@ import math
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.kernels.backend import AttentionSpec
 from warmboot.models.base import CausalLM
@@ -23,7 +24,6 @@ from warmboot.models.layers.attention import Attend, Attention
 from warmboot.models.layers.linear import Linear
 from warmboot.models.layers.moe import FusedExperts, Router, SparseMoE
 from warmboot.models.layers.rope import RopeSpec
-from warmboot.models.registry import UnsupportedModelError
 
 
 class BeamAttention(Attention):

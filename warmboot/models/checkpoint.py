@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig, ModelFilesError
 from warmboot.models.quant_config import QuantScheme, quant_scheme
-from warmboot.models.registry import UnsupportedModelError
 
 if TYPE_CHECKING:
     import torch

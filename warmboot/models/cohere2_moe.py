@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.models.cohere import Cohere2ForCausalLM, ParallelDecoderLayer
 from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.moe import FusedExperts, Router, SparseMoE
 from warmboot.models.layers.norm import RMSNorm
-from warmboot.models.registry import UnsupportedModelError
 
 
 class AveragedMoE(SparseMoE):

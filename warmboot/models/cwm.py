@@ -4,9 +4,9 @@ full attention (transformers' default), and the window defaults to 8192."""
 
 from __future__ import annotations
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.models.llama import LlamaForCausalLM
-from warmboot.models.registry import UnsupportedModelError
 
 DEFAULT_HEAD_DIM = 128
 """``CwmConfig``'s head size where config.json gives none (not hidden / heads)."""

@@ -24,6 +24,7 @@ import re
 
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.kernels.backend import AttentionSpec, KVLayout
 from warmboot.models.base import CausalLM
@@ -32,7 +33,6 @@ from warmboot.models.layers.decoder import DecoderLayer
 from warmboot.models.layers.mla import MLAttention
 from warmboot.models.layers.moe import FusedExperts, Router, SparseMoE
 from warmboot.models.layers.rope import RotaryEmbedding
-from warmboot.models.registry import UnsupportedModelError
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 

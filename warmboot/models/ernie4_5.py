@@ -12,13 +12,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.models.cohere import CohereRotaryEmbedding
 from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.moe import FusedExperts, Router, SparseMoE
 from warmboot.models.layers.norm import RMSNorm
 from warmboot.models.layers.rope import RopeSpec
 from warmboot.models.llama import LlamaForCausalLM
-from warmboot.models.registry import UnsupportedModelError
 
 
 class Float32RotaryEmbedding(CohereRotaryEmbedding):

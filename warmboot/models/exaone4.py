@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.models.base import CausalLM
 from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.norm import RMSNorm
 from warmboot.models.olmo2 import PostNormDecoderLayer
-from warmboot.models.registry import UnsupportedModelError
 
 
 class Exaone4ForCausalLM(CausalLM):

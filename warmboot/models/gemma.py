@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.kernels.backend import AttentionSpec
 from warmboot.models.layers.activation import GatedMLP
@@ -21,7 +22,6 @@ from warmboot.models.layers.attention import Attend, Attention
 from warmboot.models.layers.norm import GemmaRMSNorm
 from warmboot.models.layers.rope import RopeSpec
 from warmboot.models.llama import LlamaForCausalLM
-from warmboot.models.registry import UnsupportedModelError
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 

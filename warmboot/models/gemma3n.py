@@ -26,6 +26,7 @@ import re
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.kernels.backend import AttentionSpec
 from warmboot.kernels.step_ops import StepContext
@@ -52,7 +53,6 @@ from warmboot.models.layers.per_layer import (
 )
 from warmboot.models.layers.rope import RotaryEmbedding
 from warmboot.models.layers.towers import hard_token_embeddings
-from warmboot.models.registry import UnsupportedModelError
 
 
 class Gemma3nAttention(nn.Module):

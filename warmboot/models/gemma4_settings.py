@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.models.base import checked_kinds
 from warmboot.models.gemma import FULL, SLIDING
 from warmboot.models.layers.rope import RopeSpec
-from warmboot.models.registry import UnsupportedModelError
 
 DEFAULT_ROPE = {
     SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},

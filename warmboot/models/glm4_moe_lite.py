@@ -7,10 +7,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.models.deepseek import DeepseekV3ForCausalLM
 from warmboot.models.layers.activation import GatedMLP
-from warmboot.models.registry import UnsupportedModelError
 
 
 class Glm4MoeLiteForCausalLM(DeepseekV3ForCausalLM):

@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.kernels.backend import AttentionSpec
 from warmboot.models.base import checked_kinds
 from warmboot.models.granite import GraniteMoeForCausalLM, GraniteMoeSharedForCausalLM
 from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.decoder import DecoderLayer
 from warmboot.models.layers.mamba2 import Mamba2Mixer
-from warmboot.models.registry import UnsupportedModelError
 
 MAMBA, ATTENTION = "linear_attention", "full_attention"
 LEGACY = {"mamba": MAMBA, "attention": ATTENTION}

@@ -25,6 +25,7 @@ import re
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig, hrm_calls
 from warmboot.kernels.backend import AttentionSpec
 from warmboot.models.base import STACKED, CausalLM
@@ -34,7 +35,6 @@ from warmboot.models.layers.decoder import DecoderLayer
 from warmboot.models.layers.linear import Linear
 from warmboot.models.layers.rope import RotaryEmbedding
 from warmboot.models.nanochat import UnitRMSNorm
-from warmboot.models.registry import UnsupportedModelError
 
 _STACK = re.compile(r"^model\.([HL])_module\.layers\.(\d+)\.")
 _ATTN_GATE = re.compile(r"\.self_attn\.gate_proj\.")

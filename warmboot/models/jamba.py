@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.models.granitemoehybrid import ATTENTION, MAMBA
 from warmboot.models.layers.decoder import DecoderLayer
 from warmboot.models.layers.mamba1 import Mamba1Mixer
 from warmboot.models.layers.moe import FusedExperts, Router, SparseMoE
 from warmboot.models.llama import LlamaForCausalLM
 from warmboot.models.mamba import dt_rank, silu_conv
-from warmboot.models.registry import UnsupportedModelError
 
 
 def periodic(cfg, name: str, period: int, offset: int) -> list[bool]:

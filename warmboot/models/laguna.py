@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.kernels.backend import AttentionSpec
 from warmboot.models.base import CausalLM
@@ -22,7 +23,6 @@ from warmboot.models.layers.decoder import DecoderLayer
 from warmboot.models.layers.linear import Linear
 from warmboot.models.layers.moe import FusedExperts, Router, SparseMoE
 from warmboot.models.layers.rope import RopeSpec
-from warmboot.models.registry import UnsupportedModelError
 
 
 class SoftplusGatedAttention(Attention):

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.models.base import CausalLM, checked_kinds
 from warmboot.models.ernie4_5 import Float32RotaryEmbedding
@@ -26,7 +27,6 @@ from warmboot.models.layers.decoder import DecoderLayer
 from warmboot.models.layers.rope import RopeSpec
 from warmboot.models.layers.short_conv import ShortConv
 from warmboot.models.lfm2 import Lfm2ForCausalLM
-from warmboot.models.registry import UnsupportedModelError
 
 KINDS = ("conv", "full_attention", "sliding_attention")
 DEFAULT_ROPE = {

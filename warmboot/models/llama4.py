@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.kernels.backend import AttentionSpec
 from warmboot.models.layers.activation import GatedMLP
@@ -24,7 +25,6 @@ from warmboot.models.layers.moe import FusedExperts, Router, SparseMoE
 from warmboot.models.layers.norm import RMSNorm
 from warmboot.models.layers.rope import LENGTH_SHIFT, RopeSpec, RotaryEmbedding
 from warmboot.models.llama import LlamaForCausalLM
-from warmboot.models.registry import UnsupportedModelError
 
 CHUNKED, FULL = "chunked_attention", "full_attention"
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.models.base import CausalLM
 from warmboot.models.checkpoint import check_servable, checkpoint_names, iter_checkpoint
@@ -29,7 +30,7 @@ from warmboot.models.quant_loader import (
     quantized_prefixes,
     snapshot_modules,
 )
-from warmboot.models.registry import UnsupportedModelError, model_class
+from warmboot.models.registry import model_class
 
 
 def build_model(cfg: ModelConfig) -> CausalLM:

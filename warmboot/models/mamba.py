@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import math
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.models.layers.mamba1 import Mamba1Mixer
 from warmboot.models.mamba2 import Mamba2ForCausalLM
-from warmboot.models.registry import UnsupportedModelError
 
 
 def silu_conv(cfg) -> None:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.models.base import CausalLM
 from warmboot.models.layers.mamba2 import Mamba2Mixer
 from warmboot.models.layers.norm import RMSNorm
-from warmboot.models.registry import UnsupportedModelError
 
 
 class CastRMSNorm(RMSNorm):

@@ -6,11 +6,11 @@ not read."""
 
 from __future__ import annotations
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.models.base import CausalLM
 from warmboot.models.layers.attention import Attention
 from warmboot.models.layers.rope import RopeSpec
 from warmboot.models.qwen_moe import Qwen3MoeForCausalLM
-from warmboot.models.registry import UnsupportedModelError
 
 DEFAULT_ROPE = {
     "full_attention": {"rope_type": "default", "rope_theta": 500000.0},

@@ -21,13 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.kernels.backend import AttentionSpec, KVLayout
 from warmboot.models.base import STACKED
 from warmboot.models.glm4_moe_lite import Glm4MoeLiteForCausalLM
 from warmboot.models.layers.attention import Attention
 from warmboot.models.layers.rope import RopeSpec
-from warmboot.models.registry import UnsupportedModelError
 
 _LAYER = re.compile(r"^layers\.(\d+)\.self_attn\.(qkv_proj|o_proj)\.(weight|bias)$")
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.models.base import STACKED, CausalLM, checked_kinds
 from warmboot.models.layers.attention import Attend
 from warmboot.models.layers.lightning import LightningAttention
 from warmboot.models.mixtral import MixtralForCausalLM
-from warmboot.models.registry import UnsupportedModelError
 
 KINDS = ("full_attention", "linear_attention")
 

@@ -17,6 +17,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.kernels.backend import AttentionSpec, KVLayout
 from warmboot.models.base import EXPERT_PROJECTIONS, CausalLM
@@ -26,7 +27,6 @@ from warmboot.models.layers.decoder import DecoderLayer
 from warmboot.models.layers.indexer import BlockIndexedAttention, BlockIndexer
 from warmboot.models.layers.moe import FusedExperts, Router, SparseMoE, clamped_swiglu
 from warmboot.models.layers.norm import GemmaRMSNorm
-from warmboot.models.registry import UnsupportedModelError
 
 SPARSE, FULL = "minimax_m3_sparse", "full_attention"
 

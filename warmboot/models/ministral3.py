@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.rope import LENGTH_SHIFT, RopeSpec, RotaryEmbedding
 from warmboot.models.llama import LlamaForCausalLM
-from warmboot.models.registry import UnsupportedModelError
 
 
 class ScaledQueryRope(RotaryEmbedding):

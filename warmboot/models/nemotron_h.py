@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.kernels.backend import ATTENTION as BACKEND_ATTENTION
 from warmboot.kernels.backend import KVLayout
 from warmboot.models.base import STACKED, CausalLM
@@ -26,7 +27,6 @@ from warmboot.models.layers.mamba2 import Mamba2Mixer
 from warmboot.models.layers.moe import FusedExperts, Router, SparseMoE
 from warmboot.models.layers.norm import RMSNorm
 from warmboot.models.layers.state import StateMixer
-from warmboot.models.registry import UnsupportedModelError
 
 MAMBA, ATTENTION, MLP, MOE = "linear_attention", "full_attention", "mlp", "moe"
 PATTERN = {"M": MAMBA, "*": ATTENTION, "-": MLP, "E": MOE}

@@ -7,13 +7,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.models.base import CausalLM
 from warmboot.models.layers.activation import GatedMLP
 from warmboot.models.layers.attention import Attend
 from warmboot.models.layers.norm import RMSNorm
 from warmboot.models.layers.rope import RopeSpec
-from warmboot.models.registry import UnsupportedModelError
 
 
 class Olmo2RMSNorm(RMSNorm):

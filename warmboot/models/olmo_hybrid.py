@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.models.base import STACKED, CausalLM, checked_kinds
 from warmboot.models.ernie4_5 import Float32RotaryEmbedding
 from warmboot.models.layers.decoder import DecoderLayer
@@ -26,7 +27,6 @@ from warmboot.models.layers.gated_delta import GatedDeltaNet
 from warmboot.models.layers.rope import RopeSpec
 from warmboot.models.layers.state import QKV_CONVS, JoinedConv1dWeight
 from warmboot.models.olmo2 import Olmo2ForCausalLM, Olmo2RMSNorm, PostNormDecoderLayer
-from warmboot.models.registry import UnsupportedModelError
 
 KINDS = ("linear_attention", "full_attention")
 DELTA_PROJECTIONS = "qkvgba"

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.models.layers.moe import FusedExperts, Router, SparseMoE
 from warmboot.models.llama import LlamaForCausalLM
 from warmboot.models.olmo2 import Olmo2ForCausalLM
-from warmboot.models.registry import UnsupportedModelError
 
 
 class OlmoeForCausalLM(LlamaForCausalLM):

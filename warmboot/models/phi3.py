@@ -4,9 +4,9 @@ checkpoint (loaded as they are into the stacked projections) and longrope, whose
 
 from __future__ import annotations
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.models.layers.rope import RopeSpec
 from warmboot.models.llama import LlamaForCausalLM
-from warmboot.models.registry import UnsupportedModelError
 
 LONGROPE_ALIASES = ("su", "yarn")
 """Older Phi-3 configs' names for longrope (transformers' ``Phi3Config`` reads them so)."""

@@ -17,11 +17,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.models.layers.moe import FusedExperts, Router, SparseMoE
 from warmboot.models.layers.norm import LayerNorm
 from warmboot.models.layers.rope import RopeSpec, RotaryEmbedding, longrope_rows
 from warmboot.models.mixtral import MixtralForCausalLM
-from warmboot.models.registry import UnsupportedModelError
 
 
 class SparsemixerRouter(Router):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from warmboot.models.registry import UnsupportedModelError
+from warmboot.architectures import UnsupportedModelError
 
 METHODS = ("compressed-tensors", "gptq", "awq", "fp8", "mxfp4")
 ALIASES = {"gptq_marlin": "gptq", "awq_marlin": "awq", "marlin": "gptq"}

@@ -29,8 +29,8 @@ import re
 
 import torch
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.models.quant_config import QuantScheme
-from warmboot.models.registry import UnsupportedModelError
 
 LEAVES = {
     "ct-pack": ({"weight_packed", "weight_scale", "weight_shape"}, {"weight_zero_point"}),

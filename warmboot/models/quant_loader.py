@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.models.base import CausalLM
 from warmboot.models.layers.linear import DENSE, Linear
 from warmboot.models.layers.moe import DENSE_EXPERTS, FusedExperts
@@ -29,7 +30,6 @@ from warmboot.models.layers.quant_linear import (
 )
 from warmboot.models.quant_config import QuantScheme
 from warmboot.models.quant_formats import MARKER, canonical, joined_name, leaves, split_name
-from warmboot.models.registry import UnsupportedModelError
 
 QUANT_LEAVES = ("weight_scale", "weight_zero", "weight_perm", "input_scale")
 """Our quantized parameters beside ``weight`` (a snapshot's names tell its quantized linears)."""

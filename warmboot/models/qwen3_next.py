@@ -5,20 +5,20 @@ rotary and a sigmoid output gate (``Attention(output_gate=True)``); every RMSNor
 ``1 + w`` but the DeltaNet's gated output norm. The MLP is dense (Qwen3.5) or Qwen2-MoE's
 sparse block with a gated shared expert (Qwen3-Next, Qwen3.5-MoE). Qwen3.5's releases
 (``Qwen3_5ForConditionalGeneration``, with a vision tower) are served as their language model
-(``registry.TEXT_TOWERS``: text requests; one with an image is refused by the API)."""
+(``architectures.TEXT_TOWERS``: text requests; one with an image is refused by the API)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.models.base import STACKED, CausalLM, checked_kinds
 from warmboot.models.layers.decoder import DecoderLayer
 from warmboot.models.layers.gated_delta import GatedDeltaNet
 from warmboot.models.layers.norm import GemmaRMSNorm
 from warmboot.models.llama import LlamaForCausalLM
 from warmboot.models.qwen_moe import QwenMoeMixin
-from warmboot.models.registry import UnsupportedModelError
 
 KINDS = ("linear_attention", "full_attention")
 

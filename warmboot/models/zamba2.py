@@ -24,13 +24,13 @@ import re
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.kernels.backend import ATTENTION, AttentionSpec, KVLayout
 from warmboot.models.base import CausalLM, checked_kinds
 from warmboot.models.layers.activation import activation
 from warmboot.models.layers.linear import Linear
 from warmboot.models.layers.mamba2 import Mamba2Mixer
 from warmboot.models.layers.norm import RMSNorm
-from warmboot.models.registry import UnsupportedModelError
 
 MAMBA, HYBRID = "linear_attention", "hybrid"
 LEGACY = {"mamba": MAMBA}

@@ -24,7 +24,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
 from warmboot import __version__
-from warmboot.models.registry import TOWER_KEY
+from warmboot.architectures import TOWER_KEY
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
 from warmboot.server import chunks as chunks_mod

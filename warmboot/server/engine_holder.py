@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.config import ModelFilesError
 from warmboot.engine import progress
 from warmboot.engine.client import EngineClient
-from warmboot.models.registry import UnsupportedModelError
 
 log = logging.getLogger("warmboot.startup")
 USER_ERRORS = (UnsupportedModelError, ModelFilesError, ValueError)

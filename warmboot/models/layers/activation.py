@@ -31,7 +31,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     if name not in ACTIVATIONS:
-        from warmboot.models.registry import UnsupportedModelError
+        from warmboot.architectures import UnsupportedModelError
 
         raise UnsupportedModelError(
             f"unsupported activation {name!r}; supported: {', '.join(ACTIVATIONS)}"

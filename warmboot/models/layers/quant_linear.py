@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from warmboot.architectures import UnsupportedModelError
 from warmboot.kernels import quant
 from warmboot.kernels.act_quant import fake_quant, quantize_int8
 from warmboot.kernels.experts import grouped_experts
@@ -18,7 +19,6 @@ from warmboot.models.layers.linear import Linear, LinearMethod
 from warmboot.models.layers.moe import ExpertsMethod, FusedExperts
 from warmboot.models.quant_config import QuantScheme
 from warmboot.models.quant_formats import partial_groups
-from warmboot.models.registry import UnsupportedModelError
 
 
 class QuantMethod(LinearMethod):

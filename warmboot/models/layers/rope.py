@@ -61,7 +61,7 @@ class RopeSpec:
         params = dict(params or {})
         rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
         if rope_type not in ROPE_TYPES:
-            from warmboot.models.registry import UnsupportedModelError
+            from warmboot.architectures import UnsupportedModelError
 
             raise UnsupportedModelError(
                 f"unsupported rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}"

@@ -1,5 +1,5 @@
 """What a multimodal release's language model reads of its other towers when served text only
-(``registry.TEXT_TOWERS``; the towers' own config, ``registry.TOWER_PARTS``):
+(``architectures.TEXT_TOWERS``; the towers' own config, ``architectures.TOWER_PARTS``):
 
 - ``HardTokenEmbeddings`` (Gemma 3n): the ids of the vision and audio vocabularies (the
   text vocabulary's last rows) embedded by their tower's embedder, not the text table: the
@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from warmboot.architectures import TOWER_KEY, TOWER_PARTS, UnsupportedModelError
 from warmboot.config import ModelConfig
 from warmboot.models.layers.altup import Gemma3nRMSNorm
 from warmboot.models.layers.linear import Linear
-from warmboot.models.registry import TOWER_KEY, TOWER_PARTS, UnsupportedModelError
 
 GEMMA3N_VOCABS = {
     # NOTE: transformers' Gemma3nVisionConfig / Gemma3nAudioConfig defaults
