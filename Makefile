@@ -73,12 +73,14 @@ demo: $(STAMP) runsc native
 	$(PY) -m warmboot.cli demo
 
 test: $(STAMP) runsc promtool native $(LMEVAL_STAMP) $(CLIENTS_STAMP) $(QUANT_STAMP)
+	$(PY) -m ruff format --check warmboot tests bench
 	$(PY) -m ruff check warmboot tests bench
 	$(PY) -m pytest -q -ra
 
 # The fast tier for the edit-test loop (under 2 minutes on 2 cores): the suite less the tests
 # marked slow (interpreter kernels, gVisor, GPU-script smoke runs). `make test` runs everything.
 check: $(STAMP) native
+	$(PY) -m ruff format --check warmboot tests bench
 	$(PY) -m ruff check warmboot tests bench
 	$(PY) -m pytest -q -ra -m "not slow"
 

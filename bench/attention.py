@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.common import git_tree
+
 ROOT = Path(__file__).resolve().parents[1]
 SEQLENS = (512, 1024, 2048, 4096, 8192, 16384)
 TOKENS, HIDDEN = 16384, 2048
@@ -70,20 +72,34 @@ def correctness(device, tiny: bool) -> list[dict]:
             for name, causal, window, cap, tau, emu in cases:
                 out = torch.full_like(q, float("nan"))
                 o, lse = flash_attn_varlen_func(
-                    q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
-                    window_size=window, softcap=cap, return_lse=True, tau=tau,
-                    emulate_fraction=emu, out=out,
-                )  # fmt: skip
+                    q,
+                    k,
+                    v,
+                    cu_q,
+                    cu_k,
+                    max(lens_q),
+                    max(lens_k),
+                    causal=causal,
+                    window_size=window,
+                    softcap=cap,
+                    return_lse=True,
+                    tau=tau,
+                    emulate_fraction=emu,
+                    out=out,
+                )
                 ro, rl = varlen_attention_ref(q, k, v, cu_q, cu_k, None, causal, window, cap)
                 fin = torch.isfinite(rl)
                 rows.append(
                     dict(
-                        kernel="varlen", case=name, dtype=str(dtype)[6:], d=d,
+                        kernel="varlen",
+                        case=name,
+                        dtype=str(dtype)[6:],
+                        d=d,
                         rel_err=((o.double() - ro).norm() / ro.norm()).item(),
                         lse_err=(lse.double() - rl)[fin].abs().max().item(),
                         nan=bool(o.isnan().any()),
                     )
-                )  # fmt: skip
+                )
         rows += _decode_correctness(
             device, dtype, tiny, g, paged_decode_attention, paged_decode_ref
         )
@@ -127,11 +143,15 @@ def _decode_correctness(device, dtype, tiny, g, kernel, ref) -> list[dict]:
             ro = _multi_token_ref(q, kc, vc, table, seqlens, qlen, window, cap)
         rows.append(
             dict(
-                kernel="decode", case=name, dtype=str(dtype)[6:], d=d,
-                rel_err=((out.double() - ro).norm() / ro.norm()).item(), lse_err=None,
+                kernel="decode",
+                case=name,
+                dtype=str(dtype)[6:],
+                d=d,
+                rel_err=((out.double() - ro).norm() / ro.norm()).item(),
+                lse_err=None,
                 nan=bool(out.isnan().any()),
             )
-        )  # fmt: skip
+        )
     return rows
 
 
@@ -212,8 +232,14 @@ def prefill_perf(device="cuda", seqlens=SEQLENS, tokens=TOKENS, hidden=HIDDEN, d
     return rows
 
 
-DECODE_CASES = ((1, 16384, 1), (32, 4096, 1), (128, 2048, 1), (64, 8192, 1), (32, 4096, 4),
-                (64, 8192, 4))  # fmt: skip
+DECODE_CASES = (
+    (1, 16384, 1),
+    (32, 4096, 1),
+    (128, 2048, 1),
+    (64, 8192, 1),
+    (32, 4096, 4),
+    (64, 8192, 4),
+)
 """(batch, context, query tokens per sequence)."""
 
 
@@ -238,9 +264,12 @@ def decode_perf(device="cuda", cases=DECODE_CASES, heads=(32, 8)) -> list[dict]:
         dst = torch.empty_like(src)
         copy_ms = _bench(dst.copy_, src)
         row = dict(
-            batch=batch, ctx=ctx, query_len=qlen, kernel_GBps=kv_bytes / ms / 1e6,
+            batch=batch,
+            ctx=ctx,
+            query_len=qlen,
+            kernel_GBps=kv_bytes / ms / 1e6,
             copy_GBps=2 * kv_bytes / copy_ms / 1e6,  # read + write
-        )  # fmt: skip
+        )
         row["fraction_of_copy"] = row["kernel_GBps"] / row["copy_GBps"]
         rows.append(row)
         print(row, flush=True)
@@ -313,9 +342,12 @@ def main() -> int:
 
     device = torch.device("cpu" if args.cpu else "cuda")
     result = dict(
-        date=time.strftime("%Y-%m-%d"), triton=triton.__version__, torch=torch.__version__,
+        date=time.strftime("%Y-%m-%d"),
+        **git_tree(),
+        triton=triton.__version__,
+        torch=torch.__version__,
         device="interpreter (CPU)" if args.cpu else torch.cuda.get_device_name(),
-    )  # fmt: skip
+    )
     t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / ("attention_cpu.json" if args.cpu else "attention.json")

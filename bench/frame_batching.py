@@ -22,10 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import pyplot, report_meta, save_report
+from bench.common import OUT, ROOT, pyplot, report_meta, save_report
 
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "docs" / "benchmarks"
 STEPS = 200
 ROUNDS = 5
 

@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from bench.common import git_tree
+
 
 def make_llm(args, path, graphs: bool = False, **kw):
     """An engine on ``args.device``; graphs are captured on CUDA and emulated on the CPU."""
@@ -92,23 +94,27 @@ def hidden_syncs(out: dict, args) -> None:
     import warnings
 
     from bench.bubble import SCHEMA, SHAPE
+    from bench.checkpoints import random_llama
     from warmboot import SamplingParams
-    from warmboot.models.demo import write_random_llama
     from warmboot.sampling_params import StructuredOutputs
-    from warmboot.tokenizer.train import train_tokenizer
 
-    model_dir = Path(tempfile.mkdtemp(prefix="wb-sync-")) / "model"
-    write_random_llama(model_dir, **SHAPE, seed=0, dtype="bfloat16")
-    train_tokenizer(model_dir, SHAPE["vocab_size"])
+    model_dir = random_llama("wb-sync-", SHAPE, dtype="bfloat16")
     llm = make_llm(args, model_dir, max_model_len=256, num_kv_blocks=512, pipelined=True)
     kinds = [
         SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True),
         SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=1, max_tokens=48),
-        SamplingParams(temperature=0.0, repetition_penalty=1.2, presence_penalty=0.3,
-                       max_tokens=48, logprobs=3, logit_bias={5: 2.0, 9: -3.0}),
-        SamplingParams(temperature=0.0, max_tokens=48,
-                       structured_outputs=StructuredOutputs(json=SCHEMA)),
-    ]  # fmt: skip
+        SamplingParams(
+            temperature=0.0,
+            repetition_penalty=1.2,
+            presence_penalty=0.3,
+            max_tokens=48,
+            logprobs=3,
+            logit_bias={5: 2.0, 9: -3.0},
+        ),
+        SamplingParams(
+            temperature=0.0, max_tokens=48, structured_outputs=StructuredOutputs(json=SCHEMA)
+        ),
+    ]
     prompts = [{"prompt_token_ids": list(range(3 + i, 40 + i))} for i in range(16)]
     params = [kinds[i % len(kinds)] for i in range(16)]
     llm.generate(prompts, params)  # warm: compile, capture, grammar caches
@@ -140,12 +146,9 @@ def hidden_syncs(out: dict, args) -> None:
 
 def bubble(out: dict, args) -> None:
     from bench.bubble import SHAPE, run
-    from warmboot.models.demo import write_random_llama
-    from warmboot.tokenizer.train import train_tokenizer
+    from bench.checkpoints import random_llama
 
-    model_dir = Path(tempfile.mkdtemp(prefix="wb-bubble-")) / "model"
-    write_random_llama(model_dir, **SHAPE, seed=0, dtype="bfloat16")
-    train_tokenizer(model_dir, SHAPE["vocab_size"])
+    model_dir = random_llama("wb-bubble-", SHAPE, dtype="bfloat16")
     rows = []
     configs = {
         f"{loop}_{mode}": dict(pipelined=loop == "pipelined", cuda_graphs=mode == "graphs")
@@ -241,13 +244,9 @@ def decode(out: dict, args) -> None:
 
 def _small_model() -> Path:
     from bench.bubble import SHAPE
-    from warmboot.models.demo import write_random_llama
-    from warmboot.tokenizer.train import train_tokenizer
+    from bench.checkpoints import random_llama
 
-    model_dir = Path(tempfile.mkdtemp(prefix="wb-small-")) / "model"
-    write_random_llama(model_dir, **SHAPE, seed=0, dtype="float32")
-    train_tokenizer(model_dir, SHAPE["vocab_size"])
-    return model_dir
+    return random_llama("wb-small-", SHAPE)
 
 
 def pretune(out: dict, args) -> None:
@@ -290,6 +289,7 @@ def main() -> None:
         "smoke": args.smoke,
         "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%d"),
+        **git_tree(),
     }
     t_start = time.perf_counter()
     for part in (correctness, hidden_syncs, bubble, decode, pretune):

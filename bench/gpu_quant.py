@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench.common import git_tree
+
 FORMATS = {"int8": (8, None, False), "int4-g128": (4, 128, True), "fp8": (-8, None, False)}
 FORMATS["fp4-g32"] = (-4, 32, False)
 SHAPES = [(4096, 4096), (4096, 14336)]
@@ -115,7 +117,7 @@ def main() -> None:
     if args.cpu:
         os.environ["TRITON_INTERPRET"] = "1"  # NOTE: before triton is imported
     args.device = "cpu" if args.cpu else "cuda"
-    out: dict = {"device": args.device, "correctness": [], "timing": []}
+    out: dict = {"device": args.device, **git_tree(), "correctness": [], "timing": []}
     for part in (check, timing):
         try:
             part(out, args)

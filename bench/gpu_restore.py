@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import git_tree
 from warmboot.snapshot.ops import load_manifest
 from warmboot.snapshot.publish import publish_image
 from warmboot.snapshot.restore import restore_tensors
@@ -102,6 +103,7 @@ def main() -> None:
     rows["restore_of_pinned"] = rows["restore_warm_gbps"] / rows["pinned_gbps"]
     meta = {
         "date": datetime.date.today().isoformat(),
+        **git_tree(),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

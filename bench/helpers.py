@@ -17,10 +17,9 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.common import pyplot, report_meta, save_report
+from bench.common import OUT, pyplot, report_meta, save_report
 from warmboot.models.demo import ensure_default_model
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 MODES = {"always": (1, True), "measured": (1, False), "none": (0, False)}
 BATCHES, PROMPT, NEW = (1, 8, 32), 128, 48
 

@@ -12,14 +12,14 @@ Run from the repository root: ``python -m bench.host_overhead --compare-rev REV 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+# NOTE: this file runs in children against older trees: it imports nothing from bench/ at
+# module level (an older tree's bench/ may lack it), hence these two here
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks"
 BATCH = 64
@@ -39,9 +39,13 @@ def measure(context: int) -> float:
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1)
     shape |= dict(num_attention_heads=2, num_key_value_heads=1, vocab_size=4096)
     write_random_llama(
-        model, **shape, tie_word_embeddings=True, seed=0, dtype="float32",
+        model,
+        **shape,
+        tie_word_embeddings=True,
+        seed=0,
+        dtype="float32",
         max_position_embeddings=context + NEW_TOKENS,
-    )  # fmt: skip
+    )
     train_tokenizer(model, 4096)
     llm = LLM(
         str(model),
@@ -75,10 +79,13 @@ def measure(context: int) -> float:
 
 
 def run_child(tree: Path, context: int) -> float:
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(context)]
-    out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
-    return float(out.stdout.strip().splitlines()[-1])
+    from bench.common import child_json
+
+    return float(
+        child_json(
+            [str(Path(__file__).resolve()), "--child", str(context)], tree, OMP_NUM_THREADS="1"
+        )
+    )
 
 
 def main() -> None:
@@ -93,14 +100,15 @@ def main() -> None:
         print(measure(args.child))
         return
     from bench.common import revision_trees
+    from bench.timing import interleaved
 
     with revision_trees(ROOT, args.compare_rev) as trees:
         rows = []
         for context in args.contexts:
-            samples: dict[str, list[float]] = {name: [] for name in trees}
-            for _ in range(args.repeats):
-                for name, tree in trees.items():
-                    samples[name].append(run_child(tree, context))
+            runs = {
+                name: functools.partial(run_child, tree, context) for name, tree in trees.items()
+            }
+            samples = interleaved(args.repeats, runs)
             row = {"context": context} | {n: statistics.median(v) for n, v in samples.items()}
             print(row, flush=True)
             rows.append(row)

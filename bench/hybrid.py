@@ -29,9 +29,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import pyplot, report_meta, save_report
+from bench.common import OUT, pyplot, report_meta, save_report
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 NEW = 33
 MEMORY_CONTEXTS = (1024, 8192, 32768)
 L, F = "linear_attention", "full_attention"

@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import pyplot, report_meta, save_report
-from bench.hybrid import OUT, build
+from bench.common import OUT, pyplot, report_meta, save_report
+from bench.hybrid import build
 
 QUESTION = 32
 ANSWER = 16

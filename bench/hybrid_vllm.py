@@ -17,7 +17,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "hybrid_vllm"
+from bench.common import OUT as BENCH_OUT
+
+OUT = BENCH_OUT / "hybrid_vllm"
 SHAPE = dict(
     vocab_size=32000,
     hidden_size=1024,

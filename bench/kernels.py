@@ -25,30 +25,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import time
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from bench.common import pyplot, report_meta, save_report
+from bench.common import OUT, pyplot, report_meta, save_report
+from bench.timing import best_of
 from warmboot.kernels import native
 from warmboot.kernels.step_ops import pack_weight, packed_gemm
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 HIDDEN, INTER, VOCAB, LAYERS = 576, 1536, 49152, 30
 SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
-
-
-def best_of(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return min(samples)
 
 
 def bandwidth(threads: int, repeats: int) -> float:
@@ -250,8 +239,14 @@ def main() -> None:
     write(args.out, meta, gemm, attn, prefill, capped)
 
 
-def write(out: Path, meta: dict, gemm: list[dict], attn: list[dict], prefill: list[dict],
-          capped: list[dict]) -> None:  # fmt: skip
+def write(
+    out: Path,
+    meta: dict,
+    gemm: list[dict],
+    attn: list[dict],
+    prefill: list[dict],
+    capped: list[dict],
+) -> None:
     bw1, bwn = meta["bandwidth_gb_s"]["1"], meta["bandwidth_gb_s"]["all"]
     lines = [
         "# Decode kernels against the machine's memory bandwidth",
@@ -316,6 +311,16 @@ def write(out: Path, meta: dict, gemm: list[dict], attn: list[dict], prefill: li
                 f"{r['native_ms'] / r['sdpa_ms']:.2f}x | {flash} | {r['backend_runs']} |"
             )
     lines += _capped_lines(capped)
+    data = {
+        "gemm": gemm,
+        "attention": attn,
+        "prefill_attention": prefill,
+        "capped_prefill_attention": capped,
+    }
+    save_report(out, "kernels", meta, data, lines, _plot(gemm, attn, bw1, bwn))
+
+
+def _plot(gemm: list[dict], attn: list[dict], bw1: float, bwn: float):
     plt = pyplot()
     fig, ax = plt.subplots(1, 2 if attn else 1, figsize=(11 if attn else 6, 4), squeeze=False)
     for kernel in ("native", "native+helper", "onednn"):
@@ -335,12 +340,15 @@ def write(out: Path, meta: dict, gemm: list[dict], attn: list[dict], prefill: li
                     if r["kernel"] == kernel and r["context"] == ctx
                 )
                 ax[0][1].plot(*zip(*pts, strict=True), marker="o", label=f"{kernel}, ctx {ctx}")
-        ax[0][1].set(xscale="log", yscale="log", xlabel="batch", ylabel="ms per step (30 layers)",
-                     title="paged decode attention")  # fmt: skip
+        ax[0][1].set(
+            xscale="log",
+            yscale="log",
+            xlabel="batch",
+            ylabel="ms per step (30 layers)",
+            title="paged decode attention",
+        )
         ax[0][1].legend(fontsize=8)
-    data = {"gemm": gemm, "attention": attn, "prefill_attention": prefill,
-            "capped_prefill_attention": capped}  # fmt: skip
-    save_report(out, "kernels", meta, data, lines, fig)
+    return fig
 
 
 def _capped_lines(capped: list[dict]) -> list[str]:

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+# NOTE: this file runs in children against older trees: it imports nothing from bench/ at
+# module level (an older tree's bench/ may lack it), hence these two here
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks"
 PROMPT_LEN, NEW_TOKENS = 64, 64
@@ -41,8 +40,13 @@ def decode(model: Path, mode: str, batch: int, new_tokens: int = NEW_TOKENS) -> 
     from warmboot import LLM, SamplingParams
 
     t0 = time.perf_counter()
-    llm = LLM(str(model), max_model_len=PROMPT_LEN + new_tokens, max_num_seqs=max(BATCHES),
-              enforce_eager=mode == "eager", dtype="float32")  # fmt: skip
+    llm = LLM(
+        str(model),
+        max_model_len=PROMPT_LEN + new_tokens,
+        max_num_seqs=max(BATCHES),
+        enforce_eager=mode == "eager",
+        dtype="float32",
+    )
     boot = time.perf_counter() - t0
     vocab = llm.engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
@@ -55,12 +59,9 @@ def decode(model: Path, mode: str, batch: int, new_tokens: int = NEW_TOKENS) -> 
 
 
 def run_child(tree: Path, *args: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *args]
-    out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True)
-    if out.returncode:
-        raise RuntimeError(f"child {args} failed:\n{out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    from bench.common import child_json
+
+    return child_json([str(Path(__file__).resolve()), "--child", *args], tree)
 
 
 def demo_rows(base_rev: str, repeats: int) -> list[dict]:
@@ -216,8 +217,10 @@ def write_report(args, demo: list[dict], families: list[dict]) -> None:
         "| --- | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in demo:
-        lines.append(f"| {r['mode']} | {r['batch']} | {r['base']:.1f} | {r['current']:.1f} |"
-                     f" {r['current'] / r['base']:.3f} | {'yes' if r['same_tokens'] else 'NO'} |")  # fmt: skip
+        lines.append(
+            f"| {r['mode']} | {r['batch']} | {r['base']:.1f} | {r['current']:.1f} |"
+            f" {r['current'] / r['base']:.3f} | {'yes' if r['same_tokens'] else 'NO'} |"
+        )
     lines += [
         "",
         "## One row per family: its test spec scaled (hidden and MLP x4, 6 layers), batch 1",
@@ -247,8 +250,14 @@ def write_report(args, demo: list[dict], families: list[dict]) -> None:
         "  it fuses, and warmboot runs near transformers. They show that every family decodes in",
         "  both step modes and agrees with transformers, not how it scales.",
     ]
-    save_report(args.out, "models", meta, {"demo": demo, "families": families}, lines,
-                plot(pyplot(), demo, families, args.base_rev))  # fmt: skip
+    save_report(
+        args.out,
+        "models",
+        meta,
+        {"demo": demo, "families": families},
+        lines,
+        plot(pyplot(), demo, families, args.base_rev),
+    )
 
 
 def plot(plt, demo: list[dict], families: list[dict], base_rev: str):
@@ -261,9 +270,13 @@ def plot(plt, demo: list[dict], families: list[dict], base_rev: str):
     left.set_ylabel("decode tok/s (demo model, fp32)")
     left.legend()
     xs = range(len(families))
-    for i, (key, name) in enumerate([("compiled_tok_s", "warmboot compiled"),
-                                     ("eager_tok_s", "warmboot eager"),
-                                     ("transformers_tok_s", "transformers")]):  # fmt: skip
+    for i, (key, name) in enumerate(
+        [
+            ("compiled_tok_s", "warmboot compiled"),
+            ("eager_tok_s", "warmboot eager"),
+            ("transformers_tok_s", "transformers"),
+        ]
+    ):
         right.bar([x + (i - 1) * 0.27 for x in xs], [r[key] for r in families], 0.27, label=name)
     right.set_xticks(list(xs), [r["kind"] for r in families], rotation=60, ha="right")
     right.set_ylabel("decode tok/s, batch 1")

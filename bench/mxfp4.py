@@ -14,8 +14,8 @@ import argparse
 import statistics
 from pathlib import Path
 
+from bench.checkpoints import prompts_for
 from bench.common import pyplot, report_meta, save_report
-from bench.decode import prompts_for
 from bench.quantized import OUT, _engine, _held_bytes, _warmboot, snapshot_costs
 from warmboot.config import cache_root
 

@@ -19,9 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import pyplot, report_meta, save_report
+from bench.common import OUT, pyplot, report_meta, save_report
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 CHILD = (
     "import time; t0 = time.perf_counter(); from warmboot.kernels import native\n"
     "native.ready(); time.sleep({lifetime}); print(time.perf_counter() - t0)"

@@ -15,17 +15,16 @@ Run from the repository root: ``python -m bench.output_path``.
 from __future__ import annotations
 
 import argparse
+import functools
 import random
-import tempfile
 import time
 from pathlib import Path
 
 import msgpack
 
-from bench.common import pyplot, report_meta, save_report
+from bench.common import OUT, pyplot, report_meta, save_report
+from bench.timing import interleaved
 
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "docs" / "benchmarks"
 BATCH = 64
 VOCAB = 4096
 WINDOW = 64  # steps timed around each output length
@@ -33,18 +32,13 @@ KINDS = ("cumulative", "delta")
 
 
 def make_engine(max_len: int):
+    from bench.checkpoints import random_llama
     from warmboot import LLM
-    from warmboot.models.demo import write_random_llama
-    from warmboot.tokenizer.train import train_tokenizer
 
-    model = Path(tempfile.mkdtemp(prefix="wb-out-")) / "model"
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1)
     shape |= dict(num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB)
-    write_random_llama(
-        model, **shape, tie_word_embeddings=True, seed=0, dtype="float32",
-        max_position_embeddings=max_len + 16,
-    )  # fmt: skip
-    train_tokenizer(model, VOCAB)
+    kw = dict(tie_word_embeddings=True, max_position_embeddings=max_len + 16)
+    model = random_llama("wb-out-", shape, **kw)
     blocks = (max_len + 16) // 16 + 1
     llm = LLM(str(model), max_model_len=max_len + 16, max_num_seqs=BATCH, num_kv_blocks=blocks)
     return llm.engine
@@ -96,10 +90,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     engine = make_engine(max(args.lengths))
-    samples: dict[str, list[dict]] = {k: [] for k in KINDS}
-    for _ in range(args.repeats):
-        for kind in KINDS:
-            samples[kind].append(measure(engine, kind, args.lengths))
+    runs = {kind: functools.partial(measure, engine, kind, args.lengths) for kind in KINDS}
+    samples = interleaved(args.repeats, runs)
     rows = []
     for n in args.lengths:
         row = {"length": n}

@@ -10,7 +10,8 @@ import argparse
 import json
 from pathlib import Path
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+from bench.common import OUT as DOCS
+from bench.common import committed_in, pyplot, save_figure
 
 
 def _load(path: Path) -> dict | None:
@@ -60,11 +61,7 @@ def perf_section(gpu: dict, png: Path) -> list[str]:
 
 
 def _plot(rows: list[dict], cols: list[str], png: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     groups = sorted({(r["d"], r["causal"]) for r in rows})
     fig, axes = plt.subplots(1, len(groups), figsize=(4 * len(groups), 3.5), squeeze=False)
     for ax, (d, causal) in zip(axes[0], groups, strict=True):
@@ -77,15 +74,28 @@ def _plot(rows: list[dict], cols: list[str], png: Path) -> None:
         ax.set_xlabel("seqlen")
         ax.set_ylabel("TFLOP/s")
     axes[0][0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
+    save_figure(fig, png)
+
+
+def runs_line(root: Path, docs: dict[str, dict | None]) -> str:
+    """Which run made each part: its tree, or (a run that did not record it) the commit that
+    last wrote its JSON."""
+    parts = []
+    for name, doc in docs.items():
+        if doc is None:
+            continue
+        tree = f"tree {doc['commit']}" if doc.get("commit") else None
+        tree = tree or f"committed in {committed_in(root / f'{name}.json') or '?'}"
+        parts.append(f"`{name}.json` {tree}")
+    return "Runs: " + "; ".join(parts) + "." if parts else "Runs: none yet."
 
 
 def render(root: Path) -> str:
     cpu = _load(root / "attention_cpu.json")
     sass = _load(root / "attention_sass.json")
     gpu = _load(root / "attention.json")
-    lines = ["# Attention kernels (Triton)", ""]
+    docs = {"attention": gpu, "attention_cpu": cpu, "attention_sass": sass}
+    lines = ["# Attention kernels (Triton)", "", runs_line(root, docs), ""]
     if gpu is None:
         lines += [
             "**GPU figures pending**: no GPU has been lent to this project yet. "

@@ -23,13 +23,10 @@ process restored). Writes ``docs/benchmarks/process_start.{json,md,png}``.
 from __future__ import annotations
 
 import argparse
-import collections
-import datetime
 import functools
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -38,11 +35,13 @@ from pathlib import Path
 
 import httpx
 
-from bench.serve import free_port
+from bench.checkpoints import big_model, qwen_1_5b
+from bench.common import OUT, ROOT, drop_caches
+from bench.process_start_report import CHOSEN, EAGER, NEW_REPLICA, write_report
+from bench.servers import HOST, free_port, serve_cmd, wait_healthy
 from warmboot.launcher.spare_hints import hints_path
 from warmboot.snapshot.start_costs import costs_path
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 PROMPT = "serverless replicas start cold"
 
 
@@ -58,17 +57,8 @@ def compile_bytecode() -> None:
     """warmboot's modules compiled to bytecode, as an installed package has them (and as
     vLLM's are): with ``PYTHONDONTWRITEBYTECODE`` set, a checkout compiles every module it
     imports again at every start, and a start that imports more pays more."""
-    root = Path(__file__).resolve().parent.parent / "warmboot"
+    root = ROOT / "warmboot"
     subprocess.run([sys.executable, "-m", "compileall", "-q", str(root)], check=True)
-
-
-def drop_caches() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def time_to_first_token(
@@ -84,12 +74,11 @@ def time_to_first_token(
     compiler caches (``TORCHINDUCTOR_CACHE_DIR``), as a new replica has. ``by_cost``: the
     start path is chosen by recorded cost (``WARMBOOT_START_BY_COST``), else forced."""
     port = free_port()
-    cmd = [sys.executable, "-m", "warmboot.cli", "serve", "--model", str(model)]
-    cmd += ["--port", str(port), "--dtype", "bfloat16", "--sandbox", sandbox, "-v"]
+    cmd = serve_cmd(model, port, "--dtype", "bfloat16", "--sandbox", sandbox, "-v")
     cmd += ["--served-model-name", "m", "--max-model-len", "512", *extra]
     if store is not None:
         cmd += ["--snapshot-store", str(store)]
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://{HOST}:{port}"
     log = open(work / f"serve-{port}.log", "w")  # noqa: SIM115
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(work / f"inductor-{port}"))
     env["WARMBOOT_START_BY_COST"] = "1" if by_cost else "0"
@@ -97,7 +86,7 @@ def time_to_first_token(
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
-        healthy = _wait_healthy(proc, url, t0)
+        healthy = wait_healthy(proc, url, t0, interval_s=0.05, client=http(), probe_s=1.0)
         first = _first_token(url) - t0
         info = http().get(url + "/health").json()
         phases, compiled = _wait_compiled(url, "--enforce-eager" in extra)
@@ -145,26 +134,18 @@ def _start_metrics(text: str) -> tuple[dict[str, float], dict[str, float]]:
     return phases, graphs
 
 
-def _wait_healthy(proc: subprocess.Popen, url: str, t0: float) -> float:
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"warmboot serve exited with {proc.returncode}")
-        try:
-            if http().get(url + "/health", timeout=1).status_code == 200:
-                return time.monotonic() - t0
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() - t0 > 600:
-            raise RuntimeError("warmboot serve did not become healthy in 600 s")
-        time.sleep(0.05)
-
-
 def _first_token(url: str) -> float:
     # NOTE: with logprobs a chunk goes out for every token, even one whose text is held back:
     # a random model's tokens may decode to no text (without them, the 1.5B model's first
     # chunk came with its last token, 1.3 s later)
-    body = {"model": "m", "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True,
-            "logprobs": 1}  # fmt: skip
+    body = {
+        "model": "m",
+        "prompt": PROMPT,
+        "max_tokens": 4,
+        "temperature": 0,
+        "stream": True,
+        "logprobs": 1,
+    }
     with http().stream("POST", url + "/v1/completions", json=body) as resp:
         for line in resp.iter_lines():
             if line.startswith("data: {") and json.loads(line[6:])["choices"]:
@@ -209,29 +190,25 @@ def check_no_compile(label: str, row: dict) -> None:
 def vllm_rows(model: Path, work: Path) -> dict[str, list[dict]]:
     """``vllm serve`` (its OpenAI server, bf16) to the first token: default (compiled, with a
     cold compile cache as a new replica has) and ``--enforce-eager``."""
-    from bench.peers import vllm_cpu
+    from bench.peers import vllm_server
 
     rows = {}
     for label, eager in (("vLLM serve, --enforce-eager", True), ("vLLM serve (default)", False)):
         drop_caches()
-        got = vllm_cpu.serve_first_token(
+        got = vllm_server.serve_first_token(
             model, eager, free_port(), dtype="bfloat16", cold_compile=not eager
         )
-        rows[label] = [{"healthy_s": got["healthy_s"], "first_token_s": got["first_token_s"],
-                        "path": "vllm", "phases": {}, "compiled_graphs": {}}]  # fmt: skip
+        rows[label] = [
+            {
+                "healthy_s": got["healthy_s"],
+                "first_token_s": got["first_token_s"],
+                "path": "vllm",
+                "phases": {},
+                "compiled_graphs": {},
+            }
+        ]
         print(f"{label}: {rows[label][0]}", flush=True)
     return rows
-
-
-EAGER = "native cold boot, --enforce-eager"
-CHOSEN = tuple(f"chosen by recorded cost, {n} start" for n in ("1st", "2nd", "3rd", "4th", "5th"))
-"""``serve`` with a store as a user runs it: after the publishing boot and one tier-P restore
-are on record, the 1st start may try a local start once (which restores tier A), the 2nd a
-cold start once (only a restore of that key is on record here); from then on the figures
-decide, a close call measured again until each path has three (``snapshot.start_costs``)."""
-NEW_REPLICA = "chosen by recorded cost, new replica"
-"""This host's costs (and spare hints) deleted: only the store's record for this kind of host
-decides."""
 
 
 def bench_model(name: str, model: Path, work: Path, repeats: int, peers: bool) -> dict:
@@ -282,12 +259,8 @@ def models(names: list[str]) -> dict[str, Path]:
 
             out[name] = Path(ensure_default_model())
         elif name == "half_b":
-            from bench.coldstart import big_model
-
             out[name] = Path(big_model())
         elif name == "qwen_1_5b":
-            from bench.coldstart import qwen_1_5b
-
             out[name] = Path(qwen_1_5b())
         else:
             out[Path(name).name] = Path(name)
@@ -328,141 +301,6 @@ def main() -> None:
         else:
             shutil.rmtree(work, ignore_errors=True)
     write_report(args, results, empty, version)
-
-
-def write_report(args, results: list[dict], empty: dict, runsc: str, meta=None) -> None:
-    from bench.decode import machine
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = meta or {
-        "date": datetime.date.today().isoformat(),
-        "machine": machine(),
-        "runsc": runsc,
-        "empty_process": empty,
-        "repeats": args.repeats,
-    }
-    doc = {"meta": meta, "results": results}
-    (args.out / "process_start.json").write_text(json.dumps(doc, indent=2))
-    fixed = empty.get("restore_to_response_s", 0.0)
-    chosen = sum(label in CHOSEN for label in results[0]["runs"])
-    replica = NEW_REPLICA in results[0]["runs"]
-    lines = [
-        "# From `warmboot serve` to the first streamed token",
-        "",
-        f"{meta['date']} · {meta['machine']} · runsc {runsc} (ptrace platform) · bf16 weights "
-        "· cold page cache before every start · warmboot's bytecode compiled (as installed) "
-        "· first request: 5-token prompt, 4 tokens · "
-        "made by `python -m bench.process_start`.",
-        "",
-        "Every warmboot start has empty compiler caches (a new replica); a restore must "
-        "compile nothing (asserted: tier A every step graph an inductor cache hit from the "
-        "image's artifacts, tier P no compile phase). Those rows force their path; the next "
-        f"{chosen} let `serve` choose by the costs recorded on this machine (the 1st may "
-        "try a start outside gVisor once, the 2nd a cold start once; then the medians of "
-        "the figures decide, a close call measured again)"
-        + (
-            "; the new replica's start finds no costs on this host, only those the starts "
-            "before it kept in the store's record for this kind of host"
-            if replica
-            else ""
-        )
-        + ". Goals: the chosen path never "
-        "slower than the eager cold boot; tier P <= 3% of vLLM's default start.",
-        "",
-        f"Each warmboot row: the median of {_rounds(results)} round(s), all rows of one round "
-        "before the next (first token: median [min-max]; the path each round took, counted "
-        "where they differ); vLLM's rows ran once.",
-        "",
-        "| model | start | path reported | healthy s | first token s | vs eager cold boot "
-        "| vs vLLM default | compile phases (s) |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for res in results:
-        eager = _median(res["runs"][EAGER], "first_token_s")
-        vllm = res["runs"].get("vLLM serve (default)")
-        vllm_ft = _median(vllm, "first_token_s") if vllm else None
-        for label, rows in res["runs"].items():
-            ft = _median(rows, "first_token_s")
-            vs_vllm = f"{ft / vllm_ft:.1%}" if vllm_ft else "-"
-            phases = rows[0].get("phases", {})
-            comp = ", ".join(f"{k} {v:.2f}" for k, v in phases.items() if "compile" in k) or "-"
-            lines.append(
-                f"| {res['model']} | {label} | {_paths(rows)} | "
-                f"{_median(rows, 'healthy_s'):.2f} | {_spread(rows)} | {ft / eager:.1%} | "
-                f"{vs_vllm} | {comp} |"
-            )
-    lines += [
-        "",
-        "Floor for a tier-P restore: image + weights read at `dd` speed + runsc's fixed cost.",
-        "",
-    ]
-    lines += [
-        "| model | image MB | weights MB | dd MB/s | runsc fixed s | floor s | tier P s | × floor |"
-    ]
-    lines += ["| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for res in results:
-        floor = (res["image_bytes"] + res["weights_bytes"]) / res["dd_bytes_per_s"] + fixed
-        tp = _median(res["runs"]["tier-P restore"], "first_token_s")
-        lines.append(
-            f"| {res['model']} | {res['image_bytes'] / 1e6:.0f} | {res['weights_bytes'] / 1e6:.0f} "
-            f"| {res['dd_bytes_per_s'] / 1e6:.0f} | {fixed:.2f} | {floor:.2f} | {tp:.2f} | "
-            f"{tp / floor:.1f}× |"
-        )
-    lines += ["", "![process start](process_start.png)", ""]
-    (args.out / "process_start.md").write_text("\n".join(lines))
-    plot(args, results, meta["date"])
-
-
-def _color(label: str) -> str:
-    if label.startswith("vLLM"):
-        return "tab:red"
-    return "tab:green" if label.endswith("restore") else "tab:gray"
-
-
-def _median(rows: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in rows)
-
-
-def _rounds(results: list[dict]) -> int:
-    return max(len(rows) for res in results for rows in res["runs"].values())
-
-
-def _spread(rows: list[dict]) -> str:
-    """The first token's median, with its range over the rounds where there were several."""
-    ft = [r["first_token_s"] for r in rows]
-    mid = f"{statistics.median(ft):.2f}"
-    return mid if len(ft) == 1 else f"{mid} [{min(ft):.2f}-{max(ft):.2f}]"
-
-
-def _paths(rows: list[dict]) -> str:
-    """The path each round reported, counted where they differ."""
-    counts = collections.Counter(r["path"] for r in rows)
-    if len(counts) == 1:
-        return rows[0]["path"]
-    return ", ".join(f"{p} ×{n}" for p, n in counts.most_common())
-
-
-def plot(args, results: list[dict], date: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4.5), squeeze=False)
-    for ax, res in zip(axes[0], results, strict=True):
-        labels = list(res["runs"])
-        values = [_median(res["runs"][k], "first_token_s") for k in labels]
-        ax.barh(labels, values, color=[_color(k) for k in labels])
-        ax.invert_yaxis()
-        ax.set_xscale("log")  # NOTE: 2 s restores beside 100-190 s publishing boots
-        ax.set_xlabel("seconds from process start to first token (log scale)")
-        ax.set_title(res["model"])
-        for y, v in enumerate(values):
-            ax.text(v, y, f" {v:.1f}s", va="center")
-    fig.suptitle(f"warmboot serve start paths, {date}")
-    fig.tight_layout()
-    fig.savefig(args.out / "process_start.png", dpi=110)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -24,13 +24,13 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from bench.common import pyplot, report_meta, save_report
-from bench.decode import prompts_for, run_warmboot
+from bench.checkpoints import prompts_for
+from bench.common import OUT, pyplot, report_meta, save_report
+from bench.decode import run_warmboot
 from warmboot import LLM
 from warmboot.config import cache_root
 from warmboot.models.demo import ensure_default_model
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 VARIANTS = {  # name -> (bits, group size; None: per channel), None: the bf16 checkpoint, or
     "bf16": None,  # a quantization at load of it
     "int8": (8, None),

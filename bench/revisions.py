@@ -16,20 +16,25 @@ import hashlib
 import json
 import os
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
+# NOTE: this file runs in children against older trees: it imports nothing from bench/ at
+# module level (an older tree's bench/ may lack it), hence these two here
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks"
 PROMPT_LEN = 64
 NEW_TOKENS = 64
 BATCHES = (1, 16)
 LOOPS = ("sync", "pipelined")
-SHAPE = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6,
-             num_attention_heads=4, num_key_value_heads=2, vocab_size=8192)  # fmt: skip
+SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=8192,
+)
 
 
 def measure(model: Path, loop: str, batch: int) -> dict:
@@ -38,8 +43,13 @@ def measure(model: Path, loop: str, batch: int) -> dict:
 
     from warmboot import LLM, SamplingParams
 
-    llm = LLM(str(model), max_model_len=PROMPT_LEN + NEW_TOKENS, max_num_seqs=batch,
-              pipelined=loop == "pipelined", cpu_threads=os.cpu_count())  # fmt: skip
+    llm = LLM(
+        str(model),
+        max_model_len=PROMPT_LEN + NEW_TOKENS,
+        max_num_seqs=batch,
+        pipelined=loop == "pipelined",
+        cpu_threads=os.cpu_count(),
+    )
     g = torch.Generator().manual_seed(batch)
     vocab = SHAPE["vocab_size"]
     prompts = [
@@ -57,21 +67,18 @@ def measure(model: Path, loop: str, batch: int) -> dict:
 
 
 def make_model() -> Path:
-    from warmboot.models.demo import write_random_llama
-    from warmboot.tokenizer.train import train_tokenizer
+    from bench.checkpoints import random_llama
 
-    model = Path(tempfile.mkdtemp(prefix="wb-revs-")) / "model"
-    write_random_llama(model, **SHAPE, tie_word_embeddings=True, seed=0, dtype="float32",
-                       max_position_embeddings=PROMPT_LEN + NEW_TOKENS)  # fmt: skip
-    train_tokenizer(model, SHAPE["vocab_size"])
-    return model
+    kw = dict(tie_word_embeddings=True, max_position_embeddings=PROMPT_LEN + NEW_TOKENS)
+    return random_llama("wb-revs-", SHAPE, **kw)
 
 
 def run_child(tree: Path, model: Path, loop: str, batch: int) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(model), loop, str(batch)]
-    out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    from bench.common import child_json
+
+    return child_json(
+        [str(Path(__file__).resolve()), "--child", str(model), loop, str(batch)], tree
+    )
 
 
 def main() -> None:
@@ -89,8 +96,11 @@ def main() -> None:
 
     model = make_model()
     with revision_trees(ROOT, args.compare_rev) as trees:
-        rows = [run_setting(trees, model, loop, batch, args.repeats)
-                for loop in LOOPS for batch in BATCHES]  # fmt: skip
+        rows = [
+            run_setting(trees, model, loop, batch, args.repeats)
+            for loop in LOOPS
+            for batch in BATCHES
+        ]
     write_report(args, list(trees), rows)
 
 
@@ -113,8 +123,7 @@ def write_report(args, names: list[str], rows: list[dict]) -> None:
     from bench.common import pyplot, report_meta, save_report
 
     plt = pyplot()
-    meta = report_meta(prompt=PROMPT_LEN, new_tokens=NEW_TOKENS, repeats=args.repeats,
-                       model=SHAPE)  # fmt: skip
+    meta = report_meta(prompt=PROMPT_LEN, new_tokens=NEW_TOKENS, repeats=args.repeats, model=SHAPE)
     base = names[0]
     head = " | ".join(f"{n} tok/s" for n in names)
     lines = [
@@ -132,8 +141,10 @@ def write_report(args, names: list[str], rows: list[dict]) -> None:
     for r in rows:
         cells = " | ".join(f"{r[n]:.1f}" for n in names)
         ratio = r["current"] / r[base]
-        lines.append(f"| {r['loop']} | {r['batch']} | {cells} | {ratio:.3f} |"
-                     f" {'yes' if r['same_tokens'] else 'NO'} |")  # fmt: skip
+        lines.append(
+            f"| {r['loop']} | {r['batch']} | {cells} | {ratio:.3f} |"
+            f" {'yes' if r['same_tokens'] else 'NO'} |"
+        )
     fig, ax = plt.subplots(figsize=(6, 3.5))
     labels = [f"{r['loop']}\nbatch {r['batch']}" for r in rows]
     width = 0.8 / len(names)

@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
+# NOTE: this file runs in children against older trees: it imports nothing from bench/ at
+# module level (an older tree's bench/ may lack it), hence these two here
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks"
 BATCH = 64
@@ -95,9 +94,13 @@ def engine_tok_s() -> float:
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1)
     shape |= dict(num_attention_heads=2, num_key_value_heads=1, vocab_size=VOCAB)
     write_random_llama(
-        model, **shape, tie_word_embeddings=True, seed=0, dtype="float32",
+        model,
+        **shape,
+        tie_word_embeddings=True,
+        seed=0,
+        dtype="float32",
         max_position_embeddings=PROMPT + NEW,
-    )  # fmt: skip
+    )
     train_tokenizer(model, 4096)
     llm = LLM(
         str(model),
@@ -123,10 +126,9 @@ def engine_tok_s() -> float:
 
 
 def run_child(tree: Path, what: str):
-    env = dict(os.environ, PYTHONPATH=str(tree), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", what]
-    out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    from bench.common import child_json
+
+    return child_json([str(Path(__file__).resolve()), "--child", what], tree, OMP_NUM_THREADS="1")
 
 
 def main() -> None:
@@ -141,20 +143,15 @@ def main() -> None:
         return
     if not args.compare_rev:
         ap.error("--compare-rev is required")
-    worktree = Path(tempfile.mkdtemp(prefix="wb-rev-")) / "tree"
-    git = ["git", "-C", str(ROOT)]
-    subprocess.run([*git, "worktree", "add", "--detach", str(worktree), args.compare_rev],
-                   check=True, capture_output=True)  # fmt: skip
-    trees = {args.compare_rev: worktree, "current": ROOT}
-    try:
+    from bench.common import revision_trees
+
+    with revision_trees(ROOT, [args.compare_rev]) as trees:
         samples = {name: {"sampler": [], "engine": []} for name in trees}
         for _ in range(args.repeats):
             for name, tree in trees.items():
                 for what in ("sampler", "engine"):
                     samples[name][what].append(run_child(tree, what))
                 print(name, samples[name]["engine"][-1], flush=True)
-    finally:
-        subprocess.run([*git, "worktree", "remove", "--force", str(worktree)], check=False)
     write_report(args, list(trees), samples)
 
 
@@ -227,8 +224,13 @@ def write_report(args, names: list[str], samples: dict) -> None:
     for cfg in CONFIGS:
         sel = [r for r in rows if r["config"] == cfg]
         for n, style in ((old, "--"), (new, "-")):
-            ax.plot([r["history"] for r in sel], [r[n] for r in sel], style, marker="o",
-                    label=f"{cfg}, {n}")  # fmt: skip
+            ax.plot(
+                [r["history"] for r in sel],
+                [r[n] for r in sel],
+                style,
+                marker="o",
+                label=f"{cfg}, {n}",
+            )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("history tokens per row (prompt and output each)")
     ax.set_ylabel("sampler ms per step (batch 64)")

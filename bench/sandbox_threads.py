@@ -20,10 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import pyplot, report_meta, save_report
+from bench.common import OUT, ROOT, pyplot, report_meta, save_report
 
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "docs" / "benchmarks"
 NEW_TOKENS = 24
 
 
@@ -31,8 +29,13 @@ def child(threads: int, batch: int) -> None:
     from warmboot import LLM, SamplingParams
     from warmboot.models.demo import ensure_default_model
 
-    llm = LLM(str(ensure_default_model()), max_model_len=256, num_kv_blocks=16 * batch + 16,
-              cpu_threads=threads, pipelined=False)  # fmt: skip
+    llm = LLM(
+        str(ensure_default_model()),
+        max_model_len=256,
+        num_kv_blocks=16 * batch + 16,
+        cpu_threads=threads,
+        pipelined=False,
+    )
     prompts = [{"prompt_token_ids": [5, 6, 7, 8 + i]} for i in range(batch)]
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     llm.generate(prompts, params)  # warm

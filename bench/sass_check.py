@@ -30,6 +30,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import git_tree  # noqa: E402
 from warmboot.kernels import attention, decode, exp2  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -130,11 +131,27 @@ FWD_FLOATS = {"qk_scale", "cap_log2", "tau"}
 
 def fwd_constexprs(d: int, emu: int, warp_spec: bool) -> dict:
     return dict(
-        HQ=32, GROUP=1, SECTION=32, HEAD_DIM=d, BLOCK_D=d, BLOCK_M=128,
-        BLOCK_N=64, HAS_LEFT=False, HAS_RIGHT=True, SOFTCAP=False, EMU_DIV=emu, PAGED=False,
-        PAGE_SIZE=1, LPT=True, RETURN_LSE=True, HAS_SINKS=False, DOT_FP32=False, NUM_STAGES=3,
-        WARP_SPEC=warp_spec, INTERPRET=False,
-    )  # fmt: skip
+        HQ=32,
+        GROUP=1,
+        SECTION=32,
+        HEAD_DIM=d,
+        BLOCK_D=d,
+        BLOCK_M=128,
+        BLOCK_N=64,
+        HAS_LEFT=False,
+        HAS_RIGHT=True,
+        SOFTCAP=False,
+        EMU_DIV=emu,
+        PAGED=False,
+        PAGE_SIZE=1,
+        LPT=True,
+        RETURN_LSE=True,
+        HAS_SINKS=False,
+        DOT_FP32=False,
+        NUM_STAGES=3,
+        WARP_SPEC=warp_spec,
+        INTERPRET=False,
+    )
 
 
 def attention_kernels(arch: int, d: int) -> dict:
@@ -173,7 +190,7 @@ def decode_kernel(arch: int, d: int) -> dict:
             NUM_STAGES=3,
             INTERPRET=False,
             HAS_SINKS=False,
-        ),  # fmt: skip
+        ),
         {
             "Q": "*fp16",
             "K": "*fp16",
@@ -247,7 +264,8 @@ def main() -> int:
     failures = check(results)
     print(table(results))
     if args.json:
-        payload = {"arch": f"sm_{args.arch}", "triton": triton.__version__, "kernels": results}
+        payload = {"arch": f"sm_{args.arch}", "triton": triton.__version__, **git_tree()}
+        payload["kernels"] = results
         args.json.write_text(json.dumps(payload, indent=1))
     for f in failures:
         print("FAIL:", f)

@@ -25,9 +25,6 @@ import asyncio
 import datetime
 import json
 import os
-import signal
-import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -35,17 +32,11 @@ from pathlib import Path
 
 import httpx
 
-from bench.decode import machine
+from bench.common import OUT, machine, pyplot, report_meta, save_figure, write_json, write_page
+from bench.servers import HOST, free_port, serve_cmd, stop_group, wait_healthy
+from bench.timing import quantile
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
-ROOT = Path(__file__).resolve().parent.parent
 WORDS = "the quick brown fox jumps over a lazy dog while serverless replicas boot".split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
@@ -53,7 +44,7 @@ class Server:
 
     def __init__(self, name: str, cmd: list[str], port: int, model_id: str, extra: dict):
         self.name, self.cmd, self.port, self.model_id, self.extra = name, cmd, port, model_id, extra
-        self.url = f"http://127.0.0.1:{port}"
+        self.url = f"http://{HOST}:{port}"
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Server:
@@ -62,28 +53,15 @@ class Server:
         self.proc = subprocess.Popen(
             self.cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        t0, deadline = time.monotonic(), time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited; see {self.log.name}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} did not become healthy")
-            time.sleep(0.2)
-        self.ready_s = time.monotonic() - t0
+        try:
+            self.ready_s = wait_healthy(self.proc, self.url, timeout_s=300)
+        except RuntimeError as e:
+            raise RuntimeError(f"{self.name}: {e}; see {self.log.name}") from None
         return self
 
     def __exit__(self, *exc) -> None:
         if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            stop_group(self.proc, grace_s=20)
         self.log.close()
 
 
@@ -144,20 +122,12 @@ async def load(server: Server, concurrency: int, requests: int, max_tokens: int)
         "wall_s": wall,
         "req_per_s": len(done) / wall,
         "out_tok_per_s": tokens / wall,
-        "ttft_p50_ms": 1e3 * pct(ttft, 50),
-        "ttft_p99_ms": 1e3 * pct(ttft, 99),
-        "itl_p50_ms": 1e3 * pct(itl, 50),
-        "itl_p99_ms": 1e3 * pct(itl, 99),
+        "ttft_p50_ms": 1e3 * quantile(ttft, 50),
+        "ttft_p99_ms": 1e3 * quantile(ttft, 99),
+        "itl_p50_ms": 1e3 * quantile(itl, 50),
+        "itl_p99_ms": 1e3 * quantile(itl, 99),
         "mean_tokens": tokens / len(done),
     }
-
-
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
 SERVERS = ("warmboot", "warmboot-sync", "warmboot-inproc", "warmboot-process", "transformers")
@@ -169,8 +139,7 @@ def servers(model: str, names: list[str]) -> list[Server]:
 
     def warmboot(name: str, extra: list[str]) -> Server:
         port = free_port()
-        cmd = [py, "-m", "warmboot.cli", "serve", "--model", model, "--port", str(port)]
-        cmd += ["--served-model-name", "bench", "--dtype", "float32", *extra]
+        cmd = serve_cmd(model, port, "--served-model-name", "bench", "--dtype", "float32", *extra)
         return Server(name, cmd, port, "bench", {"ignore_eos": True})
 
     hf_port = free_port()
@@ -253,17 +222,15 @@ def offline_step_ms(model: str, tokens: int = 64) -> float:
 def write_report(args, rows: list[dict], ready: dict, offline: float | None = None) -> None:
     import transformers
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "machine": machine(),
-        "model": Path(args.model).name,
-        "max_tokens": args.max_tokens,
-        "transformers": transformers.__version__,
-        "time_to_healthy_s": ready,
-        "offline_step_ms": offline,
-    }
-    (args.out / "serve.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    meta = report_meta(
+        machine=machine(),
+        model=Path(args.model).name,
+        max_tokens=args.max_tokens,
+        transformers=transformers.__version__,
+        time_to_healthy_s=ready,
+        offline_step_ms=offline,
+    )
+    write_json(args.out / "serve.json", {"meta": meta, "rows": rows})
     by = {(r["server"], r["concurrency"]): r for r in rows}
     lines = [
         "# Serving under load: warmboot vs `transformers serve`",
@@ -314,19 +281,20 @@ def write_report(args, rows: list[dict], ready: dict, offline: float | None = No
         "![serving](serve.png)",
         "",
     ]
-    (args.out / "serve.md").write_text("\n".join(lines))
+    write_page(args.out / "serve.md", lines, meta, end="")
     plot(args, by)
 
 
 def plot(args, by: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    colors = {"warmboot": "tab:blue", "warmboot-sync": "tab:cyan", "warmboot-inproc": "tab:green",
-              "warmboot-process": "tab:red", "transformers": "tab:gray"}  # fmt: skip
+    colors = {
+        "warmboot": "tab:blue",
+        "warmboot-sync": "tab:cyan",
+        "warmboot-inproc": "tab:green",
+        "warmboot-process": "tab:red",
+        "transformers": "tab:gray",
+    }
     for name, color in colors.items():
         cs = [c for c in args.concurrency if (name, c) in by]
         axes[0].plot(cs, [by[(name, c)]["out_tok_per_s"] for c in cs], "o-", c=color, label=name)
@@ -339,9 +307,7 @@ def plot(args, by: dict) -> None:
         ax.set_title(title)
         ax.legend()
     fig.suptitle(f"serving, {Path(args.model).name}, {datetime.date.today().isoformat()}")
-    fig.tight_layout()
-    fig.savefig(args.out / "serve.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, args.out / "serve.png", dpi=110)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 ``vllm bench serve`` client, same model, same run.
 
 Both engines at their defaults but bfloat16 (``warmboot serve --dtype bfloat16``; vLLM's
-OpenAI server from ``bench/peers/vllm_cpu.py``: compiled, its own thread binding, 2 GiB of
+OpenAI server from ``bench/peers/vllm_server.py``: compiled, its own thread binding, 2 GiB of
 KV cache). One server runs at a time (the other is stopped: the machine may have 2 cores).
 Each round starts each engine in turn (the order alternates from round to round), waits for
 ``/health``, for warmboot waits for its background compile (``/metrics`` until
@@ -37,7 +37,6 @@ import asyncio
 import json
 import os
 import re
-import shlex
 import signal
 import statistics
 import subprocess
@@ -48,17 +47,14 @@ from pathlib import Path
 
 import httpx
 
-from bench.common import pyplot, report_meta, save_report
-from bench.engine_process import measured
-from bench.peers import vllm_cpu
-from bench.serve import WORDS, free_port
+from bench.common import OUT, ROOT
+from bench.peers import vllm_cpu, vllm_server
+from bench.serve import WORDS
+from bench.serve_vllm_report import ENGINES, KEEP, summarise, versions, write_report
+from bench.servers import HOST, free_port, serve_cmd, stop_group, wait_healthy
+from bench.timing import measured
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
-ROOT = Path(__file__).resolve().parent.parent
-ENGINES = ("warmboot", "vllm")
 NAMES = {"warmboot": "bench", "vllm": vllm_cpu._SERVED_NAME}
-GOAL = 1.2
-"""Goal of the issue: warmboot's output tokens/s at least this many times vLLM's."""
 
 # NOTE: `vllm bench serve`, started without the broken console script (see the docstring)
 _CLIENT = r"""
@@ -69,17 +65,6 @@ sys.argv = ["vllm", "bench", "serve", *sys.argv[1:]]
 from vllm.entrypoints.cli.main import main
 main()
 """
-# Numbers kept from the client's result (the median and p50 are the same number; p99 too)
-KEEP = (
-    "completed", "failed", "duration", "total_input_tokens", "total_output_tokens",
-    "request_throughput", "output_throughput", "total_token_throughput",
-    "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms",
-    "median_tpot_ms", "p99_tpot_ms", "mean_tpot_ms",
-    "median_itl_ms", "p99_itl_ms", "mean_itl_ms",
-    "median_e2el_ms", "p99_e2el_ms",
-)  # fmt: skip
-
-
 # --- servers ------------------------------------------------------------------------------
 
 
@@ -89,7 +74,7 @@ class Engine:
     def __init__(self, name: str, model: str, log_dir: Path):
         self.name, self.model, self.log_dir = name, model, log_dir
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{HOST}:{self.port}"
         self.served = NAMES[name]
         self.proc: subprocess.Popen | None = None
         self.info: dict = {}
@@ -98,7 +83,7 @@ class Engine:
         """Start the server; seconds until ``/health`` answered 200."""
         t0 = time.monotonic()
         if self.name == "vllm":
-            self.proc = vllm_cpu.start_server(
+            self.proc = vllm_server.start_server(
                 self.model, self.port, dtype="bfloat16", timeout_s=1800
             )
             log = self.proc.log  # type: ignore[attr-defined]
@@ -109,8 +94,7 @@ class Engine:
         return time.monotonic() - t0
 
     def _start_warmboot(self) -> None:
-        cmd = [sys.executable, "-m", "warmboot.cli", "serve", "--model", self.model]
-        cmd += ["--port", str(self.port), "--served-model-name", self.served]
+        cmd = serve_cmd(self.model, self.port, "--served-model-name", self.served)
         cmd += ["--dtype", "bfloat16"]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_NO_ADVISORY_WARNINGS": "1"}
         log = self.log_dir / f"warmboot-{self.port}.log"
@@ -119,20 +103,11 @@ class Engine:
             self.proc = subprocess.Popen(
                 cmd, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT
             )
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None:
-                why = f"warmboot serve exited ({self.proc.returncode}); log {log}:\n"
-                raise RuntimeError(why + vllm_cpu._tail(log))
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"warmboot serve not healthy after 600 s; log {log}")
-            time.sleep(0.2)
+        try:
+            wait_healthy(self.proc, self.url, timeout_s=600)
+        except RuntimeError as e:
+            self.stop()
+            raise RuntimeError(f"warmboot serve: {e}; log {log}:\n{vllm_cpu._tail(log)}") from None
 
     def wait_compiled(self, timeout_s: float) -> dict:
         """warmboot: poll ``/metrics`` until the background compile is done (compiled steps
@@ -155,7 +130,7 @@ class Engine:
 
     def stop(self) -> None:
         if self.proc is not None:
-            vllm_cpu._kill_group(self.proc)  # NOTE: the whole group: vLLM's engine core too
+            stop_group(self.proc)  # NOTE: the whole group: vLLM's engine core too
             self.proc = None
 
     def __enter__(self) -> Engine:
@@ -213,11 +188,11 @@ def run_client(args, engine: Engine, c: int, seed: int, raw: Path, timeout_s: fl
         try:
             rc, foreign = measured(lambda: proc.wait(timeout=timeout_s))
         except subprocess.TimeoutExpired:
-            vllm_cpu._kill_group(proc)
+            stop_group(proc)
             raise RuntimeError(f"vllm bench serve ran past {timeout_s} s; log {log}") from None
         finally:
             if proc.poll() is None:
-                vllm_cpu._kill_group(proc)
+                stop_group(proc)
     out = raw / f"{stem}.json"
     if rc != 0 or not out.exists():
         raise RuntimeError(f"vllm bench serve failed ({rc}); log {log}:\n{vllm_cpu._tail(log)}")
@@ -240,7 +215,7 @@ def offline_steps(args, batches: list[int]) -> dict[str, dict[int, float]]:
     """Each engine's offline decode step (ms) at each batch: a ``output_len``-token greedy
     generation less a 1-token one (the prefill), per decode step; median of 3, prompts of
     ``input_len`` random tokens, the prefix cache reset before each."""
-    from bench.decode import prompts_for
+    from bench.checkpoints import prompts_for
 
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     prompts = {b: prompts_for(b, args.input_len, vocab, seed=b) for b in batches}
@@ -324,7 +299,7 @@ def main() -> None:
     raw = Path(tempfile.mkdtemp(prefix="serve_vllm-"))
     print(f"raw client results and logs: {raw}", flush=True)
 
-    versions = _versions()  # NOTE: before the offline LLM sets this process's torch threads
+    found = versions()  # NOTE: before the offline LLM sets this process's torch threads
     offline = {} if args.no_offline else offline_steps(args, args.concurrency)
     rows, starts = [], []
     for r in range(args.rounds):
@@ -349,163 +324,7 @@ def main() -> None:
                     if row["failed"]:
                         print(f"{row['failed']} requests failed: {row['first_error']}")
     summary = summarise(args, rows, offline)
-    write_report(args, rows, starts, summary, offline, raw, versions)
-
-
-def _med(rows: list[dict], key: str) -> float | None:
-    vals = [r[key] for r in rows if r.get(key) is not None]
-    return statistics.median(vals) if vals else None
-
-
-def summarise(args, rows: list[dict], offline: dict) -> list[dict]:
-    """Per concurrency and engine: the median over rounds; then the ratios."""
-    out = []
-    for c in args.concurrency:
-        entry: dict = {"concurrency": c}
-        for e in args.engines:
-            pick = [r for r in rows if r["engine"] == e and r["concurrency"] == c]
-            med = {k: _med(pick, k) for k in (*KEEP, "tokens_per_chunk", "foreign_cores")}
-            step = offline.get(e, {}).get(c)
-            med["offline_step_ms"] = step
-            itl = med["median_itl_ms"]
-            med["itl_p50_vs_offline"] = itl / step if itl and step else None
-            entry[e] = med
-        if all(e in entry for e in ENGINES):
-            w, v = entry["warmboot"], entry["vllm"]
-            entry["tok_s_ratio"] = _ratio(w["output_throughput"], v["output_throughput"])
-            entry["itl_p50_ratio"] = _ratio(w["median_itl_ms"], v["median_itl_ms"])
-            entry["tpot_p50_ratio"] = _ratio(w["median_tpot_ms"], v["median_tpot_ms"])
-            entry["ttft_p50_ratio"] = _ratio(w["median_ttft_ms"], v["median_ttft_ms"])
-        out.append(entry)
-    return out
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _f(v, fmt: str = "{:.1f}") -> str:
-    return "-" if v is None else fmt.format(v)
-
-
-def _versions() -> dict:
-    import warmboot
-    from bench.decode import machine
-
-    code = "import importlib.metadata as m; print(m.version('vllm-cpu'), m.version('torch'))"
-    peer = subprocess.run(
-        [str(vllm_cpu._python()), "-c", code], capture_output=True, text=True,
-        env=vllm_cpu.peer_env(),
-    )  # fmt: skip
-    vllm_v, vllm_torch = (peer.stdout.split() + ["?", "?"])[:2]
-    git = ["git", "-C", str(ROOT), "describe", "--always", "--dirty"]
-    out = {"machine_detail": machine(), "warmboot": warmboot.__version__}
-    out["git"] = subprocess.run(git, capture_output=True, text=True).stdout.strip()
-    return out | {"vllm": vllm_v, "vllm_torch": vllm_torch}
-
-
-def write_report(args, rows, starts, summary, offline, raw: Path, versions: dict) -> None:
-    cmdline = "python -m bench.serve_vllm " + shlex.join(sys.argv[1:])
-    meta = report_meta(
-        **versions, model=Path(args.model).name, input_len=args.input_len,
-        output_len=args.output_len, rounds=args.rounds, num_prompts=args.num_prompts,
-        temperature=args.temperature, seed=args.seed, command=cmdline, raw_dir=str(raw),
-        offline_step_ms=offline, starts=starts, summary=summary,
-    )  # fmt: skip
-    temp = {0: "greedy", None: "the servers' default sampling"}.get(
-        args.temperature, f"temperature {args.temperature}"
-    )
-    n = f"{args.num_prompts} prompts" if args.num_prompts else "max(8, 4×C) prompts"
-    lines = [
-        "# Serving: warmboot vs vLLM's CPU build, measured with `vllm bench serve`",
-        "",
-        f"{meta['date']} · {meta['machine']} · {meta['machine_detail']} · warmboot "
-        f"{meta['warmboot']} ({meta['git']}) · vllm-cpu {meta['vllm']} (torch "
-        f"{meta['vllm_torch']}) · model `{meta['model']}`, bfloat16, both engines at their "
-        f"defaults otherwise · client: `vllm bench serve --backend openai`, random dataset "
-        f"{args.input_len} in / {args.output_len} out, EOS ignored, {temp}, {n} per run, "
-        f"`--max-concurrency C` · median of {args.rounds} round(s) (engines alternated, one "
-        f"server up at a time) · `{cmdline}`",
-        "",
-        "| C | engine | req/s | out tok/s | TTFT p50 / p99 ms | TPOT p50 / p99 ms "
-        "| ITL p50 / p99 ms | tok/chunk | offline step ms | ITL p50 / offline |",
-        "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for entry in summary:
-        for e in args.engines:
-            m = entry[e]
-            lines.append(
-                f"| {entry['concurrency']} | {e} | {_f(m['request_throughput'], '{:.2f}')} | "
-                f"{_f(m['output_throughput'])} | {_f(m['median_ttft_ms'], '{:.0f}')} / "
-                f"{_f(m['p99_ttft_ms'], '{:.0f}')} | {_f(m['median_tpot_ms'])} / "
-                f"{_f(m['p99_tpot_ms'])} | {_f(m['median_itl_ms'])} / {_f(m['p99_itl_ms'])} | "
-                f"{_f(m['tokens_per_chunk'], '{:.2f}')} | {_f(m['offline_step_ms'])} | "
-                f"{_f(m['itl_p50_vs_offline'], '{:.2f}×')} |"
-            )
-    if any("tok_s_ratio" in e for e in summary):
-        lines += [
-            "",
-            f"warmboot / vLLM (goal: output tok/s ≥ {GOAL}×; latencies below 1 are shorter):",
-            "",
-            "| C | out tok/s | ITL p50 | TPOT p50 | TTFT p50 | goal met |",
-            "| ---: | ---: | ---: | ---: | ---: | --- |",
-        ]
-        for e in summary:
-            met = "-" if e["tok_s_ratio"] is None else ("yes" if e["tok_s_ratio"] >= GOAL else "no")
-            lines.append(
-                f"| {e['concurrency']} | {_f(e['tok_s_ratio'], '{:.2f}×')} | "
-                f"{_f(e['itl_p50_ratio'], '{:.2f}×')} | {_f(e['tpot_p50_ratio'], '{:.2f}×')} | "
-                f"{_f(e['ttft_p50_ratio'], '{:.2f}×')} | {met} |"
-            )
-    healthy = {e: _med([s for s in starts if s["engine"] == e], "healthy_s") for e in args.engines}
-    lines += [
-        "",
-        "ITL: the client's gap between streamed chunks (tok/chunk: output tokens per chunk; "
-        "above 1 an ITL spans several tokens); TPOT: (latency − TTFT) / (tokens − 1). Offline "
-        f"step: the engine's offline `LLM` at batch C, ({args.output_len}-token generation − "
-        f"1-token one) / {args.output_len - 1}. The client shares the machine with the server. "
-        "Time to a healthy `/health` (median): "
-        + ", ".join(f"{e} {_f(v)} s" for e, v in healthy.items())
-        + ".",
-        "",
-        "![serving vs vLLM](serve_vllm.png)",
-    ]
-    save_report(args.out, "serve_vllm", meta, rows, lines, plot(args, summary))
-
-
-def plot(args, summary: list[dict]):
-    plt = pyplot()
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    colors = {"warmboot": "tab:blue", "vllm": "tab:orange"}
-    cs = [e["concurrency"] for e in summary]
-    for name in args.engines:
-        col = colors[name]
-        tok = [e[name]["output_throughput"] for e in summary]
-        itl = [e[name]["median_itl_ms"] for e in summary]
-        axes[0].plot(cs, tok, "o-", c=col, label=name)
-        axes[1].plot(cs, itl, "o-", c=col, label=f"{name} ITL p50")
-        step = [e[name]["offline_step_ms"] for e in summary]
-        if any(s is not None for s in step):
-            axes[1].plot(cs, step, "x--", c=col, label=f"{name} offline step")
-    ratios = [e.get("tok_s_ratio") for e in summary]
-    if any(r is not None for r in ratios):
-        axes[2].plot(cs, ratios, "o-", c="tab:blue", label="warmboot / vLLM")
-        axes[2].axhline(GOAL, ls="--", c="gray", label=f"goal {GOAL}×")
-        axes[2].axhline(1.0, ls=":", c="gray")
-    titles = ("output tokens/s", "inter-token latency p50 (ms)", "output tok/s, warmboot / vLLM")
-    for ax, title in zip(axes, titles, strict=True):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(cs, [str(c) for c in cs])
-        ax.set_xlabel("concurrency (vllm bench serve --max-concurrency)")
-        ax.set_title(title)
-        ax.set_ylim(bottom=0)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend()
-    name = Path(args.model).name
-    fig.suptitle(
-        f"serving, {name} bf16, vllm bench serve {args.input_len} in / {args.output_len} out"
-    )
-    return fig
+    write_report(args, rows, starts, summary, offline, raw, found)
 
 
 if __name__ == "__main__":

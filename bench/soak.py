@@ -33,19 +33,27 @@ import urllib.request
 from collections import Counter
 from pathlib import Path
 
-from bench.fairness import Warmboot, chat, dumps, exchange, json_schema, post
+from bench.common import OUT, report_meta, save_report
+from bench.fairness import Warmboot
+from bench.fairness_loads import chat, json_schema
+from bench.rawhttp import dumps, exchange, post
+from bench.soak_report import plot, report_lines, summary
 
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "docs" / "benchmarks"
 LIMIT_S = 60.0
 """A request with no complete answer by then is abandoned."""
 MODEL_ID = "soak"
 KINDS = {"small": 30, "long": 10, "chat+tools": 20, "abandoned stream": 15, "bad": 15, "schema": 10}
 TOOLS = [
-    {"type": "function", "function": {"name": f"t{k}", "description": "a tool", "parameters": {
-        "type": "object", "properties": {"x": {"type": "string"}}}}}
+    {
+        "type": "function",
+        "function": {
+            "name": f"t{k}",
+            "description": "a tool",
+            "parameters": {"type": "object", "properties": {"x": {"type": "string"}}},
+        },
+    }
     for k in range(3)
-]  # fmt: skip
+]
 GAUGES = {
     "kv_pool_mb": "warmboot_kv_cache_bytes",
     "grammar_mb": "warmboot_grammar_cache_bytes",
@@ -61,8 +69,12 @@ class Server(Warmboot):
     def __init__(self, args):
         from warmboot.models.demo import ensure_default_model
 
-        serve = argparse.Namespace(dtype=args.dtype, max_model_len=args.max_model_len,
-                                   eager=False, warmboot_args=args.serve_args)  # fmt: skip
+        serve = argparse.Namespace(
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            eager=False,
+            warmboot_args=args.serve_args,
+        )
         super().__init__(args.model or ensure_default_model(), serve)
         self.start()
 
@@ -96,8 +108,9 @@ def kv_resident_mb(smaps: str, pool_bytes: float) -> float | None:
     """The resident MB of the KV pool in one ``smaps`` text: the smallest anonymous mapping at
     least the pool's size and under 5 % larger (the pool plus its scratch block)."""
     best = None
-    for head, body in re.findall(r"^([0-9a-f]+-[0-9a-f]+ [^\n]*)\n((?:[A-Z]\w*:[^\n]*\n)+)",
-                                 smaps, re.M):  # fmt: skip
+    for head, body in re.findall(
+        r"^([0-9a-f]+-[0-9a-f]+ [^\n]*)\n((?:[A-Z]\w*:[^\n]*\n)+)", smaps, re.M
+    ):
         fields = head.split()
         start, end = (int(x, 16) for x in fields[0].split("-"))
         if len(fields) > 5 or not pool_bytes <= end - start <= pool_bytes * 1.05:
@@ -144,8 +157,12 @@ def request(kind: str, k: int) -> tuple[bytes, bytes, int]:
         fmt = json_schema({"type": "object", "properties": props})
         body = dumps(chat(MODEL_ID, max_tokens=16, response_format=fmt))
         return post("/v1/chat/completions", body), body, 0
-    bad = [b"{", dumps({"model": "nope", "prompt": "x"}), dumps(prompt | {"max_tokens": -5}),
-           dumps({"model": MODEL_ID})]  # fmt: skip
+    bad = [
+        b"{",
+        dumps({"model": "nope", "prompt": "x"}),
+        dumps(prompt | {"max_tokens": -5}),
+        dumps({"model": MODEL_ID}),
+    ]
     return post("/v1/completions", bad[k % len(bad)]), bad[k % len(bad)], 0
 
 
@@ -209,8 +226,10 @@ class Soak:
         """Distinct prompts of ``max_model_len`` random ids, 2 at a time, until the KV pool's
         mapping is resident (none where it is not found: a GPU, an older server)."""
         self.phase, rng, slot = "fill", random.Random(0), threading.Semaphore(2)
-        vocab = min(json.loads(fetch(self.server.addr, "/tokenizer_info") or "{}").get(
-            "vocab_size", 1000), 32000)  # fmt: skip
+        vocab = min(
+            json.loads(fetch(self.server.addr, "/tokenizer_info") or "{}").get("vocab_size", 1000),
+            32000,
+        )
         deadline = time.monotonic() + self.args.fill_minutes * 60
         while time.monotonic() < deadline and self.server.proc.poll() is None:
             last = self.samples[-1] if self.samples else {}
@@ -255,8 +274,9 @@ class Soak:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     add = ap.add_argument
     add("--minutes", type=float, default=30.0, help="the mixed workload, warm-up included")
     add("--warmup-minutes", type=float, default=5.0)
@@ -279,9 +299,6 @@ def main() -> None:
 
 
 def run(args) -> dict:
-    from bench.common import report_meta, save_report
-    from bench.soak_report import plot, report_lines, summary
-
     server = Server(args)
     budget_s = (args.fill_minutes * (not args.no_fill) + args.minutes + 2) * 60
 
@@ -300,9 +317,12 @@ def run(args) -> dict:
         watchdog.cancel()
         server.stop()
     res = summary(soak.samples, soak.marks, soak.counts) | {"server_survived": alive}
-    meta = report_meta(command="python -m bench.soak " + shlex.join(sys.argv[1:]), mix=KINDS,
-                       server=shlex.join(["warmboot", *server.cmd[3:]]),
-                       args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()})  # fmt: skip
+    meta = report_meta(
+        command="python -m bench.soak " + shlex.join(sys.argv[1:]),
+        mix=KINDS,
+        server=shlex.join(["warmboot", *server.cmd[3:]]),
+        args={k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    )
     save_report(args.out, "soak", meta, res, report_lines(meta, res), plot(meta, res))
     return res
 

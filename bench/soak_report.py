@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from bench.common import pyplot
+
 
 def slope(points: list[tuple[float, float]]) -> float | None:
     """Least-squares MB per minute of ``(seconds, MB)`` points."""
@@ -40,10 +42,14 @@ def summary(samples: list[dict], marks: dict, counts: dict) -> dict:
 
 def report_lines(meta: dict, res: dict) -> list[str]:
     a = meta["args"]
-    rows = [f"| {name} | {p['t'] / 60:.1f} | {p['rss_mb']} | {p['kv_mb']} | {p['rest_mb']} | "
-            f"{p['grammars'] or 0:g} ({p['grammar_mb'] or 0:g} MB) |" for name, p in res["points"].items()]  # fmt: skip
-    reqs = "; ".join(f"{k}: " + ", ".join(f"{c} x{n}" for c, n in v.items())
-                     for k, v in res["requests"].items())  # fmt: skip
+    rows = [
+        f"| {name} | {p['t'] / 60:.1f} | {p['rss_mb']} | {p['kv_mb']} | {p['rest_mb']} | "
+        f"{p['grammars'] or 0:g} ({p['grammar_mb'] or 0:g} MB) |"
+        for name, p in res["points"].items()
+    ]
+    reqs = "; ".join(
+        f"{k}: " + ", ".join(f"{c} x{n}" for c, n in v.items()) for k, v in res["requests"].items()
+    )
     return [
         f"# Soak: warmboot serve, {a['minutes']:g} min of mixed load",
         "",
@@ -80,7 +86,6 @@ def report_lines(meta: dict, res: dict) -> list[str]:
 
 
 def plot(meta: dict, res: dict):
-    from bench.common import pyplot
 
     fig, (top, low) = pyplot().subplots(2, 1, figsize=(8, 6), sharex=True, height_ratios=(3, 1))
     s = res["samples"]
@@ -92,9 +97,11 @@ def plot(meta: dict, res: dict):
         ax.axvspan(0, res["fill_end_s"] / 60, color="tab:orange", alpha=0.12)
         ax.axvspan(res["fill_end_s"] / 60, res["warm_end_s"] / 60, color="gray", alpha=0.12)
     top.set(ylabel="MB", ylim=(0, None))
-    top.set_title(f"warmboot soak (shaded: fill, warm-up); after the warm-up "
-                  f"{res['slope_mb_per_min']} MB/min · {meta['machine']} · {meta['date']}",
-                  fontsize=8)  # fmt: skip
+    top.set_title(
+        f"warmboot soak (shaded: fill, warm-up); after the warm-up "
+        f"{res['slope_mb_per_min']} MB/min · {meta['machine']} · {meta['date']}",
+        fontsize=8,
+    )
     top.legend(fontsize=8)
     low.plot(mins, [x.get("grammars", 0) for x in s], color="tab:green", label="grammars cached")
     low.set(ylabel="grammars", xlabel="minutes")

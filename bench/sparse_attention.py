@@ -22,19 +22,16 @@ the ratios. Writes
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from pathlib import Path
 
 import torch
 
-from bench.common import pyplot, report_meta, save_report
+from bench.common import OUT, pyplot, report_meta, save_report
+from bench.timing import median_of
 from warmboot.kernels.backend import AttentionMetadata, AttentionSpec
 from warmboot.kernels.sparse_attention import indexed
 from warmboot.kernels.step_ops import StepContext
 from warmboot.kernels.torch_attention import TorchAttentionBackend
 
-OUT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks"
 HEADS, ENTRY, INDEX_HEADS, INDEX_DIM, TOPK, BLOCK = 16, 576, 64, 128, 2048, 16
 DTYPE = torch.bfloat16
 
@@ -58,21 +55,11 @@ def _step(batch: int, context: int) -> tuple[StepContext, tuple]:
     return ctx, (q, entry, entry, iq, ik, iw)
 
 
-def _time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure(batch: int, context: int, repeats: int) -> dict:
     ctx, (q, k, v, iq, ik, iw) = _step(batch, context)
-    dense = _time(lambda: ctx.attend(0, q, k, v), repeats)
+    dense = median_of(lambda: ctx.attend(0, q, k, v), repeats)
     how = (TOPK, 0, 0, False)
-    sparse = _time(lambda: indexed(ctx, 0, q, k, v, iq, ik, iw, how), repeats)
+    sparse = median_of(lambda: indexed(ctx, 0, q, k, v, iq, ik, iw, how), repeats)
     return dict(batch=batch, context=context, dense_ms=dense * 1e3, sparse_ms=sparse * 1e3)
 
 
@@ -92,7 +79,7 @@ def measure_chunk(batch: int, context: int, repeats: int, chunk: int = 8192) -> 
         ("chunked", AttentionSpec(0.088, chunk=chunk)),
     ):
         ctx = StepContext(TorchAttentionBackend(), [(k_pages, v_pages)], meta, [spec])
-        times[name] = _time(lambda ctx=ctx: ctx.attend(0, q, k, v), repeats) * 1e3
+        times[name] = median_of(lambda ctx=ctx: ctx.attend(0, q, k, v), repeats) * 1e3
     return dict(batch=batch, context=context, full_ms=times["full"], chunked_ms=times["chunked"])
 
 

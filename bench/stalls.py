@@ -12,10 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -23,8 +21,10 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parent.parent
-OUT = ROOT / "docs" / "benchmarks"
+from bench.common import OUT, ROOT, md_table, pyplot, report_meta, revision_trees, save_report
+from bench.servers import HOST, free_port, serve_cmd, wait_healthy
+from bench.timing import timed
+
 MODEL = "bench"
 
 
@@ -36,31 +36,19 @@ def nested_schema(depth: int) -> dict:
 
 
 def serve(tree: Path, model: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
+    cmd = serve_cmd(model, port, "--served-model-name", MODEL, "--sandbox", "none")
     env = dict(os.environ, PYTHONPATH=str(tree))
-    cmd = [sys.executable, "-m", "warmboot.cli", "serve", "--model", str(model), "--port",
-           str(port), "--served-model-name", MODEL, "--sandbox", "none"]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, cwd=tree, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"{tree}: the server did not become ready")
-
-
-def timed(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    url = f"http://{HOST}:{port}"
+    try:
+        wait_healthy(proc, url, timeout_s=120)
+    except RuntimeError:
+        proc.kill()
+        raise RuntimeError(f"{tree}: the server did not become ready") from None
+    return proc, url
 
 
 def latencies(url: str) -> dict[str, float]:
@@ -73,14 +61,24 @@ def latencies(url: str) -> dict[str, float]:
 def under_load(url: str) -> dict[str, float]:
     huge = {"model": MODEL, "prompt": "word " * 700_000, "max_tokens": 1}
     fmt = {"type": "json_schema", "json_schema": {"name": "d", "schema": nested_schema(200)}}
-    slow = {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
-            "response_format": fmt}  # fmt: skip
+    slow = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 1,
+        "response_format": fmt,
+    }
     heavy = [
-        threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
-                         kwargs={"json": huge, "timeout": 300}),
-        threading.Thread(target=httpx.post, args=(url + "/v1/chat/completions",),
-                         kwargs={"json": slow, "timeout": 300}),
-    ]  # fmt: skip
+        threading.Thread(
+            target=httpx.post,
+            args=(url + "/v1/completions",),
+            kwargs={"json": huge, "timeout": 300},
+        ),
+        threading.Thread(
+            target=httpx.post,
+            args=(url + "/v1/chat/completions",),
+            kwargs={"json": slow, "timeout": 300},
+        ),
+    ]
     for t in heavy:
         t.start()
     time.sleep(0.3)
@@ -100,8 +98,11 @@ def measure_tree(tree: Path, model: Path, repeats: int) -> dict:
         proc.terminate()
         proc.wait(timeout=30)
     med = lambda rows, k: statistics.median(r[k] for r in rows)  # noqa: E731
-    return {f"{phase}_{k}": med(rows, k) for phase, rows in (("idle", idle), ("busy", busy))
-            for k in ("health", "one_token")}  # fmt: skip
+    return {
+        f"{phase}_{k}": med(rows, k)
+        for phase, rows in (("idle", idle), ("busy", busy))
+        for k in ("health", "one_token")
+    }
 
 
 def prompt_logprobs_cost(model: Path, repeats: int) -> list[dict]:
@@ -112,8 +113,9 @@ def prompt_logprobs_cost(model: Path, repeats: int) -> list[dict]:
 
     llm = LLM(str(model), max_model_len=1024, max_num_seqs=8, enable_prefix_caching=False)
     g = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_token_ids": torch.randint(1, 4096, (512,), generator=g).tolist()}
-               for _ in range(8)]  # fmt: skip
+    prompts = [
+        {"prompt_token_ids": torch.randint(1, 4096, (512,), generator=g).tolist()} for _ in range(8)
+    ]
     rows = []
     for k in (None, 0, 5):
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=k)
@@ -134,15 +136,16 @@ def main() -> None:
     if args.replot is not None:
         data = json.loads(args.replot.read_text())
         args.repeats = data["repeats"]
-        write_report(args, data["rows"]["servers"], data["rows"]["prompt_logprobs"])
+        meta = {k: v for k, v in data.items() if k != "rows"}
+        write_report(args, data["rows"]["servers"], data["rows"]["prompt_logprobs"], meta)
         return
-    from bench.common import revision_trees
     from tests.server_harness import small_llama
 
     model = small_llama(Path(tempfile.mkdtemp(prefix="wb-stalls-")) / "model")
     with revision_trees(ROOT, args.compare_rev) as trees:
-        rows = [{"tree": name} | measure_tree(tree, model, args.repeats)
-                for name, tree in trees.items()]  # fmt: skip
+        rows = [
+            {"tree": name} | measure_tree(tree, model, args.repeats) for name, tree in trees.items()
+        ]
     for r in rows:
         print(r, flush=True)
     cost = prompt_logprobs_cost(model, args.repeats)
@@ -150,11 +153,10 @@ def main() -> None:
     write_report(args, rows, cost)
 
 
-def write_report(args, rows: list[dict], cost: list[dict]) -> None:
-    from bench.common import pyplot, report_meta, save_report
-
+def write_report(args, rows: list[dict], cost: list[dict], meta: dict | None = None) -> None:
+    """The page; ``meta``: a replotted run's (its date, machine and tree), else this run's."""
     plt = pyplot()
-    meta = report_meta(repeats=args.repeats)
+    meta = meta or report_meta(repeats=args.repeats)
     lines = [
         "# Stalls and prompt log-probabilities",
         "",
@@ -164,25 +166,35 @@ def write_report(args, rows: list[dict], cost: list[dict]) -> None:
         " completion, idle and while a 3.5 MB prompt and a JSON schema nested 200 deep are being"
         f" handled; median of {args.repeats}.",
         "",
-        "| tree | health idle | 1 token idle | health under load | 1 token under load |",
-        "| --- | ---: | ---: | ---: | ---: |",
     ]
-    for r in rows:
-        lines.append(f"| {r['tree']} | {r['idle_health']:.3f} | {r['idle_one_token']:.3f} |"
-                     f" {r['busy_health']:.3f} | {r['busy_one_token']:.3f} |")  # fmt: skip
-    lines += ["", "Prompt log-probabilities in the prefill (this tree, offline, 8 prompts of 512"
-              " tokens, max_tokens=1):", "", "| prompt_logprobs | seconds | vs none |",
-              "| --- | ---: | ---: |"]  # fmt: skip
-    for c in cost:
-        lines.append(f"| {c['prompt_logprobs']} | {c['s']:.3f} | {c['ratio']:.2f} |")
+    keys = ("idle_health", "idle_one_token", "busy_health", "busy_one_token")
+    lines += md_table(
+        ["tree", "health idle", "1 token idle", "health under load", "1 token under load"],
+        "lrrrr",
+        [[r["tree"], *(f"{r[k]:.3f}" for k in keys)] for r in rows],
+    )
+    lines += [
+        "",
+        "Prompt log-probabilities in the prefill (this tree, offline, 8 prompts of 512"
+        " tokens, max_tokens=1):",
+        "",
+    ]
+    lines += md_table(
+        ["prompt_logprobs", "seconds", "vs none"],
+        "lrr",
+        [[c["prompt_logprobs"], f"{c['s']:.3f}", f"{c['ratio']:.2f}"] for c in cost],
+    )
     fig, ax = plt.subplots(figsize=(6.5, 3.5))
     keys = ("idle_health", "busy_health", "idle_one_token", "busy_one_token")
     width = 0.8 / len(rows)
     for i, r in enumerate(rows):
-        ax.bar([j + i * width for j in range(len(keys))], [r[k] for k in keys], width,
-               label=r["tree"])  # fmt: skip
-    ax.set_xticks([j + width * (len(rows) - 1) / 2 for j in range(len(keys))],
-                  [k.replace("_", " ").replace("busy", "under load") for k in keys])  # fmt: skip
+        ax.bar(
+            [j + i * width for j in range(len(keys))], [r[k] for k in keys], width, label=r["tree"]
+        )
+    ax.set_xticks(
+        [j + width * (len(rows) - 1) / 2 for j in range(len(keys))],
+        [k.replace("_", " ").replace("busy", "under load") for k in keys],
+    )
     ax.set_yscale("log")
     ax.set_ylabel("seconds (log)")
     ax.set_title(f"/health and a 1-token request beside heavy ones, {meta['date']}")

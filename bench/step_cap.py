@@ -18,16 +18,17 @@ import random
 import time
 from pathlib import Path
 
-from bench.common import pyplot, report_meta, save_report
+from bench.common import OUT, pyplot, report_meta, save_report
 
-ROOT = Path(__file__).resolve().parent.parent
 CAPS = (0.0, 100.0, 250.0, 500.0)
 
 
 def prompts(count: int, length: int, seed: int) -> list[dict]:
     rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(length)]}
-            for _ in range(count)]  # fmt: skip
+    return [
+        {"prompt_token_ids": [rng.randrange(100, 20000) for _ in range(length)]}
+        for _ in range(count)
+    ]
 
 
 def timed_steps(llm) -> list[float]:
@@ -56,16 +57,26 @@ def scenario(llm, batch: list[dict], max_tokens: int) -> dict:
     took = time.perf_counter() - t0
     tokens = sum(len(p["prompt_token_ids"]) for p in batch)
     steps.sort()
-    return {"seconds": round(took, 2), "prompt_tok_s": round(tokens / took, 1),
-            "steps": len(steps), "step_max_ms": round(1000 * steps[-1], 1),
-            "step_p50_ms": round(1000 * steps[len(steps) // 2], 1)}  # fmt: skip
+    return {
+        "seconds": round(took, 2),
+        "prompt_tok_s": round(tokens / took, 1),
+        "steps": len(steps),
+        "step_max_ms": round(1000 * steps[-1], 1),
+        "step_p50_ms": round(1000 * steps[len(steps) // 2], 1),
+    }
 
 
 def run_cap(model: str, cap: float, args) -> dict:
     from warmboot import LLM
 
-    with LLM(model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=False,
-             max_step_ms=cap or None, cpu_threads=args.cpu_threads) as llm:  # fmt: skip
+    with LLM(
+        model,
+        dtype=args.dtype,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_step_ms=cap or None,
+        cpu_threads=args.cpu_threads,
+    ) as llm:
         scenario(llm, prompts(2, 200, seed=0), 2)  # warm-up: the step cost is learnt
         lone = scenario(llm, prompts(1, args.long_prompt, seed=1), 1)
         batch = scenario(llm, prompts(args.batch, args.batch_prompt, seed=2), 1)
@@ -80,7 +91,7 @@ def main() -> None:
     ap.add_argument("--long-prompt", type=int, default=1900)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--batch-prompt", type=int, default=256)
-    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks")
+    ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     from warmboot.models.demo import ensure_default_model
 

@@ -12,8 +12,9 @@ import uvicorn
 
 from warmboot import LLM
 from warmboot.server.app import ServerConfig, create_app
+from warmboot.server.config import HttpLimits
 from warmboot.server.engine_holder import EngineHolder
-from warmboot.server.http_server import HttpLimits, http_config
+from warmboot.server.http_server import http_config
 
 MODEL_NAME = "tiny"
 
@@ -24,10 +25,19 @@ def small_llama(model_dir: Path) -> Path:
     from warmboot.models.demo import write_random_llama
     from warmboot.tokenizer.train import train_tokenizer
 
-    write_random_llama(model_dir, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, vocab_size=4096,
-                       tie_word_embeddings=True, seed=0, dtype="float32",
-                       max_position_embeddings=1024)  # fmt: skip
+    write_random_llama(
+        model_dir,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=4096,
+        tie_word_embeddings=True,
+        seed=0,
+        dtype="float32",
+        max_position_embeddings=1024,
+    )
     train_tokenizer(model_dir, 4096)
     return model_dir
 

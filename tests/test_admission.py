@@ -26,8 +26,12 @@ CHAT = "/v1/chat/completions"
 def server(tmp_path_factory):
     model = small_llama(tmp_path_factory.mktemp("admission") / "model")
     llm = tiny_llm(model, max_num_seqs=4, max_model_len=256)
-    limits = AdmissionLimits(max_num_seqs=1, max_queued_requests=0, max_prompts_per_request=8,
-                    max_prompt_logprob_tokens=64)  # fmt: skip
+    limits = AdmissionLimits(
+        max_num_seqs=1,
+        max_queued_requests=0,
+        max_prompts_per_request=8,
+        max_prompt_logprob_tokens=64,
+    )
     holder = EngineHolder.ready(llm.engine)
     with running_server(holder, admission=limits) as url:
         yield url, holder
@@ -40,8 +44,9 @@ def url(server):
 
 def _plain(url: str) -> float:
     t0 = time.perf_counter()
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi",
-                                                  "max_tokens": 1})  # fmt: skip
+    r = httpx.post(
+        url + "/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1}
+    )
     assert r.status_code == 200, r.text
     return time.perf_counter() - t0
 
@@ -79,8 +84,13 @@ def test_past_capacity_a_call_is_refused_at_once_and_capacity_comes_back(server)
     assert (
         'warmboot_requests_rejected_total{bound="requests"} 1.0' in httpx.get(url + "/metrics").text
     )
-    stream = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 200, "ignore_eos": True,
-              "stream": True}  # fmt: skip
+    stream = {
+        "model": MODEL_NAME,
+        "prompt": "hi",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with httpx.stream("POST", url + "/v1/completions", json=stream) as r:
         assert r.status_code == 200 and len(list(r.iter_lines())) > 100
     with httpx.stream("POST", url + "/v1/completions", json=stream) as r:
@@ -94,10 +104,12 @@ def test_past_capacity_a_call_is_refused_at_once_and_capacity_comes_back(server)
 
 @pytest.mark.parametrize(
     "body,param",
-    [({"prompt": ["a"] * 9}, "prompt"),
-     ({"prompt": ["a"] * 2, "n": 1, "max_tokens": 1}, "n"),
-     ({"prompt": [7] * 100, "prompt_logprobs": 1, "max_tokens": 1}, "prompt_logprobs")],
-)  # fmt: skip
+    [
+        ({"prompt": ["a"] * 9}, "prompt"),
+        ({"prompt": ["a"] * 2, "n": 1, "max_tokens": 1}, "n"),
+        ({"prompt": [7] * 100, "prompt_logprobs": 1, "max_tokens": 1}, "prompt_logprobs"),
+    ],
+)
 def test_a_call_past_a_per_call_bound_is_a_400_naming_it(url, body, param):
     r = httpx.post(url + "/v1/completions", json={"model": MODEL_NAME, **body})
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
@@ -106,17 +118,20 @@ def test_a_call_past_a_per_call_bound_is_a_400_naming_it(url, body, param):
 
 def _big_inputs() -> dict[str, tuple[str, dict]]:
     text = "weather " * 480_000  # 3.8 MB
+    hi = {"role": "user", "content": "hi"}
+    params = {"type": "object", "properties": {"x": {"type": "string"}}}
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": params}}
+        for i in range(10_000)
+    ]
+    item = {"type": "message", "role": "user", "content": "hi"}
     return {
         "one long message": (CHAT, {"messages": [{"role": "user", "content": text}]}),
         "10^5 messages": (CHAT, {"messages": [{"role": "user", "content": ""}] * 100_000}),
-        "10^4 tools": (CHAT, {"messages": [{"role": "user", "content": "hi"}], "tools": [
-            {"type": "function", "function": {"name": f"f{i}", "parameters": {
-                "type": "object", "properties": {"x": {"type": "string"}}}}}
-            for i in range(10_000)]}),
-        "5x10^4 response items": ("/v1/responses", {"input": [
-            {"type": "message", "role": "user", "content": "hi"}] * 50_000}),
+        "10^4 tools": (CHAT, {"messages": [hi], "tools": tools}),
+        "5x10^4 response items": ("/v1/responses", {"input": [item] * 50_000}),
         "tokenize 3.8 MB": ("/tokenize", {"prompt": text}),
-    }  # fmt: skip
+    }
 
 
 @pytest.mark.parametrize("case", list(_big_inputs()))

@@ -51,8 +51,19 @@ def test_summary_slopes_points_and_report():
     res = summary(samples, {"fill_end_s": 120, "warm_end_s": 300}, {"small": {"200": 3}})
     assert res["slope_mb_per_min"] == res["rest_slope_mb_per_min"] == 0.0
     assert res["points"]["after fill"]["rss_mb"] == 1180 and res["points"]["end"]["rest_mb"] == 700
-    meta = {"args": {"minutes": 5, "max_model_len": 2048, "rate": 2, "max_in_flight": 16,
-                     "sample_s": 10}, "machine": "m", "date": "d", "command": "c", "server": "s",
-            "mix": soak.KINDS}  # fmt: skip
+    meta = {
+        "args": {
+            "minutes": 5,
+            "max_model_len": 2048,
+            "rate": 2,
+            "max_in_flight": 16,
+            "sample_s": 10,
+        },
+        "machine": "m",
+        "date": "d",
+        "command": "c",
+        "server": "s",
+        "mix": soak.KINDS,
+    }
     text = "\n".join(report_lines(meta, res | {"server_survived": True}))
     assert "RSS slope **0.0 MB/min**" in text and "small: 200 x3" in text

@@ -21,8 +21,9 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 VENV = Path(os.environ.get("WARMBOOT_CLIENTS_VENV", ROOT / ".venv-clients"))
 HERE = Path(__file__).resolve().parent
-needs_venv = pytest.mark.skipif(not (VENV / "bin/python").exists(),
-                                reason=f"client venv missing: {VENV} (make test builds it)")  # fmt: skip
+needs_venv = pytest.mark.skipif(
+    not (VENV / "bin/python").exists(), reason=f"client venv missing: {VENV} (make test builds it)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +37,13 @@ def url(tmp_path_factory):
 def _run(script: str, url: str) -> dict:
     """Run ``tests/clients/SCRIPT`` in the client venv; its last line of output, as JSON."""
     env = dict(os.environ, OPENAI_API_KEY="unused", LITELLM_LOCAL_MODEL_COST_MAP="True")
-    done = subprocess.run([str(VENV / "bin/python"), str(HERE / "clients" / script), url,
-                           MODEL_NAME], capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
+    done = subprocess.run(
+        [str(VENV / "bin/python"), str(HERE / "clients" / script), url, MODEL_NAME],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -137,10 +143,16 @@ def short_url(tmp_path_factory):
 @needs_venv
 def test_schemathesis_finds_no_server_error(short_url, tmp_path):
     report = tmp_path / "report.json"
-    cmd = [str(VENV / "bin/schemathesis"), "run", f"{short_url}/openapi.json",
-           "--checks", "not_a_server_error", "--max-examples", "8", "--workers", "1",
-           "--request-timeout", "60", "--generation-deterministic",
-           "--report", "ndjson", "--report-ndjson-path", str(report)]  # fmt: skip
+    options = {
+        "--checks": "not_a_server_error",
+        "--max-examples": "8",
+        "--workers": "1",
+        "--request-timeout": "60",
+        "--report": "ndjson",
+        "--report-ndjson-path": str(report),
+    }
+    cmd = [str(VENV / "bin/schemathesis"), "run", f"{short_url}/openapi.json"]
+    cmd += [*(a for pair in options.items() for a in pair), "--generation-deterministic"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-4000:]
     counts = re.search(r"(\d+) generated, (\d+) passed", done.stdout)

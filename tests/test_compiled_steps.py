@@ -22,8 +22,13 @@ def _greedy(llm: LLM, prompts) -> list[list[int]]:
 
 
 def test_released_packed_weights_refuse_and_repack_to_the_same_tokens(tiny_model_dir):
-    llm = LLM(str(tiny_model_dir("qwen2")), enforce_eager=False, max_model_len=64,
-              block_size=4, num_kv_blocks=64)  # fmt: skip
+    llm = LLM(
+        str(tiny_model_dir("qwen2")),
+        enforce_eager=False,
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=64,
+    )
     prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 3], VOCAB_SIZE, seed=5)]
     before = _greedy(llm, prompts)
     table = llm.engine.runner.compiled.linears
@@ -36,8 +41,9 @@ def test_released_packed_weights_refuse_and_repack_to_the_same_tokens(tiny_model
 
 
 @pytest.mark.parametrize("kernel", ["native", "onednn"])
-def test_stashed_packed_weights_are_mapped_from_the_store(tiny_model_dir, tmp_path, monkeypatch,
-                                                          kernel):  # fmt: skip
+def test_stashed_packed_weights_are_mapped_from_the_store(
+    tiny_model_dir, tmp_path, monkeypatch, kernel
+):
     """Before a process checkpoint the packed weights move into the store and are mapped
     from its chunk files (several a weight here), answering the same without a recompile;
     oneDNN's opaque layout cannot be mapped: released, then repacked."""
@@ -49,8 +55,14 @@ def test_stashed_packed_weights_are_mapped_from_the_store(tiny_model_dir, tmp_pa
         pytest.skip("oneDNN packs bf16 weights only with AVX-512 or AVX-NE-CONVERT: not here")
 
     monkeypatch.setattr(stash, "CHUNK_BYTES", 2 * 4096)
-    llm = LLM(str(tiny_model_dir("qwen2")), enforce_eager=False, max_model_len=64,
-              block_size=4, num_kv_blocks=64, dtype="bfloat16")  # fmt: skip
+    llm = LLM(
+        str(tiny_model_dir("qwen2")),
+        enforce_eager=False,
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=64,
+        dtype="bfloat16",
+    )
     prompts = [{"prompt_token_ids": p} for p in random_prompts([7, 3], VOCAB_SIZE, seed=5)]
     table = llm.engine.runner.compiled.linears
     table.use(kernel)
@@ -122,22 +134,30 @@ def test_eager_and_compiled_settings(monkeypatch):
 
     def resolved(env: str, **kw):
         monkeypatch.setenv("WARMBOOT_ENFORCE_EAGER", env)
-        return settings.resolve(EngineConfig(model="m", **kw), cfg, None).compiled
+        return settings.resolve(EngineConfig(model="m", **kw), cfg).compiled
 
     assert resolved("0") and not resolved("1")
     assert not resolved("0", enforce_eager=True) and resolved("1", enforce_eager=False)
     assert resolved("1", compile_steps=True) and not resolved("0", compile_steps=False)
     assert settings.resolve_compiled(None, torch.device("cuda")) is False
     with pytest.raises(ValueError, match="contradict"):
-        settings.resolve(EngineConfig(model="m", enforce_eager=True, compile_steps=True), cfg, None)
+        settings.resolve(EngineConfig(model="m", enforce_eager=True, compile_steps=True), cfg)
 
 
 def _tiny_config(dtype: str) -> ModelConfig:
     return ModelConfig.from_dict(
-        {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "intermediate_size": 128,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "vocab_size": 100, "max_position_embeddings": 64, "dtype": dtype}
-    )  # fmt: skip
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 100,
+            "max_position_embeddings": 64,
+            "dtype": dtype,
+        }
+    )
 
 
 def test_compiling_again_frees_the_old_steps(tiny_model_dir):
@@ -146,8 +166,7 @@ def test_compiling_again_frees_the_old_steps(tiny_model_dir):
     import gc
     import weakref
 
-    llm = LLM(str(tiny_model_dir("llama")), enforce_eager=False, max_model_len=64,
-              num_kv_blocks=32)  # fmt: skip
+    llm = LLM(str(tiny_model_dir("llama")), enforce_eager=False, max_model_len=64, num_kv_blocks=32)
     old = weakref.ref(llm.engine.runner.compiled)
     llm.engine.runner.setup_compiled()
     gc.collect()

@@ -796,7 +796,7 @@ def test_trailing_partial_character_is_kept(llm):
         "repetition_penalty",
         "presence_penalty",
         "frequency_penalty",
-    ],  # fmt: skip
+    ],
 )
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_sampling_values_are_refused(field, value):

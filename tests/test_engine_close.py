@@ -92,8 +92,12 @@ def test_a_script_that_built_engines_exits_cleanly_in_the_compiled_mode(path, tm
     script = SCRIPT.replace("RESTORES", str(RESTORES))
     run = subprocess.run(
         [sys.executable, "-c", script, str(path), str(tmp_path)],
-        env=env, capture_output=True, text=True, timeout=300, cwd=ROOT,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "terminate called" not in run.stderr and "failed" not in run.stderr, run.stderr
     paths, tokens = zip(*(line.split(" ", 1) for line in run.stdout.splitlines()), strict=True)

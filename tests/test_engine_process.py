@@ -46,8 +46,9 @@ class Server:
         cmd += ["--max-model-len", str(MAX_LEN), *extra]
         self.log = log
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                         start_new_session=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
 
     def healthy(self, timeout: float = 90) -> dict:
         deadline = time.monotonic() + timeout
@@ -99,8 +100,14 @@ def _gone_within(pid: int, seconds: float) -> bool:
 
 
 def _body(prompt: str, max_tokens: int, stream: bool = False) -> dict:
-    return {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": stream}  # fmt: skip
+    return {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
 
 
 def _events(resp: httpx.Response):
@@ -134,8 +141,9 @@ def test_completions_and_streams_match_the_in_process_engine(server, reference):
     whole = httpx.post(server.url + "/v1/completions", json=_body("hello there", 12), timeout=30)
     assert whole.status_code == 200, whole.text
     assert whole.json()["choices"][0]["text"] == reference
-    with httpx.stream("POST", server.url + "/v1/completions", json=_body("hello there", 12, True),
-                      timeout=30) as resp:  # fmt: skip
+    with httpx.stream(
+        "POST", server.url + "/v1/completions", json=_body("hello there", 12, True), timeout=30
+    ) as resp:
         chunks = [e["choices"][0]["text"] for e in _events(resp) if e.get("choices")]
     assert "".join(chunks) == reference and len(chunks) > 1
     metrics = httpx.get(server.url + "/metrics").text
@@ -143,8 +151,12 @@ def test_completions_and_streams_match_the_in_process_engine(server, reference):
 
 
 def test_a_dropped_stream_is_aborted_in_the_engine_process(server):
-    with httpx.stream("POST", server.url + "/v1/completions",
-                      json=_body("abort me", MAX_LEN - 32, True), timeout=30) as resp:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json=_body("abort me", MAX_LEN - 32, True),
+        timeout=30,
+    ) as resp:
         events = _events(resp)
         next(events), next(events)  # NOTE: leaving the block drops the connection
     for _ in range(200):
@@ -182,8 +194,12 @@ def _allowed(pid: int) -> list[set[int]]:
 
 def test_a_killed_engine_process_is_reported_and_replaced(server, reference):
     old = server.child()
-    with httpx.stream("POST", server.url + "/v1/completions",
-                      json=_body("kill me", MAX_LEN - 32, True), timeout=30) as resp:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        json=_body("kill me", MAX_LEN - 32, True),
+        timeout=30,
+    ) as resp:
         events = _events(resp)
         next(events)
         os.kill(old, signal.SIGKILL)
@@ -216,8 +232,9 @@ def test_sigterm_drains_the_streams_then_stops_the_engine_process(path, tmp_path
     srv = Server(path, tmp_path / "serve.log", *(["--engine-process", "on"] if on_gpu else []))
     try:
         child = srv.child()
-        with httpx.stream("POST", srv.url + "/v1/completions", json=_body("drain", 64, True) | USAGE,
-                          timeout=30) as resp:  # fmt: skip
+        with httpx.stream(
+            "POST", srv.url + "/v1/completions", json=_body("drain", 64, True) | USAGE, timeout=30
+        ) as resp:
             events = _events(resp)
             first = next(events)
             os.killpg(srv.proc.pid, signal.SIGTERM)
@@ -233,8 +250,13 @@ def test_sigterm_drains_the_streams_then_stops_the_engine_process(path, tmp_path
 def test_a_spare_engine_process_serves_only_the_start_it_was_made_for(path):
     """``serve`` starts an engine process before it knows the settings; a start on other
     CPUs or threads (or one that runs elsewhere: ``drop_spare``) ends it, never uses it."""
-    engine = {"model": str(path), "max_model_len": 64, "num_kv_blocks": 32, "cpu_threads": 1,
-              "enforce_eager": True}  # fmt: skip
+    engine = {
+        "model": str(path),
+        "max_model_len": 64,
+        "num_kv_blocks": 32,
+        "cpu_threads": 1,
+        "enforce_eager": True,
+    }
     cfg = LaunchConfig(engine=engine, sandbox="none", engine_process="on")
     for threads, used in ((2, False), (1, True)):
         engine_process.prestart(None, threads)

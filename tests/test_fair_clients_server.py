@@ -40,8 +40,13 @@ def first_token_s(url: str, source: str = "127.0.0.1", headers=None) -> float:
 
 def flood(url: str, streams: int, stop: threading.Event) -> list[threading.Thread]:
     """``streams`` long streams from ``FLOOD``, each restarted until ``stop``."""
-    body = {"model": MODEL_NAME, "prompt": "go", "max_tokens": 200, "ignore_eos": True,
-            "stream": True}  # fmt: skip
+    body = {
+        "model": MODEL_NAME,
+        "prompt": "go",
+        "max_tokens": 200,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     def run() -> None:
         with httpx.Client(transport=httpx.HTTPTransport(local_address=FLOOD), timeout=60) as c:

@@ -420,8 +420,13 @@ def test_random_workloads_with_calls(w):
     assert d.kv.num_used_blocks == 0 and d.kv.num_held_blocks == 0
     for r in made:
         assert r.output_token_ids == reference_output(r)
-        targets = [t for o in d.outs for s in o.scheduled if s.req_id == r.request_id
-                   for t in s.prompt_logprob_targets]  # fmt: skip
+        targets = [
+            t
+            for o in d.outs
+            for s in o.scheduled
+            if s.req_id == r.request_id
+            for t in s.prompt_logprob_targets
+        ]
         wanted = r.params.prompt_logprobs is not None and r.completion_index == 0
         assert targets == (list(r.prompt_token_ids[1:]) if wanted else [])
     for o in d.outs:
@@ -454,7 +459,7 @@ def make_engine(path, pipelined: bool, **sched) -> LLMEngine:
         cache=CacheConfig(block_size=4, num_blocks=256),
         scheduler=SchedulerConfig(**sched),
     )
-    return LLMEngine(config, max_model_len=128)
+    return LLMEngine(config)
 
 
 def drain(engine: LLMEngine, outs: dict, until: str | None = None) -> int:

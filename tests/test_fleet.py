@@ -79,8 +79,14 @@ def single_engine_texts(path, prompts: list[str], max_tokens: int) -> list[str]:
 async def stream(base: str, prompt: str, max_tokens: int) -> dict:
     import httpx
 
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     out = {"text": "", "done": False, "errors": []}
     async with httpx.AsyncClient(base_url=base, timeout=WAIT_S) as c:
         async with c.stream("POST", "/v1/completions", json=body) as r:
@@ -110,9 +116,8 @@ def test_scale_from_zero_to_first_token_and_back(fleet, path):
     assert idle(replicas(client))
     prompts = ["The fleet", "scales from zero"]
     t0 = time.monotonic()
-    got = [client.post("/v1/completions", json={"model": "tiny", "prompt": p, "max_tokens": 8,
-                                                "temperature": 0, "ignore_eos": True})
-           for p in prompts]  # fmt: skip
+    body = {"model": "tiny", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    got = [client.post("/v1/completions", json=body | {"prompt": p}) for p in prompts]
     first_s = time.monotonic() - t0
     assert [r.status_code for r in got] == [200, 200], got[0].text
     texts = [r.json()["choices"][0]["text"] for r in got]
@@ -121,8 +126,10 @@ def test_scale_from_zero_to_first_token_and_back(fleet, path):
     assert health["scale_ups"] >= 1 and first_s < WAIT_S
     metrics = client.get("/metrics").text
     assert "warmboot_fleet_scale_up_decision_seconds" in metrics
-    decision = float(next(line.split()[-1] for line in metrics.splitlines()
-                          if line.startswith("warmboot_fleet_scale_up_decision_seconds ")))  # fmt: skip
+    name = "warmboot_fleet_scale_up_decision_seconds "
+    decision = float(
+        next(line.split()[-1] for line in metrics.splitlines() if line.startswith(name))
+    )
     assert 0 < decision < 5, f"the scale-up decision took {decision:.2f} s"
     wait_for(client, idle, "zero replicas after idle")
 
@@ -185,8 +192,11 @@ def assert_no_blocks_held(client) -> None:
     """Every live replica reports its KV blocks all free once its requests have ended."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        used = [float(line.split()[-1]) for line in client.get("/metrics").text.splitlines()
-                if line.startswith("warmboot_kv_blocks_used")]  # fmt: skip
+        used = [
+            float(line.split()[-1])
+            for line in client.get("/metrics").text.splitlines()
+            if line.startswith("warmboot_kv_blocks_used")
+        ]
         if used and all(u == 0 for u in used):
             return
         time.sleep(0.25)
@@ -218,8 +228,11 @@ def test_shutdown_leaves_no_ray_process(fleet):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-        left = [line for line in ps.splitlines()
-                if "ray::" in line or "gcs_server" in line or "raylet" in line]  # fmt: skip
+        left = [
+            line
+            for line in ps.splitlines()
+            if "ray::" in line or "gcs_server" in line or "raylet" in line
+        ]
         if not left:
             return
         time.sleep(0.5)

@@ -45,7 +45,7 @@ def demo_fleet(tmp_path_factory):
             target_ongoing_requests=1,
             max_ongoing_requests=1,
             downscale_delay_s=1,
-        ),  # fmt: skip
+        ),
     )
     ray_cli = Path(sys.executable).with_name("ray")
     subprocess.run([str(ray_cli), "stop", "--force"], capture_output=True, timeout=60)

@@ -16,20 +16,29 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_the_config_takes_the_llm_config_shape_and_names_what_it_does_not_know():
-    cfg = FleetConfig.from_llm_config({
-        "model_loading_config": {"model_id": "m", "model_source": "/models/m"},
-        "engine_kwargs": {"dtype": "bfloat16"},
-        "deployment_config": {"autoscaling_config": {"min_replicas": 0, "max_replicas": 3},
-                              "max_queued_requests": 7, "graceful_shutdown_timeout_s": 9},
-        "snapshot_store": "s3://b/p",
-    })  # fmt: skip
+    cfg = FleetConfig.from_llm_config(
+        {
+            "model_loading_config": {"model_id": "m", "model_source": "/models/m"},
+            "engine_kwargs": {"dtype": "bfloat16"},
+            "deployment_config": {
+                "autoscaling_config": {"min_replicas": 0, "max_replicas": 3},
+                "max_queued_requests": 7,
+                "graceful_shutdown_timeout_s": 9,
+            },
+            "snapshot_store": "s3://b/p",
+        }
+    )
     assert (cfg.model_id, cfg.autoscaling.max_replicas, cfg.max_queued_requests) == ("m", 3, 7)
     assert cfg.drain_timeout_s == 9 and FleetConfig.from_json(cfg.to_json()) == cfg
     with pytest.raises(
         ValueError, match="unsupported deployment_config keys: \\['num_replicas'\\]"
     ):
-        FleetConfig.from_llm_config({"model_loading_config": {"model_source": "/m"},
-                                     "deployment_config": {"num_replicas": 2}})  # fmt: skip
+        FleetConfig.from_llm_config(
+            {
+                "model_loading_config": {"model_source": "/m"},
+                "deployment_config": {"num_replicas": 2},
+            }
+        )
     with pytest.raises(ValueError, match="max_replicas"):
         AutoscalingConfig(min_replicas=3, max_replicas=2)
     from warmboot.fleet.app import build_openai_app
@@ -109,8 +118,12 @@ def test_one_replica_of_many_publishes_a_new_model(path, remote, tmp_path):
     publish lease and publishes; the others boot without publishing."""
     from warmboot.fleet import replica
 
-    cfg = FleetConfig(model_id="m", model_source=str(path), snapshot_store=remote.url,
-                      node_cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    cfg = FleetConfig(
+        model_id="m",
+        model_source=str(path),
+        snapshot_store=remote.url,
+        node_cache_dir=str(tmp_path / "cache"),
+    )
     barrier, got = threading.Barrier(4), []
 
     def start():

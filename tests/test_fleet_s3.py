@@ -46,8 +46,14 @@ def s3_fleet(path, s3_endpoint, tmp_path_factory):
 
 
 def _ask(client) -> str:
-    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "From S3", "max_tokens": 8,
-                                             "temperature": 0, "ignore_eos": True})  # fmt: skip
+    body = {
+        "model": "tiny",
+        "prompt": "From S3",
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    r = client.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 

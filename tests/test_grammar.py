@@ -330,8 +330,12 @@ def test_batched_fill_equals_per_row_fills(backend, tokenizer):
 def test_batched_accept_equals_one_by_one(backend, tokenizer):
     """``accept_tokens`` (one call into xgrammar) gives the answers and states of accepting
     token by token: allowed, disallowed, out of the vocabulary, EOS that terminates."""
-    specs = [StructuredOutputs(grammar=YES_NO), StructuredOutputs(regex=REGEX),
-             StructuredOutputs(json=SCHEMA), StructuredOutputs(grammar=YES_NO)]  # fmt: skip
+    specs = [
+        StructuredOutputs(grammar=YES_NO),
+        StructuredOutputs(regex=REGEX),
+        StructuredOutputs(json=SCHEMA),
+        StructuredOutputs(grammar=YES_NO),
+    ]
     prefixes = ["yes", "ab", '{"name": "', "n"]
     streams = [
         [EOS, tokenizer.encode("x")[0]],  # "yes" complete: EOS terminates, then nothing fits
@@ -375,7 +379,8 @@ def test_requests_end_on_a_rejected_token_or_termination(tok_dir, tokenizer, cap
         return TokenEvent(rid, ids, [None] * len(ids))
 
     assert grammars.accept([event("bad", "ab"), event("done", "yes"), event("fine", "ab")]) == []
-    ended = grammars.accept([event("bad", token=tokenizer.encode("7")[0]),
-                             event("done", token=EOS), event("fine", "c")])  # fmt: skip
+    ended = grammars.accept(
+        [event("bad", token=tokenizer.encode("7")[0]), event("done", token=EOS), event("fine", "c")]
+    )
     assert ended == ["bad", "done"]
     assert "bad: token" in caplog.text and "violates its grammar" in caplog.text

@@ -162,7 +162,7 @@ def nested(levels: int) -> dict:
                 }
             ),
             "257 optional properties in one object",
-        ),  # fmt: skip
+        ),
         (StructuredOutputs(regex="a" * (1 << 20) + "b"), "characters"),
         (StructuredOutputs(structural_tag=json.dumps({"x": nested(70)})), "levels of nesting"),
     ],
@@ -174,7 +174,7 @@ def nested(levels: int) -> dict:
         "optional",
         "regex-chars",
         "tag",
-    ],  # fmt: skip
+    ],
 )
 def test_specs_over_the_limits_are_refused_fast(validator, spec, words):
     t0 = time.perf_counter()
@@ -190,8 +190,11 @@ def test_specs_over_the_limits_are_refused_fast(validator, spec, words):
 def test_openai_sized_schemas_pass_the_limits(validator):
     """OpenAI's own maxima (5000 properties, 10 levels, 1000 enum values) are admitted."""
     names = [f"p{i}" for i in range(5000)]
-    wide = {"type": "object", "properties": {n: {"type": "string"} for n in names},
-            "required": names}  # fmt: skip
+    wide = {
+        "type": "object",
+        "properties": {n: {"type": "string"} for n in names},
+        "required": names,
+    }
     deep = {"type": "array", "items": {"anyOf": [nested(10), {"type": "null"}]}}
     enum = {"enum": [f"value-{i}" for i in range(1000)]}
     for schema in (wide, deep, enum):

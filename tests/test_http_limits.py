@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from tests.server_harness import MODEL_NAME, running_server, tiny_llm
+from warmboot.server.config import HttpLimits
 from warmboot.server.engine_holder import EngineHolder
-from warmboot.server.http_server import HttpLimits
 
 LIMITS = HttpLimits(header_timeout_s=1.0, body_timeout_s=1.0, keep_alive_timeout_s=1.0)
 SLACK_S = 1.0

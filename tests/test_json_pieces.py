@@ -23,13 +23,22 @@ def _echo_body(choices: int, positions: int) -> dict:
         {
             str(t): {"logprob": -rng.random(), "rank": r, "decoded_token": f"t\u00e9{t}"}
             for r, t in enumerate(rng.sample(range(50000), 21))
-        }  # fmt: skip
+        }
         for _ in range(positions - 1)
     ]
-    choice = {"text": "é" * positions, "index": 0, "logprobs": None, "finish_reason": "length",
-              "prompt_logprobs": prompt_lps}  # fmt: skip
-    return {"id": "cmpl-1", "object": "text_completion", "choices": [choice] * choices,
-            "usage": {"prompt_tokens": positions, "completion_tokens": choices}}  # fmt: skip
+    choice = {
+        "text": "é" * positions,
+        "index": 0,
+        "logprobs": None,
+        "finish_reason": "length",
+        "prompt_logprobs": prompt_lps,
+    }
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "choices": [choice] * choices,
+        "usage": {"prompt_tokens": positions, "completion_tokens": choices},
+    }
 
 
 @pytest.mark.parametrize(

@@ -161,8 +161,10 @@ def test_newer_schema_and_key_mismatch_boot_cold(published, faulty):
     from warmboot.launcher import spec
 
     other = replace(cfg, engine={**cfg.engine, "max_model_len": 96})
-    keys = [spec.process_key(spec.process_key_fields(c.engine, RUNSC, launch_mod.worker_spec(c)))
-            for c in (cfg, other)]  # fmt: skip
+    keys = [
+        spec.process_key(spec.process_key_fields(c.engine, RUNSC, launch_mod.worker_spec(c)))
+        for c in (cfg, other)
+    ]
     assert keys[0] != keys[1], "another engine setting is another process"
     assert process_image.lookup(store, keys[1]) is None
 
@@ -352,8 +354,9 @@ def test_a_stalled_store_never_holds_a_tier_p_start(published, faulty, monkeypat
     from warmboot.snapshot.store import LocalStore
 
     release, real, link = threading.Event(), LocalStore.read_chunk, process_image._link
-    monkeypatch.setattr(LocalStore, "read_chunk",
-                        lambda self, h, out: release.wait(120) and real(self, h, out))  # fmt: skip
+    monkeypatch.setattr(
+        LocalStore, "read_chunk", lambda self, h, out: release.wait(120) and real(self, h, out)
+    )
     monkeypatch.setattr(process_image, "_link", lambda *a: release.wait(120) and link(*a))
     cfg = replace(faulty, engine={**faulty.engine, "snapshot_timeout": 2.0})
     try:
@@ -370,10 +373,15 @@ def test_a_compiled_worker_restores_without_compiling(path, tmp_path):
     the compiled process; its restore runs those graphs (no compile phase in this start's
     phases) and answers as the cold start did."""
     store = tmp_path / "store"
-    engine = {"model": str(path), "max_model_len": 128, "snapshot_store": str(store),
-              "dtype": "bfloat16"}  # fmt: skip
-    cfg = LaunchConfig(engine=engine | {"enforce_eager": False}, store=str(store),
-                       work_dir=tmp_path / "work")  # fmt: skip
+    engine = {
+        "model": str(path),
+        "max_model_len": 128,
+        "snapshot_store": str(store),
+        "dtype": "bfloat16",
+    }
+    cfg = LaunchConfig(
+        engine=engine | {"enforce_eager": False}, store=str(store), work_dir=tmp_path / "work"
+    )
     info, answer = _launch(cfg)
     assert info.path == "cold" and "published" in info.reason, info
     client = launch(cfg)

@@ -159,7 +159,18 @@ RANKS = {
     # the layers bottom to top (docs: ARCHITECTURE.md): a module may import its own layer's
     # and lower layers' modules only
     **dict.fromkeys(
-        ("warmboot", "architectures", "config", "host", "outputs", "sampling_params", "tokenizer"),
+        (
+            "warmboot",
+            "architectures",
+            "cache_files",
+            "config",
+            "engine_options",
+            "host",
+            "options",
+            "outputs",
+            "sampling_params",
+            "tokenizer",
+        ),
         0,
     ),
     "core": 1,

@@ -57,11 +57,19 @@ def _run_lm_eval(url: str, tmp: Path) -> tuple[dict, dict[str, list[dict]]]:
     tasks.mkdir()
     (tasks / "wb_choice.yaml").write_text(CHOICE_TASK.format(data=DATA))
     (tasks / "wb_ppl.yaml").write_text(PPL_TASK.format(data=DATA))
-    model_args = (f"base_url={url}/v1/completions,model={MODEL_NAME},tokenizer_backend=remote,"
-                  "num_concurrent=2,max_retries=1,max_length=256")  # fmt: skip
-    cmd = [str(LMEVAL_PYTHON), "-m", "lm_eval", "--model", "local-completions",
-           "--model_args", model_args, "--tasks", "wb_choice,wb_ppl", "--include_path",
-           str(tasks), "--output_path", str(tmp / "out"), "--log_samples"]  # fmt: skip
+    model_args = (
+        f"base_url={url}/v1/completions,model={MODEL_NAME},tokenizer_backend=remote,"
+        "num_concurrent=2,max_retries=1,max_length=256"
+    )
+    options = {
+        "--model": "local-completions",
+        "--model_args": model_args,
+        "--tasks": "wb_choice,wb_ppl",
+        "--include_path": str(tasks),
+        "--output_path": str(tmp / "out"),
+    }
+    cmd = [str(LMEVAL_PYTHON), "-m", "lm_eval", *(a for pair in options.items() for a in pair)]
+    cmd.append("--log_samples")
     env = dict(os.environ, HF_HOME=str(tmp / "hf"), HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -93,8 +101,10 @@ def _split(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
     return ctx, whole[len(ctx) :]
 
 
-@pytest.mark.skipif(not LMEVAL_PYTHON.exists(), reason=f"lm-eval venv missing: {LMEVAL_PYTHON} "
-                    "(make test builds it)")  # fmt: skip
+@pytest.mark.skipif(
+    not LMEVAL_PYTHON.exists(),
+    reason=f"lm-eval venv missing: {LMEVAL_PYTHON} (make test builds it)",
+)
 def test_lm_eval_multiple_choice_and_perplexity(path, hf, tmp_path):
     llm = tiny_llm(path, max_num_seqs=8)
     tok = llm.engine.tokenizer
@@ -116,5 +126,6 @@ def test_lm_eval_multiple_choice_and_perplexity(path, hf, tmp_path):
         assert abs(float(s["resps"][0][0]) - ref) < TOL
         lls += ref
         words += len(re.split(r"\s+", text))
-    assert results["wb_ppl"]["word_perplexity,none"] == pytest.approx(math.exp(-lls / words),
-                                                                      rel=1e-3)  # fmt: skip
+    assert results["wb_ppl"]["word_perplexity,none"] == pytest.approx(
+        math.exp(-lls / words), rel=1e-3
+    )

@@ -222,9 +222,14 @@ def test_sparse_and_dense_layers_as_transformers_places_them(config_cls, setting
     from warmboot.models.loader import build_model
 
     config = getattr(transformers, config_cls)(
-        vocab_size=64, hidden_size=32, num_attention_heads=4, num_hidden_layers=6,
-        num_experts_per_tok=2, topk_group=1, **settings,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_hidden_layers=6,
+        num_experts_per_tok=2,
+        topk_group=1,
+        **settings,
+    )
     with torch.device("meta"):
         hf = transformers.AutoModelForCausalLM.from_config(config)
     expected = [hasattr(layer.mlp, "experts") for layer in hf.model.layers]

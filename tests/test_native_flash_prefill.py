@@ -66,8 +66,9 @@ def test_flash_prefill_against_float64(hq, hkv, d):
     named = [i for i in range(len(lens)) if i != 1]
     out = torch.full_like(q, 7.0)
     scale = d**-0.5
-    attention.causal_prefill(q, k, v, out, [starts[i] for i in named], [lens[i] for i in named],
-                             scale)  # fmt: skip
+    attention.causal_prefill(
+        q, k, v, out, [starts[i] for i in named], [lens[i] for i in named], scale
+    )
     for i in named:
         rows = slice(starts[i], starts[i] + lens[i])
         _check(out[rows], _reference(q, k, v, starts[i], lens[i], scale), v[rows])
@@ -171,8 +172,9 @@ def test_flash_prefill_with_a_window_and_sinks():
         assert attention.paged_prefill(q, kc, vc, out, seqs, 0.125, window, sink)
         for i, s in enumerate(seqs):
             rows = slice(s.query_start, s.query_start + s.query_len)
-            ref = _paged_reference(q, kc, vc, tables[i], s.query_start, s.query_len,
-                                   s.context_len, 0.125, window, sink)  # fmt: skip
+            ref = _paged_reference(
+                q, kc, vc, tables[i], s.query_start, s.query_len, s.context_len, 0.125, window, sink
+            )
             _check(out[rows], ref, vc[tables[i]])
     fresh = q[:64], *(c[tables[2]].reshape(-1, 2, d)[:64] for c in (kc, vc))
     out = torch.empty_like(fresh[0])
@@ -236,8 +238,8 @@ def test_flash_prefill_with_soft_capped_scores():
         assert attention.paged_prefill(q, kc, vc, out, seqs, 1.0, window, None, cap)
         for i, s in enumerate(seqs):
             rows = slice(s.query_start, s.query_start + s.query_len)
-            ref = _paged_reference(q, kc, vc, tables[i], s.query_start, s.query_len,
-                                   s.context_len, 1.0, window, None, cap)  # fmt: skip
+            at = (q, kc, vc, tables[i], s.query_start, s.query_len, s.context_len, 1.0, window)
+            ref = _paged_reference(*at, cap=cap)
             _check(out[rows], ref, vc[tables[i]])
         first = (q, kc, vc, tables[0], 0, 200, 200, 1.0, window)
         change = (_paged_reference(*first) - _paged_reference(*first, None, cap)).abs().max()
@@ -250,8 +252,9 @@ def test_flash_prefill_with_soft_capped_scores():
     try:
         with pytest.raises(RuntimeError, match="a window, sinks or a softcap need the flash"):
             attention.causal_prefill(*fresh, out, [0], [64], 1.0, None, None, 2.0)
-        assert not attention.paged_prefill(q, kc, vc, torch.empty_like(q), seqs, 1.0, None,
-                                           None, 2.0)  # fmt: skip
+        assert not attention.paged_prefill(
+            q, kc, vc, torch.empty_like(q), seqs, 1.0, None, None, 2.0
+        )
     finally:
         torch.ops.warmboot_cpu.use_amx(True)
     with pytest.raises(RuntimeError, match="softcap must be 0 \\(none\\) or positive"):

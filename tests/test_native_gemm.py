@@ -108,8 +108,10 @@ def test_bad_input_is_refused():
 
 
 @pytest.mark.skipif(not native.amx(), reason="no AMX on this CPU, or the OS withholds it")
-@pytest.mark.parametrize("m,n,k", [(4, 33, 64), (5, 95, 576), (16, 960, 576), (17, 64, 1536),
-                                   (33, 70, 96), (64, 40, 128)])  # fmt: skip
+@pytest.mark.parametrize(
+    "m,n,k",
+    [(4, 33, 64), (5, 95, 576), (16, 960, 576), (17, 64, 1536), (33, 70, 96), (64, 40, 128)],
+)
 def test_amx_tiles_match_float64_and_the_dot_products(m, n, k):
     x, w, b = _case(m, n, k, True)
     packed = pack_weight(w)

@@ -19,8 +19,14 @@ from warmboot.models.layers.activation import GatedMLP
 
 
 def _engine(path, dtype: str, eager: bool) -> LLM:
-    return LLM(str(path), dtype=dtype, enforce_eager=eager, max_model_len=64, block_size=4,
-               num_kv_blocks=64)  # fmt: skip
+    return LLM(
+        str(path),
+        dtype=dtype,
+        enforce_eager=eager,
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=64,
+    )
 
 
 def _prompt_logprobs(llm: LLM, prompts) -> torch.Tensor:

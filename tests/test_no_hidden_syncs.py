@@ -68,21 +68,38 @@ def test_no_sync_patterns_in_the_step_path(path, monkeypatch):
         return bincount(*args, **kw)
 
     llm = LLM(
-        str(path), max_model_len=128, block_size=4, num_kv_blocks=256, pipelined=True,
+        str(path),
+        max_model_len=128,
+        block_size=4,
+        num_kv_blocks=256,
+        pipelined=True,
         cpu_threads=1,
-    )  # fmt: skip
+    )
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     kinds = [
         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=3, max_tokens=12),
         SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True),  # unseeded random
-        SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.4,
-                       frequency_penalty=0.2, logprobs=2, max_tokens=12, ignore_eos=True),
-        SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[7], max_tokens=12,
-                       logit_bias={5: 2.0, 9: -3.0}),
-        SamplingParams(temperature=0.0, max_tokens=12,
-                       structured_outputs=StructuredOutputs(json=schema)),
-    ]  # fmt: skip
+        SamplingParams(
+            temperature=0.0,
+            repetition_penalty=1.3,
+            presence_penalty=0.4,
+            frequency_penalty=0.2,
+            logprobs=2,
+            max_tokens=12,
+            ignore_eos=True,
+        ),
+        SamplingParams(
+            temperature=0.0,
+            min_tokens=4,
+            stop_token_ids=[7],
+            max_tokens=12,
+            logit_bias={5: 2.0, 9: -3.0},
+        ),
+        SamplingParams(
+            temperature=0.0, max_tokens=12, structured_outputs=StructuredOutputs(json=schema)
+        ),
+    ]
     prompts = [{"prompt_token_ids": [(5 * i + j) % VOCAB_SIZE for j in range(9)]} for i in range(6)]
     llm.generate(prompts, kinds)  # warm: grammar compile, first-use paths
     monkeypatch.setattr(torch.Tensor, "__getitem__", getitem)

@@ -75,8 +75,14 @@ def test_tuning_runs_before_the_publish(path, tmp_path, monkeypatch, own_cache):
     monkeypatch.setattr(TorchAttentionBackend, "pretune", pretune)
     monkeypatch.setattr(llm_engine, "wants_pretune", lambda setting, dev, name, publishing: True)
     store = tmp_path / "store"
-    llm = LLM(str(path), max_model_len=96, block_size=4, num_kv_blocks=64,
-              max_num_batched_tokens=40, snapshot_store=str(store))  # fmt: skip
+    llm = LLM(
+        str(path),
+        max_model_len=96,
+        block_size=4,
+        num_kv_blocks=64,
+        max_num_batched_tokens=40,
+        snapshot_store=str(store),
+    )
     cfg = llm.engine.model_config
     ((shape, heads, windows, max_q, max_k),) = calls
     assert shape == (64 + 1, 4, cfg.num_kv_heads, cfg.head_dim)  # + the scratch block

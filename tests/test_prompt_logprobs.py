@@ -73,8 +73,9 @@ def test_a_cached_prefix_is_not_skipped(path, reference):
     plain = SamplingParams(temperature=0.0, max_tokens=2)
     llm.generate({"prompt_token_ids": prompt[:24]}, plain)
     hits = llm.stats()["prefix_cache_hits"]
-    (out,) = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1,
-                                                                     prompt_logprobs=0))  # fmt: skip
+    (out,) = llm.generate(
+        {"prompt_token_ids": prompt}, SamplingParams(max_tokens=1, prompt_logprobs=0)
+    )
     check(out.prompt_logprobs, prompt, reference(prompt), 0)
     assert out.num_cached_tokens == 0
     assert llm.stats()["prefix_cache_hits"] == hits

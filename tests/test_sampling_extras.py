@@ -85,8 +85,9 @@ def test_include_stop_str_streams_deltas_without_hold_back(llm, base):
     # nothing is held back: a stop string that never occurs streams like no stop string at all
     plain, _ = _stream(llm, greedy(30, output_kind="delta"))
     held, _ = _stream(llm, greedy(30, stop=[NEVER], output_kind="delta"))
-    kept, _ = _stream(llm, greedy(30, stop=[NEVER], include_stop_str_in_output=True,
-                                  output_kind="delta"))  # fmt: skip
+    kept, _ = _stream(
+        llm, greedy(30, stop=[NEVER], include_stop_str_in_output=True, output_kind="delta")
+    )
     assert held != plain, "precondition: a long stop string holds text back"
     assert kept == plain
     assert_engine_clean(llm)
@@ -125,8 +126,9 @@ class KeptStop(PlainState):
 def test_kept_stop_strings_across_emitted_text(stream, stop, min_tokens):
     """A stop string may start in text already emitted (nothing is held back): the state
     keeps a look-back of it, and agrees with the whole-string reference."""
-    params = SamplingParams(stop=stop, min_tokens=min_tokens, include_stop_str_in_output=True,
-                            output_kind="delta")  # fmt: skip
+    params = SamplingParams(
+        stop=stop, min_tokens=min_tokens, include_stop_str_in_output=True, output_kind="delta"
+    )
     state, ref = CompletionState(0, params, detokenizer=None), KeptStop(params)
     for piece, emit in stream:
         state.token_ids.append(0)
@@ -186,8 +188,13 @@ def test_spaces_between_special_tokens_reaches_the_detokenizer(llm, monkeypatch)
     monkeypatch.setattr(tok, "detokenizer", lambda *a: seen.append(a) or real(*a))
     specials = [tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")]
     for spaces in (True, False):
-        params = greedy(6, ignore_eos=True, skip_special_tokens=False,
-                        spaces_between_special_tokens=spaces, allowed_token_ids=specials)  # fmt: skip
+        params = greedy(
+            6,
+            ignore_eos=True,
+            skip_special_tokens=False,
+            spaces_between_special_tokens=spaces,
+            allowed_token_ids=specials,
+        )
         out = one(llm, TEXT_PROMPT, params).outputs[0]
         assert out.text == tok.decode(out.token_ids, skip_special_tokens=False)
     assert seen == [(False, True), (False, False)]
@@ -262,8 +269,9 @@ def test_allowed_token_ids_mask_greedy_and_random(llm):
     assert c.token_ids == [second]
     assert c.logprobs[0][second].logprob == pytest.approx(lp2.logprob)  # the raw model's
     allowed = [third, second, 42]
-    params = SamplingParams(temperature=10.0, seed=1, max_tokens=24, ignore_eos=True,
-                            allowed_token_ids=allowed)  # fmt: skip
+    params = SamplingParams(
+        temperature=10.0, seed=1, max_tokens=24, ignore_eos=True, allowed_token_ids=allowed
+    )
     out = one(llm, TEXT_PROMPT, params).outputs[0]
     assert set(out.token_ids) <= set(allowed) and len(set(out.token_ids)) > 1
     with pytest.raises(InvalidRequestError, match="allowed_token_ids"):
@@ -350,8 +358,11 @@ def _check_priority_step(d: Driver, fresh: list, out) -> None:
     started = {s.req_id for s in out.scheduled}
     for r in fresh:
         if r.request_id in started:
-            passed = [w for w in fresh if w.request_id not in started
-                      and w.params.priority < r.params.priority]  # fmt: skip
+            passed = [
+                w
+                for w in fresh
+                if w.request_id not in started and w.params.priority < r.params.priority
+            ]
             assert not passed, (r.request_id, [w.request_id for w in passed])
     low = min((r.params.priority for r in d.sched.running), default=None)
     for rid in out.preempted_req_ids:
@@ -363,8 +374,12 @@ def _check_priority_step(d: Driver, fresh: list, out) -> None:
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(w=prioritised_workloads())
 def test_random_prioritised_workloads(w):
-    d = Driver(num_blocks=w["num_blocks"], block_size=w["bs"], budget=w["budget"],
-               max_num_seqs=w["max_num_seqs"])  # fmt: skip
+    d = Driver(
+        num_blocks=w["num_blocks"],
+        block_size=w["bs"],
+        budget=w["budget"],
+        max_num_seqs=w["max_num_seqs"],
+    )
     arrivals = defaultdict(list)
     made = []
     for spec in w["reqs"]:

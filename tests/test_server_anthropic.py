@@ -56,8 +56,7 @@ def test_a_message_answers_as_chat_does(client, url):
     assert m.model == MODEL_NAME and m.stop_reason in ("end_turn", "max_tokens")
     assert 0 < m.usage.output_tokens <= 8 and m.stop_sequence is None
     chat = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
-    same = chat.chat.completions.create(model=MODEL_NAME, messages=ASK, max_tokens=8,
-                                        temperature=0)  # fmt: skip
+    same = chat.chat.completions.create(model=MODEL_NAME, messages=ASK, max_tokens=8, temperature=0)
     assert _text(m) == same.choices[0].message.content
     assert m.usage.input_tokens == same.usage.prompt_tokens
 
@@ -109,8 +108,11 @@ def test_a_tool_round_trip(tool_client):
     assert call.id.startswith("toolu_") and isinstance(call.input, dict)
     jsonschema.validate(call.input, WEATHER if call.name == "get_weather" else TIME)
     result = {"type": "tool_result", "tool_use_id": call.id, "content": "rain, 12 degrees"}
-    turn = [*ASK, {"role": "assistant", "content": [b.model_dump() for b in m.content]},
-            {"role": "user", "content": [result]}]  # fmt: skip
+    turn = [
+        *ASK,
+        {"role": "assistant", "content": [b.model_dump() for b in m.content]},
+        {"role": "user", "content": [result]},
+    ]
     follow = tool_client.messages.create(messages=turn, tool_choice={"type": "none"}, **kw)
     assert follow.stop_reason in ("end_turn", "max_tokens")
     assert all(b.type == "text" for b in follow.content)
@@ -175,8 +177,12 @@ def test_count_tokens_is_the_messages_input(tool_client):
 def test_a_prefill_is_continued(client, url):
     prefill = [*ASK, {"role": "assistant", "content": "It is"}]
     m = client.messages.create(model=MODEL_NAME, max_tokens=4, messages=prefill, **GREEDY)
-    render = {"model": MODEL_NAME, "messages": prefill, "add_generation_prompt": False,
-              "continue_final_message": True}  # fmt: skip
+    render = {
+        "model": MODEL_NAME,
+        "messages": prefill,
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    }
     auth = {"x-api-key": KEY}
     tokens = httpx.post(url + "/tokenize", json=render, headers=auth).json()["tokens"]
     assert m.usage.input_tokens == len(tokens)

@@ -151,9 +151,13 @@ def test_logprobs_completions_and_chat(client):
 def test_logit_bias_forces_a_token(client, server):
     _, llm = server
     out = client.completions.create(
-        model=MODEL_NAME, prompt="hello", max_tokens=4, temperature=0,
-        logit_bias={"7": 100}, extra_body=NO_EOS,
-    )  # fmt: skip
+        model=MODEL_NAME,
+        prompt="hello",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={"7": 100},
+        extra_body=NO_EOS,
+    )
     assert out.choices[0].text == llm.engine.tokenizer.decode([7] * 4)
 
 

@@ -141,8 +141,8 @@ def test_serve_exits_with_the_reason_when_the_model_cannot_be_served(
         damage(model)
     cmd = [sys.executable, "-m", "warmboot.cli", "serve", "--model", str(model), "--port", "0"]
     t0 = time.monotonic()
-    run = subprocess.run(cmd + ["--sandbox", "none", *extra], capture_output=True, text=True,
-                         timeout=60)  # fmt: skip
+    cmd += ["--sandbox", "none", *extra]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert time.monotonic() - t0 < 30
     assert run.returncode == 2, run.stdout + run.stderr
     (line,) = [ln for ln in run.stderr.splitlines() if ln.startswith("error:")]

@@ -66,8 +66,12 @@ def test_an_unknown_field_is_a_400_naming_it(server, route):
         "responses": {"input": "hi"},
         "tokenize": {"prompt": "hi"},
     }[route]
-    path = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
-            "responses": "/v1/responses", "tokenize": "/tokenize"}[route]  # fmt: skip
+    path = {
+        "chat": "/v1/chat/completions",
+        "completions": "/v1/completions",
+        "responses": "/v1/responses",
+        "tokenize": "/tokenize",
+    }[route]
     r = httpx.post(url + path, json=body)
     assert r.status_code == 400
     assert (
@@ -76,33 +80,53 @@ def test_an_unknown_field_is_a_400_naming_it(server, route):
 
 
 def test_an_unknown_option_key_is_a_400_naming_its_path(client):
-    msg = _refused(lambda: _chat(client, extra_body={"structured_outputs": {"jsn": {}}}),
-                   "structured_outputs.jsn")  # fmt: skip
+    msg = _refused(
+        lambda: _chat(client, extra_body={"structured_outputs": {"jsn": {}}}),
+        "structured_outputs.jsn",
+    )
     assert "structured_outputs.jsn" in msg
 
 
 @pytest.mark.parametrize(
     "field,value",
-    [("use_beam_search", True), ("length_penalty", 0.5), ("bad_words", ["a"]),
-     ("functions", [{"name": "f"}]), ("audio", {"voice": "x"}), ("cache_salt", "s"),
-     ("return_token_ids", True), ("echo", True), ("guided_decoding_backend", "outlines")],
-)  # fmt: skip
+    [
+        ("use_beam_search", True),
+        ("length_penalty", 0.5),
+        ("bad_words", ["a"]),
+        ("functions", [{"name": "f"}]),
+        ("audio", {"voice": "x"}),
+        ("cache_salt", "s"),
+        ("return_token_ids", True),
+        ("echo", True),
+        ("guided_decoding_backend", "outlines"),
+    ],
+)
 def test_a_refused_field_is_a_400_naming_it(client, field, value):
     _refused(lambda: _chat(client, extra_body={field: value}), field)
 
 
 def test_fields_ignored_by_design_change_nothing(client):
     plain = _chat(client).choices[0].message.content
-    extra = {"user": "u1", "metadata": {"k": "v"}, "store": True, "service_tier": "auto",
-             "safety_identifier": "s", "prompt_cache_key": "p", "prediction": {"type": "content",
-             "content": "x"}}  # fmt: skip
+    extra = {
+        "user": "u1",
+        "metadata": {"k": "v"},
+        "store": True,
+        "service_tier": "auto",
+        "safety_identifier": "s",
+        "prompt_cache_key": "p",
+        "prediction": {"type": "content", "content": "x"},
+    }
     assert _chat(client, extra_body=extra).choices[0].message.content == plain
 
 
 # -- structured outputs: vLLM's forms ------------------------------------------------------------
 CHOICES = ["sunny", "rain", "snow"]
-SCHEMA = {"type": "object", "properties": {"t": {"enum": ["hot", "cold"]}}, "required": ["t"],
-          "additionalProperties": False}  # fmt: skip
+SCHEMA = {
+    "type": "object",
+    "properties": {"t": {"enum": ["hot", "cold"]}},
+    "required": ["t"],
+    "additionalProperties": False,
+}
 
 
 @pytest.mark.parametrize(
@@ -149,8 +173,10 @@ def test_continue_final_message_extends_the_last_message(server, client):
     chat = _chat(client, messages=opened, extra_body=extra).choices[0].message.content
     completed = _complete(client, prompt=tok["tokens"]).choices[0].text
     assert chat == completed
-    _refused(lambda: _chat(client, messages=opened, extra_body={"continue_final_message": True}),
-             "continue_final_message")  # fmt: skip
+    _refused(
+        lambda: _chat(client, messages=opened, extra_body={"continue_final_message": True}),
+        "continue_final_message",
+    )
 
 
 def test_a_request_chat_template_and_its_kwargs(client):
@@ -182,8 +208,9 @@ def test_stop_strings_kept_with_include_stop_str_in_output(client):
     stop = text[3:6]
     assert stop.strip() and text.count(stop) >= 1
     cut = _complete(client, max_tokens=12, stop=[stop]).choices[0]
-    kept = _complete(client, max_tokens=12, stop=[stop],
-                     extra_body={"include_stop_str_in_output": True}).choices[0]  # fmt: skip
+    kept = _complete(
+        client, max_tokens=12, stop=[stop], extra_body={"include_stop_str_in_output": True}
+    ).choices[0]
     assert kept.text == cut.text + stop and kept.finish_reason == "stop"
 
 
@@ -218,8 +245,9 @@ def test_request_id_names_the_response_and_priority_is_accepted(client):
 
 
 def test_tokenize_with_token_strings(server):
-    got = httpx.post(server[0] + "/tokenize",
-                     json={"prompt": "sunny day", "return_token_strs": True}).json()  # fmt: skip
+    got = httpx.post(
+        server[0] + "/tokenize", json={"prompt": "sunny day", "return_token_strs": True}
+    ).json()
     assert "".join(got["token_strs"]) == "sunny day" and len(got["token_strs"]) == got["count"]
 
 

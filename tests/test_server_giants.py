@@ -24,8 +24,14 @@ BURST_S = 3.0
 def _giants() -> dict[str, tuple[str, bytes]]:
     """The bench's giants (``bench.fairness.load_giants``), a little smaller."""
     msg = {"role": "user", "content": "hi"}
-    tool = {"type": "function", "function": {"name": "f", "description": "d",
-                                             "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "f",
+            "description": "d",
+            "parameters": {"type": "object", "properties": {}},
+        },
+    }
     tools = [tool | {"function": tool["function"] | {"name": f"f{k}"}} for k in range(10_000)]
     item = {"type": "message", "role": "user", "content": "hi"}
     text = "word " * 600_000
@@ -43,15 +49,21 @@ def _json(body: dict) -> bytes:
     return json.dumps({"model": MODEL_NAME, **body}).encode()
 
 
+def _other_refusals() -> dict[str, tuple[str, bytes]]:
+    """Large bodies refused for what they hold: a bad role, a lone surrogate, another model."""
+    hi = {"role": "user", "content": "hi"}
+    bad_role = _json({"messages": [hi] * 99_999 + [hi | {"role": "robot"}]})
+    surrogate = _json({"messages": [hi | {"content": "x" * 200_000 + "@"}]})
+    other_model = _json({"messages": [hi] * 10_000}).replace(MODEL_NAME.encode(), b"other", 1)
+    return {
+        "a bad role among 10^5 messages": (CHAT, bad_role),
+        "a lone surrogate escape": (CHAT, surrogate.replace(b"@", b"\\ud800")),
+        "the wrong model": (CHAT, other_model),
+    }
+
+
 GIANTS = _giants()
-OTHER_REFUSALS = {
-    "a bad role among 10^5 messages": (CHAT, _json({"messages": [
-        {"role": "user", "content": "hi"}] * 99_999 + [{"role": "robot", "content": "hi"}]})),
-    "a lone surrogate escape": (CHAT, _json({"messages": [
-        {"role": "user", "content": "x" * 200_000 + "@"}]}).replace(b"@", b"\\ud800")),
-    "the wrong model": (CHAT, _json({"messages": [{"role": "user", "content": "hi"}] * 10_000})
-                        .replace(MODEL_NAME.encode(), b"other", 1)),
-}  # fmt: skip
+OTHER_REFUSALS = _other_refusals()
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +100,12 @@ def test_giants_are_refused_by_the_child_as_the_app_refuses_them(url, screened, 
 
 
 def test_a_large_body_that_fits_goes_through_the_app(url, screened):
-    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
-            "max_tokens": 2, "user": "u" * (body_parse.MIN_SCREEN_BYTES * 2)}  # fmt: skip
+    body = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "user": "u" * (body_parse.MIN_SCREEN_BYTES * 2),
+    }
     r = httpx.post(url + CHAT, json=body, timeout=60)
     assert r.status_code == 200, r.text[:300]
     assert r.json()["usage"]["completion_tokens"] == 2
@@ -161,6 +177,12 @@ def test_past_the_waiting_bound_a_large_body_gets_a_429_at_once(url, monkeypatch
     r = httpx.post(url + path, content=data, timeout=60)
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert "large request bodies are waiting" in r.json()["error"]["message"]
-    small = httpx.post(url + CHAT, json={"model": MODEL_NAME, "max_tokens": 1,
-                                         "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+    small = httpx.post(
+        url + CHAT,
+        json={
+            "model": MODEL_NAME,
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+    )
     assert small.status_code == 200, "small bodies do not wait for the child"

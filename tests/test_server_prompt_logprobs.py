@@ -41,8 +41,9 @@ def test_echo_with_logprobs_scores_the_prompt(client, server, hf, max_tokens):
     _, llm = server
     text = "the quick brown fox jumps over the lazy dog"
     ids = llm.engine.tokenizer.encode(text)
-    out = client.completions.create(model=MODEL_NAME, prompt=text, echo=True, logprobs=2,
-                                    max_tokens=max_tokens, temperature=0)  # fmt: skip
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=text, echo=True, logprobs=2, max_tokens=max_tokens, temperature=0
+    )
     (choice,) = out.choices
     lp = choice.logprobs
     ref = _ref(hf, ids)
@@ -66,8 +67,14 @@ def test_echo_with_logprobs_scores_the_prompt(client, server, hf, max_tokens):
 def test_token_prompts_and_streaming(server, hf):
     url, llm = server
     ids = llm.engine.tokenizer.encode("a b c d e f g h i j k l")
-    body = {"model": MODEL_NAME, "prompt": [ids, ids[:5]], "echo": True, "logprobs": 0,
-            "max_tokens": 0, "stream": True}  # fmt: skip
+    body = {
+        "model": MODEL_NAME,
+        "prompt": [ids, ids[:5]],
+        "echo": True,
+        "logprobs": 0,
+        "max_tokens": 0,
+        "stream": True,
+    }
     chunks = []
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200
@@ -91,27 +98,40 @@ def test_token_prompts_and_streaming(server, hf):
 def test_vllm_prompt_logprobs_extension(client, server, hf):
     _, llm = server
     ids = llm.engine.tokenizer.encode("one two three four")
-    out = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=2,
-                                    extra_body={"prompt_logprobs": 1})  # fmt: skip
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=ids, max_tokens=2, extra_body={"prompt_logprobs": 1}
+    )
     plp = out.choices[0].model_extra["prompt_logprobs"]
     ref = _ref(hf, ids)
     assert plp[0] is None and len(plp) == len(ids)
     for i in range(1, len(ids)):
         assert abs(plp[i][str(ids[i])]["logprob"] - float(ref[i - 1, ids[i]])) < TOL
-    chat = client.chat.completions.create(model=MODEL_NAME, max_tokens=1,
-                                          messages=[{"role": "user", "content": "hi"}],
-                                          extra_body={"prompt_logprobs": 0})  # fmt: skip
+    chat = client.chat.completions.create(
+        model=MODEL_NAME,
+        max_tokens=1,
+        messages=[{"role": "user", "content": "hi"}],
+        extra_body={"prompt_logprobs": 0},
+    )
     plp = chat.model_extra["prompt_logprobs"]
     assert plp[0] is None and all(len(e) == 1 for e in plp[1:])
 
 
 def test_bad_values_are_400s(server):
     url, _ = server
-    for extra in ({"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"max_tokens": -1},
-                  {"max_tokens": 0, "min_tokens": 1}, {"repetition_penalty": "NaN"},
-                  {"temperature": float("inf")}):  # fmt: skip
+    for extra in (
+        {"prompt_logprobs": 21},
+        {"prompt_logprobs": -1},
+        {"max_tokens": -1},
+        {"max_tokens": 0, "min_tokens": 1},
+        {"repetition_penalty": "NaN"},
+        {"temperature": float("inf")},
+    ):
         body = {"model": MODEL_NAME, "prompt": "x", **extra}
-        r = httpx.post(url + "/v1/completions", content=json.dumps(body),
-                       headers={"content-type": "application/json"}, timeout=30)  # fmt: skip
+        r = httpx.post(
+            url + "/v1/completions",
+            content=json.dumps(body),
+            headers={"content-type": "application/json"},
+            timeout=30,
+        )
         assert r.status_code == 400, (extra, r.text)
         assert r.json()["error"]["type"] == "invalid_request_error"

@@ -28,14 +28,20 @@ def client(path):
 
 
 def _chat_text(client, messages, max_tokens) -> str:
-    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, temperature=0,
-                                         max_tokens=max_tokens)  # fmt: skip
+    out = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, temperature=0, max_tokens=max_tokens
+    )
     return out.choices[0].message.content
 
 
 def test_text_and_messages_answer_as_chat_does(client):
-    r = client.responses.create(model=MODEL_NAME, input="tell me", instructions="be brief",
-                                max_output_tokens=6, temperature=0)  # fmt: skip
+    r = client.responses.create(
+        model=MODEL_NAME,
+        input="tell me",
+        instructions="be brief",
+        max_output_tokens=6,
+        temperature=0,
+    )
     chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me"}]
     assert r.object == "response" and r.output_text == _chat_text(client, chat, 6)
     assert 0 < r.usage.output_tokens <= 6
@@ -53,9 +59,12 @@ def test_text_and_messages_answer_as_chat_does(client):
 
 def test_json_schema_format_is_enforced(client):
     r = client.responses.create(
-        model=MODEL_NAME, input="a record", max_output_tokens=60, temperature=1.0,
+        model=MODEL_NAME,
+        input="a record",
+        max_output_tokens=60,
+        temperature=1.0,
         text={"format": {"type": "json_schema", "name": "rec", "schema": SCHEMA, "strict": True}},
-    )  # fmt: skip
+    )
     jsonschema.validate(json.loads(r.output_text), SCHEMA)
 
 
@@ -64,10 +73,17 @@ def test_streamed_events_rebuild_the_response(client):
     whole = client.responses.create(**kw)
     events = list(client.responses.create(**kw, stream=True))
     kinds = [e.type for e in events]
-    assert kinds[:4] == ["response.created", "response.in_progress",
-                         "response.output_item.added", "response.content_part.added"]  # fmt: skip
-    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done",
-                            "response.output_item.done"]  # fmt: skip
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:-1] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+    ]
     assert kinds[-1] in ("response.completed", "response.incomplete")
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -94,10 +110,12 @@ def test_unsupported_inputs_are_400s_naming_the_field(client, extra, param):
 # -- function tools --------------------------------------------------------------------------------
 WEATHER = {
     "type": "object",
-    "properties": {"city": {"type": "string", "maxLength": 12},
-                   "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
     "required": ["city", "days"],
-}  # fmt: skip
+}
 FN_TOOLS = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
 
 
@@ -110,8 +128,13 @@ def tool_client(tmp_path_factory):
 
 
 def test_function_tools_call_and_take_results(tool_client):
-    kw = dict(model=MODEL_NAME, tools=FN_TOOLS, tool_choice="required", max_output_tokens=200,
-              parallel_tool_calls=False)  # fmt: skip
+    kw = dict(
+        model=MODEL_NAME,
+        tools=FN_TOOLS,
+        tool_choice="required",
+        max_output_tokens=200,
+        parallel_tool_calls=False,
+    )
     r = tool_client.responses.create(**kw, input="weather in Oslo?")
     (call,) = [item for item in r.output if item.type == "function_call"]
     assert call.name == "get_weather" and call.call_id.startswith("call_")
@@ -122,18 +145,26 @@ def test_function_tools_call_and_take_results(tool_client):
         {"type": "function_call_output", "call_id": call.call_id, "output": "rain"},
     ]
     history[0] = {"role": "user", "content": history[0]}
-    follow = tool_client.responses.create(model=MODEL_NAME, input=history, tools=FN_TOOLS,
-                                          tool_choice="none", max_output_tokens=5)  # fmt: skip
+    follow = tool_client.responses.create(
+        model=MODEL_NAME, input=history, tools=FN_TOOLS, tool_choice="none", max_output_tokens=5
+    )
     assert follow.output[0].type == "message" and follow.output_text
-    named = tool_client.responses.create(**{**kw, "tool_choice": {"type": "function",
-                                                                 "name": "get_weather"}},
-                                         input="now")  # fmt: skip
+    named = tool_client.responses.create(
+        **{**kw, "tool_choice": {"type": "function", "name": "get_weather"}}, input="now"
+    )
     assert [i.type for i in named.output] == ["function_call"]
 
 
 def test_streamed_function_calls(tool_client):
-    kw = dict(model=MODEL_NAME, tools=FN_TOOLS, tool_choice="required", max_output_tokens=200,
-              parallel_tool_calls=False, input="weather?", temperature=1.0)  # fmt: skip
+    kw = dict(
+        model=MODEL_NAME,
+        tools=FN_TOOLS,
+        tool_choice="required",
+        max_output_tokens=200,
+        parallel_tool_calls=False,
+        input="weather?",
+        temperature=1.0,
+    )
     events = list(tool_client.responses.create(**kw, stream=True))
     kinds = [e.type for e in events]
     assert "response.function_call_arguments.done" in kinds

@@ -95,8 +95,9 @@ def test_auth_scheme_is_case_insensitive_and_405_names_the_methods(server):
     url, _ = server
     body = {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 1}
     for scheme in ("bearer", "BEARER", "Bearer"):
-        r = httpx.post(url + "/v1/completions", json=body,
-                       headers={"authorization": f"{scheme} {KEY}"})  # fmt: skip
+        r = httpx.post(
+            url + "/v1/completions", json=body, headers={"authorization": f"{scheme} {KEY}"}
+        )
         assert r.status_code == 200, scheme
     r = httpx.get(url + "/v1/completions", headers={"authorization": f"Bearer {KEY}"})
     _error(r, 405)

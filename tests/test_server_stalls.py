@@ -44,12 +44,18 @@ def _health(url: str) -> None:
 
 
 def test_a_huge_prompt_and_a_slow_schema_stall_nobody(url):
-    idle = {name: min(_timed(lambda f=f: f(url)) for _ in range(3))
-            for name, f in (("health", _health), ("one_token", _one_token))}  # fmt: skip
+    idle = {
+        name: min(_timed(lambda f=f: f(url)) for _ in range(3))
+        for name, f in (("health", _health), ("one_token", _one_token))
+    }
     huge = {"model": MODEL_NAME, "prompt": "word " * 700_000, "max_tokens": 1}  # 3.5 MB
     schema = {"type": "json_schema", "json_schema": {"name": "slow", "schema": _slow_schema()}}
-    slow = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "x"}],
-            "max_tokens": 1, "response_format": schema}  # fmt: skip
+    slow = {
+        "model": MODEL_NAME,
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 1,
+        "response_format": schema,
+    }
     answers: dict[str, int] = {}
 
     def send(name: str, path: str, body: dict) -> None:

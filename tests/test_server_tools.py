@@ -56,8 +56,14 @@ def _check_calls(calls) -> None:
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_required_calls_validate_against_their_schemas(client, seed):
-    kw = dict(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required", seed=seed,
-              temperature=1.0)  # fmt: skip
+    kw = dict(
+        model=MODEL_NAME,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        seed=seed,
+        temperature=1.0,
+    )
     one = client.chat.completions.create(**kw, parallel_tool_calls=False, max_tokens=200)
     choice = one.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -78,8 +84,9 @@ def test_required_calls_validate_against_their_schemas(client, seed):
 
 def test_a_named_call(client):
     named = {"type": "function", "function": {"name": "get_time"}}
-    out = client.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS,
-                                         tool_choice=named, max_tokens=150)  # fmt: skip
+    out = client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice=named, max_tokens=150
+    )
     (call,) = out.choices[0].message.tool_calls
     assert call.function.name == "get_time"
     _check_calls([call])
@@ -87,16 +94,19 @@ def test_a_named_call(client):
 
 def test_none_and_auto(client, server):
     _, llm = server
-    none = client.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS,
-                                          tool_choice="none", max_tokens=8, temperature=0)  # fmt: skip
-    plain = client.chat.completions.create(model=MODEL_NAME, messages=ASK, max_tokens=8,
-                                           temperature=0)  # fmt: skip
+    none = client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0
+    )
+    plain = client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, max_tokens=8, temperature=0
+    )
     assert none.choices[0].message.tool_calls is None
     assert none.choices[0].message.content == plain.choices[0].message.content
     assert none.usage.prompt_tokens == plain.usage.prompt_tokens  # no tools in the prompt
     for seed in range(4):
-        out = client.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS,
-                                             max_tokens=60, seed=seed)  # fmt: skip
+        out = client.chat.completions.create(
+            model=MODEL_NAME, messages=ASK, tools=TOOLS, max_tokens=60, seed=seed
+        )
         calls = out.choices[0].message.tool_calls
         if calls:
             _check_calls(calls)
@@ -125,8 +135,16 @@ def test_auto_calls_are_constrained_once_opened(server):
 
 
 def test_streamed_calls_reassemble_to_the_whole_response(client):
-    kw = dict(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
-              max_tokens=200, temperature=1.0, seed=3, parallel_tool_calls=False)  # fmt: skip
+    kw = dict(
+        model=MODEL_NAME,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=200,
+        temperature=1.0,
+        seed=3,
+        parallel_tool_calls=False,
+    )
     whole = client.chat.completions.create(**kw).choices[0].message.tool_calls
     calls: dict[int, dict] = {}
     finish = None
@@ -149,28 +167,38 @@ class Weather(pydantic.BaseModel):
 
 
 def test_parse_with_a_pydantic_tool(client):
-    out = client.chat.completions.parse(model=MODEL_NAME, messages=ASK, max_tokens=200,
-                                        tools=[openai.pydantic_function_tool(Weather)],
-                                        tool_choice="required", parallel_tool_calls=False)  # fmt: skip
+    out = client.chat.completions.parse(
+        model=MODEL_NAME,
+        messages=ASK,
+        max_tokens=200,
+        tools=[openai.pydantic_function_tool(Weather)],
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
     parsed = out.choices[0].message.tool_calls[0].function.parsed_arguments
     assert isinstance(parsed, Weather)
 
 
 def test_a_tool_result_round_trip(client, server):
     _, llm = server
-    first = client.chat.completions.create(model=MODEL_NAME, messages=ASK, tools=TOOLS,
-                                           tool_choice="required", max_tokens=120)  # fmt: skip
+    first = client.chat.completions.create(
+        model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=120
+    )
     call = first.choices[0].message.tool_calls[0]
-    history = [*ASK, first.choices[0].message.model_dump(exclude_none=True),
-               {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]  # fmt: skip
-    second = client.chat.completions.create(model=MODEL_NAME, messages=history, tools=TOOLS,
-                                            tool_choice="none", max_tokens=5)  # fmt: skip
+    history = [
+        *ASK,
+        first.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"},
+    ]
+    second = client.chat.completions.create(
+        model=MODEL_NAME, messages=history, tools=TOOLS, tool_choice="none", max_tokens=5
+    )
     assert second.choices[0].message.content is not None
     tok = llm.engine.tokenizer
-    rendered = tok.apply_chat_template([*ASK, {"role": "assistant", "content": None,
-        "tool_calls": [{"function": {"name": call.function.name,
-                                     "arguments": json.loads(call.function.arguments)}}]},
-        {"role": "tool", "content": "sunny, 21 C"}], add_generation_prompt=True)  # fmt: skip
+    fn = {"name": call.function.name, "arguments": json.loads(call.function.arguments)}
+    called = {"role": "assistant", "content": None, "tool_calls": [{"function": fn}]}
+    answered = [*ASK, called, {"role": "tool", "content": "sunny, 21 C"}]
+    rendered = tok.apply_chat_template(answered, add_generation_prompt=True)
     assert "<tool_response>\nsunny, 21 C\n</tool_response>" in rendered
     assert second.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
 
@@ -195,8 +223,14 @@ def test_a_call_cut_by_the_token_limit_is_a_call_not_text(client, max_tokens):
     """Cut anywhere (in the opener, the name or the arguments): no markup in the content;
     once the name is out, an incomplete call with the arguments so far, as OpenAI returns
     one; streamed the same."""
-    kw = dict(model=MODEL_NAME, messages=ASK, tools=TOOLS, tool_choice="required",
-              max_tokens=max_tokens, temperature=0)  # fmt: skip
+    kw = dict(
+        model=MODEL_NAME,
+        messages=ASK,
+        tools=TOOLS,
+        tool_choice="required",
+        max_tokens=max_tokens,
+        temperature=0,
+    )
     choice = client.chat.completions.create(**kw).choices[0]
     assert choice.finish_reason == "length"
     assert not choice.message.content, "call markup must never land in content"
@@ -223,14 +257,19 @@ def test_a_call_cut_by_the_token_limit_is_a_call_not_text(client, max_tokens):
 
 def test_a_cut_call_in_the_responses_api_is_an_incomplete_function_call(client):
     tools = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
-    r = client.responses.create(model=MODEL_NAME, input="weather in Paris?", tools=tools,
-                                tool_choice="required", max_output_tokens=40, temperature=0)  # fmt: skip
+    kw = dict(
+        model=MODEL_NAME,
+        input="weather in Paris?",
+        tools=tools,
+        tool_choice="required",
+        max_output_tokens=40,
+        temperature=0,
+    )
+    r = client.responses.create(**kw)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
     kinds = [item.type for item in r.output]
     assert kinds == ["function_call"], kinds
     assert r.output[0].status == "incomplete" and r.output[0].name == "get_weather"
-    events = list(client.responses.create(model=MODEL_NAME, input="weather in Paris?",
-                                          tools=tools, tool_choice="required",
-                                          max_output_tokens=40, temperature=0, stream=True))  # fmt: skip
+    events = list(client.responses.create(**kw, stream=True))
     assert events[-1].type == "response.incomplete"
     assert not any(e.type == "response.output_text.delta" for e in events), "no markup as text"

@@ -131,8 +131,9 @@ def test_torch_backend_sinks_with_softcap(native):
     outs = []
     for qs, keys, vals in full:
         cu_q, cu_k = torch.tensor([0, len(qs)]), torch.tensor([0, len(keys)])
-        o, _ = varlen_attention_ref(qs, keys, vals, cu_q, cu_k, scale, True, softcap=cap,
-                                    sinks=sinks)  # fmt: skip
+        o, _ = varlen_attention_ref(
+            qs, keys, vals, cu_q, cu_k, scale, True, softcap=cap, sinks=sinks
+        )
         outs.append(o)
     backend = _backend(native)
     out = backend.forward(q, k, v, kc, vc, meta, scale, None, cap, sinks)
@@ -170,9 +171,16 @@ def test_triton_decode_sinks_lse(num_splits):
     seqlens = torch.tensor(lens, dtype=torch.int32)
     sinks = _sinks(g)
     out, lse = paged_decode_attention(
-        q, kc, vc, table, seqlens, window_size=(20, 0), num_splits=num_splits,
-        return_lse=True, sinks=sinks,
-    )  # fmt: skip
+        q,
+        kc,
+        vc,
+        table,
+        seqlens,
+        window_size=(20, 0),
+        num_splits=num_splits,
+        return_lse=True,
+        sinks=sinks,
+    )
     ref, ref_lse = paged_decode_ref(q, kc, vc, table, seqlens, None, (20, 0), sinks=sinks)
     assert _err(out, ref) <= 2e-3
     assert (lse.double() - ref_lse).abs().max() <= 1e-3
@@ -205,8 +213,15 @@ def _generate(path, backend: str, prompts) -> list:
     from tests.helpers import assert_engine_clean
     from warmboot import LLM, SamplingParams
 
-    llm = LLM(str(path), max_model_len=96, block_size=4, num_kv_blocks=64,
-              max_num_batched_tokens=24, max_num_seqs=4, attention_backend=backend)  # fmt: skip
+    llm = LLM(
+        str(path),
+        max_model_len=96,
+        block_size=4,
+        num_kv_blocks=64,
+        max_num_batched_tokens=24,
+        max_num_seqs=4,
+        attention_backend=backend,
+    )
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert_engine_clean(llm)

@@ -41,8 +41,12 @@ def _boot(model: Path, store: Path, caches: Path, key: str, cache_root: Path | N
     env["PYTHONPATH"] = str(ROOT)
     run = subprocess.run(
         [sys.executable, "-c", BOOT, str(model), str(store)],
-        env=env, capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -126,8 +130,13 @@ def test_a_bf16_image_restores_whatever_step_serves(tiny_model_dir, tmp_path, mo
     from warmboot.config import EAGER_ENV
 
     monkeypatch.delenv(EAGER_ENV)
-    args = dict(snapshot_store=str(tmp_path / "store"), dtype="bfloat16", max_model_len=64,
-                block_size=4, num_kv_blocks=64)  # fmt: skip
+    args = dict(
+        snapshot_store=str(tmp_path / "store"),
+        dtype="bfloat16",
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=64,
+    )
     cold = LLM(str(tiny_model_dir("llama")), **args)
     assert cold.engine.start_info.path == "cold" and cold.engine.wait_compiled(300)
     warm = LLM(str(tiny_model_dir("llama")), **args)

@@ -154,8 +154,9 @@ def test_the_launcher_skips_a_slower_process_image(
     monkeypatch.setattr(sandbox, "runsc_status", lambda: ("runsc-test", None))
     engine = {"model": str(path), **ARGS}
     told = []
-    cfg = launch_mod.LaunchConfig(engine, str(tmp_path / "store"), work_dir=tmp_path / "work",
-                                  on_recorded=told.append)  # fmt: skip
+    cfg = launch_mod.LaunchConfig(
+        engine, str(tmp_path / "store"), work_dir=tmp_path / "work", on_recorded=told.append
+    )
     fields = spec_mod.process_key_fields(engine, "runsc-test", launch_mod.worker_spec(cfg))
     key = spec_mod.process_key(fields)
     store = LocalStore(tmp_path / "store")

@@ -173,8 +173,15 @@ def test_weights_mapped_for_a_checkpoint_keep_the_step_chosen(
     machine did not), and it serves the same tokens."""
     path = tiny_model_dir("llama")
     prompts = [{"prompt_token_ids": p} for p in random_prompts([6, 9], VOCAB_SIZE, seed=5)]
-    llm = LLM(str(path), dtype="bfloat16", enforce_eager=False, max_model_len=64, block_size=4,
-              num_kv_blocks=64, snapshot_store=str(tmp_path / "store"))  # fmt: skip
+    llm = LLM(
+        str(path),
+        dtype="bfloat16",
+        enforce_eager=False,
+        max_model_len=64,
+        block_size=4,
+        num_kv_blocks=64,
+        snapshot_store=str(tmp_path / "store"),
+    )
     engine = llm.engine
     engine.startup.wait_compiled()
     chosen = engine.startup.compiling.info["step_choice"]

@@ -89,8 +89,9 @@ def chunk_of(store: LocalStore, key: str) -> Path:
 
 # -- links: nothing is written or deleted where they point -----------------------------------------
 @pytest.mark.parametrize("linked", ["tmp", "manifests", "chunks", "chunks/xx", "leases"])
-def test_links_inside_an_empty_store_are_never_written_through(path, golden, tmp_path, outside,
-                                                               linked):  # fmt: skip
+def test_links_inside_an_empty_store_are_never_written_through(
+    path, golden, tmp_path, outside, linked
+):
     root = tmp_path / "fresh"
     (root / "chunks").mkdir(parents=True)
     if linked == "chunks/xx":
@@ -326,7 +327,7 @@ def test_rm_keeps_the_chunks_a_process_image_maps(golden, store):
             "canary": [],
             "files": [],
             "mapped_chunks": refs,
-        }  # fmt: skip
+        }
     ).encode()
     store.put_manifest(process_image.manifest_key("p"), image)
     assert remove_snapshot(store, golden["key"]) == 0
@@ -336,14 +337,20 @@ def test_rm_keeps_the_chunks_a_process_image_maps(golden, store):
 
 @pytest.mark.parametrize(
     "bad",
-    [b'{"schema": 1, "kind": "warmboot-process-snapshot"}',
-     b'{"schema": 1, "kind": "warmboot-process-snapshot", "canary": [], "files": [{"name": '
-     b'"../x", "chunks": []}]}',
-     b'{"schema": 1, "kind": "warmboot-process-snapshot", "canary": [], "files": [], '
-     b'"mapped_chunks": {"../../etc/passwd": 1}}',
-     b"[" * 100_000],
+    [
+        b'{"schema": 1, "kind": "warmboot-process-snapshot"}',
+        (
+            b'{"schema": 1, "kind": "warmboot-process-snapshot", "canary": [], "files": [{"name": '
+            b'"../x", "chunks": []}]}'
+        ),
+        (
+            b'{"schema": 1, "kind": "warmboot-process-snapshot", "canary": [], "files": [], '
+            b'"mapped_chunks": {"../../etc/passwd": 1}}'
+        ),
+        b"[" * 100_000,
+    ],
     ids=["no-files", "escaping-name", "bad-mapped-chunk", "deep"],
-)  # fmt: skip
+)
 def test_malformed_process_manifests_are_messages(golden, store, bad, capsys):
     from warmboot.cli import main
 
@@ -370,8 +377,9 @@ def stalling_s3(request, monkeypatch):
     proxy.close()
 
 
-def test_s3_stalling_mid_restore_boots_cold_within_the_deadline(path, golden, stalling_s3,
-                                                               monkeypatch):  # fmt: skip
+def test_s3_stalling_mid_restore_boots_cold_within_the_deadline(
+    path, golden, stalling_s3, monkeypatch
+):
     proxy, url = stalling_s3
     first = boot(path, url)  # publishes through the proxy
     assert first.engine.start_info.path == "cold"
@@ -383,14 +391,18 @@ def test_s3_stalling_mid_restore_boots_cold_within_the_deadline(path, golden, st
 
     monkeypatch.setattr(S3Store, "read_chunk", stall_then_read)
     try:
-        healthy(path, url, golden, reason="snapshot restore: no progress for 2 s",
-                snapshot_publish=False)  # fmt: skip
+        healthy(
+            path,
+            url,
+            golden,
+            reason="snapshot restore: no progress for 2 s",
+            snapshot_publish=False,
+        )
     finally:
         proxy.resume()
 
 
-def test_s3_stalling_during_publish_does_not_hold_the_start(path, golden, stalling_s3,
-                                                            monkeypatch):  # fmt: skip
+def test_s3_stalling_during_publish_does_not_hold_the_start(path, golden, stalling_s3, monkeypatch):
     proxy, url = stalling_s3
     real = S3Store.put_chunk
 
@@ -482,8 +494,11 @@ def test_kill_9_at_each_point_of_a_publishing_start(path, golden, tmp_path, poin
     import sys
 
     root = tmp_path / "killed"
-    proc = subprocess.run([sys.executable, "-c", KILL_SCRIPT, str(path), str(root), point],
-                          capture_output=True, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_SCRIPT, str(path), str(root), point],
+        capture_output=True,
+        timeout=300,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     published = point == "published"
     assert bool(LocalStore(root).list_keys()) == published

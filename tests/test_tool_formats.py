@@ -14,10 +14,13 @@ from warmboot.server.fields import UnsupportedParameter
 from warmboot.tokenizer import Tokenizer
 
 SCHEMAS = {
-    "get_weather": {"type": "object", "properties": {"city": {"type": "string"}},
-                    "required": ["city"]},
+    "get_weather": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+    },
     "noop": {"type": "object", "properties": {}},
-}  # fmt: skip
+}
 CALLS = {
     "hermes": 'Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}'
     '\n</tool_call>\n<tool_call>\n{"name": "noop", "arguments": {}}\n</tool_call>',
@@ -32,8 +35,9 @@ CALLS = {
 def test_parsers_read_every_format(fmt):
     content, calls = T.parse(fmt, CALLS[fmt], set(SCHEMAS))
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [
-        ("get_weather", {"city": "Oslo"}), ("noop", {})
-    ]  # fmt: skip
+        ("get_weather", {"city": "Oslo"}),
+        ("noop", {}),
+    ]
     assert content.strip() == ("Let me look." if fmt == "hermes" else "")
     assert len({c.id for c in calls}) == 2
 
@@ -53,18 +57,22 @@ def test_structural_tags_compile_and_accept_a_call(fmt, mode, tiny_model_dir):
     compiled = grammars.compile(StructuredOutputs(structural_tag=tag))
     matcher = grammars.backend.matcher(compiled)
     tok = Tokenizer.from_dir(path)
-    one = {"hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n'
-                     "</tool_call>",
-           "llama3_json": '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
-           "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]'}[fmt]  # fmt: skip
+    one = {
+        "hermes": (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        ),
+        "llama3_json": '{"name": "get_weather", "parameters": {"city": "Oslo"}}',
+        "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}]',
+    }[fmt]
     assert all(matcher.accept(t) for t in tok.encode(one, add_special_tokens=False))
     (call,) = T.parse(fmt, one, set(SCHEMAS))[1]
     assert json.loads(call.arguments) == {"city": "Oslo"}
 
 
 def test_plans_and_refusals():
-    tools = [{"type": "function", "function": {"name": n, "parameters": s}}
-             for n, s in SCHEMAS.items()]  # fmt: skip
+    tools = [
+        {"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()
+    ]
     assert T.plan(tools, "none", True, "hermes") is None
     assert T.plan(None, None, True, "hermes") is None
     plan = T.plan(tools, {"type": "function", "function": {"name": "noop"}}, True, "hermes")

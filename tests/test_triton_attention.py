@@ -274,8 +274,15 @@ def test_pretune_probe_is_the_engines_prefill(window, chunk):
     k, v = k_cache.flatten(0, 1)[:k_len], v_cache.flatten(0, 1)[:k_len]
     left = -1 if window is None else window - 1
     ref, _ = varlen_attention_ref(
-        torch.zeros(q_len, 4, 16, dtype=torch.float16), k, v, _cu([q_len]), _cu([k_len]),
-        0.25, True, (left, 0), chunk=chunk,
-    )  # fmt: skip
+        torch.zeros(q_len, 4, 16, dtype=torch.float16),
+        k,
+        v,
+        _cu([q_len]),
+        _cu([k_len]),
+        0.25,
+        True,
+        (left, 0),
+        chunk=chunk,
+    )
     err = ((out.double() - ref).norm() / ref.norm()).item()
     assert err <= BOUND[torch.float16], err

@@ -51,28 +51,53 @@ def _multi_ref(q, kc, vc, table, seqlens, query_len, window, softcap, chunk=None
     bs = kc.shape[1]
 
     def gather(cache):
-        return torch.cat([cache[table[b, : -(-n // bs)].long()].flatten(0, 1)[:n]
-                          for b, n in enumerate(lens)])  # fmt: skip
+        return torch.cat(
+            [cache[table[b, : -(-n // bs)].long()].flatten(0, 1)[:n] for b, n in enumerate(lens)]
+        )
 
     cu_q = torch.arange(0, (len(lens) + 1) * query_len, query_len)
     cu_k = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
-    return varlen_attention_ref(q, gather(kc), gather(vc), cu_q, cu_k, None, True, window,
-                                softcap, chunk=chunk)  # fmt: skip
+    return varlen_attention_ref(
+        q, gather(kc), gather(vc), cu_q, cu_k, None, True, window, softcap, chunk=chunk
+    )
 
 
-def _run(lens, hq, hkv, d=64, bs=16, dtype=torch.float16, window=(-1, -1), softcap=0.0,
-         num_splits=2, table_dtype=torch.int32, query_len=1, strided=False,
-         chunk=None):  # fmt: skip
-    q, kc, vc, table, seqlens = _case(lens, hq, hkv, d, bs, dtype, table_dtype, window, softcap,
-                                      strided, query_len=query_len)  # fmt: skip
+def _run(
+    lens,
+    hq,
+    hkv,
+    d=64,
+    bs=16,
+    dtype=torch.float16,
+    window=(-1, -1),
+    softcap=0.0,
+    num_splits=2,
+    table_dtype=torch.int32,
+    query_len=1,
+    strided=False,
+    chunk=None,
+):
+    q, kc, vc, table, seqlens = _case(
+        lens, hq, hkv, d, bs, dtype, table_dtype, window, softcap, strided, query_len=query_len
+    )
     out = torch.full_like(q, float("nan"))
     if strided:  # rows and heads further apart than D, NaN between them
         q = torch.cat([q, torch.full_like(q, float("nan"))], -1)[..., :d]
         out = torch.cat([out, out], -1)[..., :d]
     o, lse = paged_decode_attention(
-        q, kc, vc, table, seqlens, window_size=window, softcap=softcap,
-        num_splits=num_splits, return_lse=True, query_len=query_len, out=out, chunk=chunk,
-    )  # fmt: skip
+        q,
+        kc,
+        vc,
+        table,
+        seqlens,
+        window_size=window,
+        softcap=softcap,
+        num_splits=num_splits,
+        return_lse=True,
+        query_len=query_len,
+        out=out,
+        chunk=chunk,
+    )
     if query_len == 1:
         ro, rl = paged_decode_ref(q, kc, vc, table, seqlens, None, window, softcap, chunk=chunk)
     else:

@@ -326,7 +326,8 @@ def test_a_module_in_the_working_directory_does_not_shadow_the_worker(tmp_path):
 
     (tmp_path / "json.py").write_text('raise SystemExit("shadowed")\n')
     argv = worker_spec(LaunchConfig(engine={"bad": 1}, work_dir=tmp_path / "w")).argv
-    done = subprocess.run([*argv[:-1], "{}"], cwd=tmp_path, capture_output=True, timeout=120,
-                          stdin=subprocess.DEVNULL)  # fmt: skip
+    done = subprocess.run(
+        [*argv[:-1], "{}"], cwd=tmp_path, capture_output=True, timeout=120, stdin=subprocess.DEVNULL
+    )
     assert b"shadowed" not in done.stderr + done.stdout
     assert b"fatal" in done.stdout  # it ran and reported the bad settings as a frame

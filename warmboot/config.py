@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 from warmboot.architectures import UnsupportedModelError, resolve_architecture, text_tower
+from warmboot.options import check_choices, options, setting
 
 
 def pid_alive(pid: int) -> bool:
@@ -25,6 +26,7 @@ def pid_alive(pid: int) -> bool:
 
 
 EAGER_ENV = "WARMBOOT_ENFORCE_EAGER"
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 def resolve_eager(enforce_eager: bool | None) -> bool:
@@ -40,40 +42,6 @@ def cache_root() -> Path:
     ``$WARMBOOT_CACHE`` or ``~/.cache/warmboot``."""
     env = os.environ.get("WARMBOOT_CACHE")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "warmboot"
-
-
-def read_cache_dict(path: Path) -> dict:
-    """A small JSON cache file's object: empty where the file is missing, unreadable or not
-    an object (data, never trusted: callers keep only the values they can use)."""
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def write_cache_dict(path: Path, data: dict, indent: int | None = None) -> None:
-    """Write ``data`` to ``path`` whole (a temporary file moved over it: a reader never sees
-    half); raises OSError."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=indent))
-    os.replace(tmp, path)
-
-
-def put_latest(path: Path, entries: dict, key: str, value: object, kept: int) -> None:
-    """Write ``with_latest(...)`` whole; best effort: a file that cannot be written stays as
-    it was."""
-    try:
-        write_cache_dict(path, with_latest(entries, key, value, kept))
-    except OSError:
-        pass
-
-
-def with_latest(entries: dict, key: str, value: object, kept: int) -> dict:
-    """``entries`` with ``key`` set to ``value`` (last), only the latest ``kept`` entries."""
-    entries = {k: v for k, v in entries.items() if k != key}
-    return dict(list(entries.items())[-(kept - 1) :]) | {key: value}
 
 
 class ModelFilesError(FileNotFoundError):
@@ -174,19 +142,33 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
+DEFAULT_MAX_MODEL_LEN = 2048
+"""The context an engine is sized for when ``max_model_len`` is unsaid (the checkpoint's
+own, where that is shorter)."""
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
-    """Tokens per KV block."""
-    kv_cache_memory_bytes: int | None = None
-    """Memory budget for the KV cache; None sizes it from ``num_blocks`` or the context length."""
-    num_blocks: int | None = None
-    """Force an exact number of KV blocks (tests use this to force preemption)."""
-    enable_prefix_caching: bool = True
-    state_checkpoints: int | None = None
-    """Models with state layers: request states kept at block boundaries for the prefix cache
-    (``core.state_prefix``); None: two per seat within a quarter of the default KV budget; 0:
-    none, so such a model computes every prompt in full."""
+    block_size: int = setting(16, "tokens per KV block (a power of two)")
+    kv_cache_memory_bytes: int | None = setting(
+        None,
+        "memory for the KV cache, in bytes (default: sized from --num-kv-blocks or the "
+        "context length)",
+    )
+    num_blocks: int | None = setting(
+        None,
+        "an exact number of KV blocks (as vLLM's --num-gpu-blocks-override; tests force "
+        "preemption with it)",
+        name="num_kv_blocks",
+        aliases=("--num-gpu-blocks-override",),
+    )
+    enable_prefix_caching: bool = setting(True, "share the KV of common prompt prefixes")
+    state_checkpoints: int | None = setting(
+        None,
+        "models with state layers: request states kept at block boundaries for the prefix "
+        "cache (default: two per seat within a quarter of the default KV budget; 0: none, "
+        "so such a model computes every prompt in full)",
+    )
 
     def __post_init__(self) -> None:
         if self.state_checkpoints is not None and self.state_checkpoints < 0:
@@ -199,37 +181,49 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    """Most requests running at once."""
-    max_num_batched_tokens: int = 2048
-    """Token budget of one step (prefill chunks + decodes)."""
-    max_model_len: int = 2048
-    """Longest prompt + output."""
-    long_prefill_token_threshold: int | None = None
-    """Most prompt tokens one request computes in a step (vLLM's name), so a long prompt is
-    spread over steps and a request that arrives meanwhile starts in the next one. None: a
-    quarter of ``max_num_batched_tokens``, at least 512; 0: no cap."""
-    prompt_logprob_token_weight: float = 1.4
-    """What a prompt token whose logprobs are wanted costs, in step budget and chunk cap, next
-    to a plain prefill token: it adds an LM head over the vocabulary, a float32 log-softmax
-    and a top-k (1.30-1.40 measured on the demo model's 512-token prefill, top 1 and 20, on
-    1 and 2 CPU threads, eager and compiled). With ``max_step_ms``, the weight until the
-    step-cost fit has learnt it from the steps run (``core.step_cost``)."""
-    max_step_ms: float | None = None
-    """Longest a step should run, in ms: the step's token budget is what the fitted step cost
-    says fits (``core.step_cost``), so a request arriving mid-step waits at most about this long
-    for a seat, and a running stream's inter-token gap stays near it. None or 0: no time cap
-    (throughput first: the offline default; the server's is ``--max-step-ms``)."""
-    reserved_seats: int | None = None
-    """Seats (of ``max_num_seqs``) that only a client's or a call's first live sequence may
-    take, the last half of them (rounded up) only a client's: a client's later calls never
-    fill those, so a new client finds a seat, and a call's later prompts and completions none
-    of them, so a new call finds one. None: ``max_num_seqs // 16``, at least 1; fewer than
-    ``max_num_seqs``."""
+    max_num_seqs: int = setting(64, "most requests running at once (the batch)")
+    max_num_batched_tokens: int = setting(
+        2048, "token budget of one step (prefill chunks + decodes)"
+    )
+    max_model_len: int | None = setting(
+        None,
+        f"longest prompt + output (default: the model's context, at most {DEFAULT_MAX_MODEL_LEN})",
+    )
+    long_prefill_token_threshold: int | None = setting(
+        None,
+        "most prompt tokens one request computes in a step, so a long prompt is spread over "
+        "steps and a request arriving meanwhile starts in the next one (default: a quarter "
+        "of --max-num-batched-tokens, at least 512; 0: no cap)",
+    )
+    prompt_logprob_token_weight: float = setting(
+        1.4,
+        "what a prompt token whose logprobs are wanted costs in step budget, next to a plain "
+        "prefill token",
+    )
+    """It adds an LM head over the vocabulary, a float32 log-softmax and a top-k (1.30-1.40
+    measured on the demo model's 512-token prefill, top 1 and 20, on 1 and 2 CPU threads,
+    eager and compiled). With ``max_step_ms``, the weight until the step-cost fit has learnt
+    it from the steps run (``core.step_cost``)."""
+    max_step_ms: float | None = setting(
+        None,
+        "longest an engine step should run, in ms: its token budget follows the measured "
+        "step cost, so a request arriving mid-step waits about this long at most (none or "
+        "0: no cap, throughput first)",
+    )
+    """``core.step_cost``; a running stream's inter-token gap stays near it too. The server's
+    default is ``cli.DEFAULT_MAX_STEP_MS``; offline, none."""
+    reserved_seats: int | None = setting(
+        None,
+        "seats only a client's or a call's first sequence may take, so a newcomer finds one "
+        "(default: --max-num-seqs / 16, at least 1)",
+    )
+    """A client's later calls never fill those, so a new client finds a seat, and a call's
+    later prompts and completions none of them, so a new call finds one: the last half of
+    them (rounded up) only a client's first may take. Fewer than ``max_num_seqs``."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            if getattr(self, name) < 1:
+            if (getattr(self, name) or 1) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("long_prefill_token_threshold", "reserved_seats", "max_step_ms"):
             if (getattr(self, name) or 0) < 0:
@@ -259,46 +253,92 @@ class SchedulerConfig:
         return self.max_num_seqs - reserve, self.max_num_seqs - (reserve + 1) // 2
 
 
+SNAPSHOTS = "snapshots"
+"""The ``--help`` group of the snapshot settings."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
+    """The engine's settings; ``LLM``'s keyword arguments and every command line's engine
+    options are derived from them (``warmboot.options``)."""
+
     model: str
-    dtype: str = "auto"
-    device: str = "cpu"
-    seed: int = 0
-    attention_backend: str = "auto"
-    quantization: str | None = None
+    dtype: str = setting("auto", "weights' and activations' type", choices=DTYPES)
+    device: str = setting("auto", "auto, cpu, cuda or cuda:N", metavar="DEVICE")
+    seed: int = setting(0, "seed of the samplers of requests that give none")
+    attention_backend: str = setting(
+        "auto",
+        "attention kernels (auto: Triton on CUDA, torch elsewhere)",
+        choices=("auto", "torch", "triton"),
+    )
+    quantization: str | None = setting(
+        None,
+        "auto (the checkpoint's), a method it must match (gptq, awq, compressed-tensors, "
+        "fp8, mxfp4), or fp8 / int8 to quantize a full-precision checkpoint at load",
+        short="-q",
+    )
     """vLLM's ``quantization``: None or ``auto`` serves the checkpoint's own
     (``quantization_config``); a method name must match it (``models.quant_config``)."""
-    pipelined: bool | None = None
-    """Pipelined decode loop; None picks it where it pays (CUDA, CPUs with >= 4 cores)."""
-    cuda_graphs: bool | None = None
-    """Replay decode-only steps as CUDA graphs; None: on for CUDA devices."""
-    enforce_eager: bool | None = None
-    """Run every step eagerly: no compiled steps, no CUDA graphs (as vLLM's flag). None: the
-    environment's ``WARMBOOT_ENFORCE_EAGER=1``, else False."""
-    compile_steps: bool | None = None
-    """Compile the model steps (``device.compiled``); None: on for the CPU, off on CUDA
-    (CUDA graphs replay the eager step there; compiled-then-captured is not measured yet)."""
-    cpu_threads: int | None = None
-    """torch intra-op threads on the CPU; None: the thread policy (``engine.threads``)."""
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    snapshot_store: str | None = None
-    """Tier-A snapshot store (a directory or ``s3://bucket/prefix``); None disables snapshots.
-    A snapshot matching the compatibility key is restored instead of loading the checkpoint."""
-    snapshot_publish: bool = True
-    """After a cold boot with a ``snapshot_store``, publish a snapshot for the next start."""
-    snapshot_timeout: float = 30.0
-    """Seconds a snapshot step (lookup, restore, publish) may go without progress before it
-    is abandoned: a stalled store means a cold boot (or no publish), never a hang."""
-    pretune_attention: bool | None = None
-    """Tune the Triton prefill kernel for every sequence-length bucket at start-up (CUDA), so
-    that no request waits for tuning or compiling; None: only before publishing a snapshot,
-    which then carries the results and the compiled kernels."""
+    pipelined: bool | None = setting(
+        None,
+        "the pipelined decode loop (auto: on CUDA and on CPUs with >= 4 cores; off: the sync loop)",
+        negative=("--sync",),
+    )
+    cuda_graphs: bool | None = setting(
+        None, "replay decode-only steps as CUDA graphs (auto: on CUDA)"
+    )
+    enforce_eager: bool | None = setting(
+        None,
+        "run the model steps eagerly, op by op: no compiled steps, no CUDA graphs (auto: "
+        "$WARMBOOT_ENFORCE_EAGER=1 says on; otherwise the steps are compiled on the CPU, a "
+        "compile of seconds to a minute in the background, then 1.2-1.6x faster decode, and "
+        "captured as CUDA graphs on CUDA)",
+    )
+    compile_steps: bool | None = setting(
+        None, "compile the model steps with torch.compile (auto: on the CPU, off on CUDA)"
+    )
+    cpu_threads: int | None = setting(
+        None,
+        "torch compute threads on the CPU (default: the thread policy, all cores but one for "
+        "the host loop, pinned where the OS allows)",
+    )
+    cache: CacheConfig = setting(factory=CacheConfig, group="KV cache")
+    scheduler: SchedulerConfig = setting(factory=SchedulerConfig, group="scheduler")
+    snapshot_store: str | None = setting(
+        None,
+        "tier-A snapshot store (a directory or s3://bucket/prefix): start the way measured "
+        "quicker here (restore, or boot cold; WARMBOOT_START_BY_COST=0: restore), publish if "
+        "none matches",
+        group=SNAPSHOTS,
+    )
+    snapshot_publish: bool = setting(
+        True, "with a snapshot store: publish a snapshot after a cold boot", group=SNAPSHOTS
+    )
+    snapshot_timeout: float = setting(
+        30.0,
+        "seconds a snapshot lookup, restore or publish may go without progress before it is "
+        "abandoned (then: a cold boot, or no publish)",
+        group=SNAPSHOTS,
+    )
+    pretune_attention: bool | None = setting(
+        None,
+        "tune the Triton prefill kernel for every sequence-length bucket at start-up (CUDA), "
+        "so no request waits for tuning (auto: only before publishing a snapshot, which then "
+        "carries the results)",
+        group=SNAPSHOTS,
+    )
 
     def __post_init__(self) -> None:
+        check_choices(self)
         if not self.snapshot_timeout > 0:
             raise ValueError(f"snapshot_timeout must be > 0 seconds, got {self.snapshot_timeout}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+
+
+ENGINE_OPTIONS = options(EngineConfig, group="engine")
+"""The engine's settings: ``LLM``'s keyword arguments, every command line's engine options."""
+ENGINE_DEFAULTS = {o.name: o.default for o in ENGINE_OPTIONS}
 
 
 def _num_layers(cfg: dict[str, Any]) -> int:

@@ -7,8 +7,14 @@ from dataclasses import dataclass
 from typing import NoReturn
 
 MAX_LOGPROBS = 20
-FLOAT_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                "frequency_penalty")  # fmt: skip
+FLOAT_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
 MAX_LOGIT_BIAS = 100.0
 OUTPUT_KINDS = ("cumulative", "delta", "final")
 

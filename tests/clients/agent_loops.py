@@ -56,8 +56,11 @@ def _summary(body: bytes) -> dict:
         choice = json.loads(text)["choices"][0]
         message, calls = choice["message"], choice["message"].get("tool_calls") or []
         calls = [[c["function"]["name"], c["function"]["arguments"]] for c in calls]
-        return {"content": message.get("content"), "finish_reason": choice["finish_reason"],
-                "tool_calls": calls}  # fmt: skip
+        return {
+            "content": message.get("content"),
+            "finish_reason": choice["finish_reason"],
+            "tool_calls": calls,
+        }
     out, calls = {"content": "", "finish_reason": None, "tool_calls": []}, {}
     for line in text.splitlines():
         if not line.startswith("data:") or line.strip() == "data: [DONE]":
@@ -78,11 +81,21 @@ async def agents_sdk(limit: int, stream: bool) -> dict:
     wire = Wire()
     http = httpx2.AsyncClient(event_hooks={"response": [wire.hook]})
     client = AsyncOpenAI(base_url=URL + "/v1", api_key="unused", max_retries=0, http_client=http)
-    settings = ModelSettings(tool_choice="required", parallel_tool_calls=False, max_tokens=limit,
-                             temperature=1.0, extra_args={"seed": 1})  # fmt: skip
-    agent = Agent(name="weather", instructions="Use the tool.", tools=[function_tool(get_weather)],
-                  model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
-                  model_settings=settings, tool_use_behavior="stop_on_first_tool")  # fmt: skip
+    settings = ModelSettings(
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=limit,
+        temperature=1.0,
+        extra_args={"seed": 1},
+    )
+    agent = Agent(
+        name="weather",
+        instructions="Use the tool.",
+        tools=[function_tool(get_weather)],
+        model=OpenAIChatCompletionsModel(model=MODEL, openai_client=client),
+        model_settings=settings,
+        tool_use_behavior="stop_on_first_tool",
+    )
     out: dict = {"wire": wire.replies}
     try:
         if stream:
@@ -113,16 +126,25 @@ async def langgraph(limit: int, stream: bool) -> dict:
 
     wire = Wire()
     http = httpx.AsyncClient(event_hooks={"response": [wire.hook]})
-    llm = ChatOpenAI(base_url=URL + "/v1", api_key="unused", model=MODEL, max_tokens=limit,
-                     temperature=1.0, seed=1, max_retries=0, streaming=stream,
-                     http_async_client=http)  # fmt: skip
+    llm = ChatOpenAI(
+        base_url=URL + "/v1",
+        api_key="unused",
+        model=MODEL,
+        max_tokens=limit,
+        temperature=1.0,
+        seed=1,
+        max_retries=0,
+        streaming=stream,
+        http_async_client=http,
+    )
     weather = tool(get_weather, return_direct=True)  # the loop ends once the tool ran
     bound = llm.bind_tools([weather], tool_choice="required", parallel_tool_calls=False)
     agent = create_react_agent(bound, [weather])
     out: dict = {"wire": wire.replies}
     try:
-        state = await agent.ainvoke({"messages": [("user", "weather in Rome?")]},
-                                    {"recursion_limit": 6})  # fmt: skip
+        state = await agent.ainvoke(
+            {"messages": [("user", "weather in Rome?")]}, {"recursion_limit": 6}
+        )
         out["messages"] = [_lc_message(m) for m in state["messages"][1:]]
         out["final"] = state["messages"][-1].content
     except Exception as e:
@@ -133,8 +155,13 @@ async def langgraph(limit: int, stream: bool) -> dict:
 def _lc_message(m) -> dict:
     calls = [[c["name"], c["args"]] for c in getattr(m, "tool_calls", [])]
     bad = [[c["name"], c["args"]] for c in getattr(m, "invalid_tool_calls", [])]
-    return {"type": m.type, "content": m.content, "tool_calls": calls, "invalid_tool_calls": bad,
-            "finish_reason": m.response_metadata.get("finish_reason")}  # fmt: skip
+    return {
+        "type": m.type,
+        "content": m.content,
+        "tool_calls": calls,
+        "invalid_tool_calls": bad,
+        "finish_reason": m.response_metadata.get("finish_reason"),
+    }
 
 
 async def main() -> None:

@@ -298,9 +298,8 @@ class Scheduler:
                 break
             skipped.append(entry)
             units = self._chunk(entry.req, entry.req.num_tokens, budget)[1]
-            gain = (shared + per_unit * units) / (
-                fixed + per_unit * (EXPRESS_UNITS - budget + units)
-            )
+            alone = fixed + per_unit * (EXPRESS_UNITS - budget + units)
+            gain = (shared + per_unit * units) / alone
             if entry.req.waits_for_leader(self.kv.enable_prefix_caching) or gain < EXPRESS_GAIN:
                 break
             cost = self._admit(entry, out, budget, whole=True)
@@ -367,19 +366,19 @@ class Scheduler:
             if prompt_lps is not None and not s.sample:
                 events.append(TokenEvent(req.request_id, [], [], prompt_logprobs=prompt_lps))
             if s.sample:
-                row = rows[s.req_id]
-                token = result.sampled_token_ids[row]
-                req.append_output(token)
-                reason = req.stop_after(token)
-                if reason is not None:
-                    self._remove(req)
-                    self._finish(req, reason)
-                logprobs = result.logprobs[row] if result.logprobs else None
-                events.append(
-                    TokenEvent(req.request_id, [token], [logprobs], reason, req.stop_reason,
-                               prompt_logprobs=prompt_lps)
-                )  # fmt: skip
+                events.append(self._sampled(req, result, rows[s.req_id], prompt_lps))
         return events
+
+    def _sampled(self, req: Request, result: RunnerOutput, row: int, prompt_lps) -> TokenEvent:
+        """Append ``row``'s sampled token to ``req``, finishing it if the token stops it."""
+        token = result.sampled_token_ids[row]
+        req.append_output(token)
+        reason = req.stop_after(token)
+        if reason is not None:
+            self._remove(req)
+            self._finish(req, reason)
+        logprobs = result.logprobs[row] if result.logprobs else None
+        return TokenEvent(req.request_id, [token], [logprobs], reason, req.stop_reason, prompt_lps)
 
     def _remove(self, req: Request) -> None:
         if req.status is RequestStatus.RUNNING:

@@ -93,8 +93,11 @@ def _check_doc(kind: str, doc: Any, limits: GrammarLimits) -> None:
 
 
 def _optional(props: dict, required: Any) -> int:
-    named = set(required) if isinstance(required, list) and all(
-        isinstance(r, str) for r in required) else set()  # fmt: skip
+    named = (
+        set(required)
+        if isinstance(required, list) and all(isinstance(r, str) for r in required)
+        else set()
+    )
     return sum(1 for name in props if name not in named)
 
 

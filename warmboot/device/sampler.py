@@ -72,10 +72,11 @@ class SamplerOutput:
             sampled = self.sampled_logprobs.tolist()
             top_ids, top_lps = self.top_token_ids.tolist(), self.top_logprobs.tolist()
             logprobs = [
-                None if (k := s.params.logprobs) is None
+                None
+                if (k := s.params.logprobs) is None
                 else _token_logprobs(sampled[i], top_ids[i], top_lps[i], k)
                 for i, s in enumerate(rows)
-            ]  # fmt: skip
+            ]
         return RunnerOutput([s.req_id for s in rows], token_ids, logprobs)
 
 
@@ -106,8 +107,9 @@ class PromptLogprobs:
         target, top_lps, top_ids = (t.tolist() for t in self._fields())
         out, i = {}, 0
         for req_id, count, k in rows:
-            out[req_id] = [_token_logprobs(target[j], top_ids[j], top_lps[j], k)
-                           for j in range(i, i + count)]  # fmt: skip
+            out[req_id] = [
+                _token_logprobs(target[j], top_ids[j], top_lps[j], k) for j in range(i, i + count)
+            ]
             i += count
         return out
 

@@ -122,8 +122,11 @@ def dense_rows(runner, table: PackedLinears) -> int | None:
     beats the native GEMM on the first layer's linears, at that probe and every larger one;
     None where it never does. Timed on the device thread (a few tenths of a second: the
     larger probes are prefill-sized)."""
-    pairs = [(w, table.source(0, slot)) for slot, (w, _) in
-             enumerate(table.layers[0] if table.layers else ()) if w is not None and w.dim() == 4]  # fmt: skip
+    pairs = [
+        (w, table.source(0, slot))
+        for slot, (w, _) in enumerate(table.layers[0] if table.layers else ())
+        if w is not None and w.dim() == 4
+    ]
     if not pairs:
         return None
     wins: dict[int, bool] = {}

@@ -130,8 +130,12 @@ class ModelCompile:
             keep_heap_frozen()
         log.info(
             "model steps compiled: %d graphs, %.1fs in inductor, cache %d hits / %d misses (%s)",
-            stats.graphs, stats.seconds, stats.cache_hits, stats.cache_misses, note,
-        )  # fmt: skip
+            stats.graphs,
+            stats.seconds,
+            stats.cache_hits,
+            stats.cache_misses,
+            note,
+        )
 
     def _quiet_waiter(self, runner: ModelRunner) -> Callable[[], None]:
         """On the background thread: a call that returns once ``runner``'s stream has been

@@ -3,15 +3,21 @@ frees its engine."""
 
 from __future__ import annotations
 
+import difflib
+import inspect
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from typing import Any
 
-from warmboot.config import CacheConfig, EngineConfig, SchedulerConfig
+from warmboot.config import ENGINE_OPTIONS, EngineConfig
 from warmboot.engine.llm_engine import InvalidRequestError, LLMEngine, Prompt
+from warmboot.options import build, describe, signature
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
 
 Messages = list[dict]
+
+ENGINE_NAMES = frozenset(o.name for o in ENGINE_OPTIONS)
 
 
 class LLM:
@@ -31,62 +37,16 @@ class LLM:
     An engine never closed is closed at interpreter exit (``engine.shutdown``).
     """
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        max_num_seqs: int = 64,
-        max_model_len: int | None = None,
-        max_num_batched_tokens: int = 2048,
-        max_step_ms: float | None = None,
-        block_size: int = 16,
-        kv_cache_memory_bytes: int | None = None,
-        num_kv_blocks: int | None = None,
-        enable_prefix_caching: bool = True,
-        state_checkpoints: int | None = None,
-        attention_backend: str = "auto",
-        quantization: str | None = None,
-        pipelined: bool | None = None,
-        cuda_graphs: bool | None = None,
-        enforce_eager: bool | None = None,
-        compile_steps: bool | None = None,
-        cpu_threads: int | None = None,
-        seed: int = 0,
-        snapshot_store: str | None = None,
-        snapshot_publish: bool = True,
-        snapshot_timeout: float = 30.0,
-        pretune_attention: bool | None = None,
-        wait_for_compile: bool = False,
-    ):
-        # NOTE: the keyword arguments EngineConfig takes as they are (one name each)
-        same = dict(dtype=dtype, device=device, seed=seed, quantization=quantization)
-        same |= dict(attention_backend=attention_backend, pipelined=pipelined)
-        same |= dict(cuda_graphs=cuda_graphs, enforce_eager=enforce_eager)
-        config = EngineConfig(
-            model=str(model),
-            **same,
-            compile_steps=compile_steps,
-            cpu_threads=cpu_threads,
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                num_blocks=num_kv_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-                state_checkpoints=state_checkpoints,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_step_ms=max_step_ms,
-            ),
-            snapshot_store=None if snapshot_store is None else str(snapshot_store),
-            snapshot_publish=snapshot_publish,
-            snapshot_timeout=snapshot_timeout,
-            pretune_attention=pretune_attention,
-        )
-        self.engine = LLMEngine(config, max_model_len=max_model_len)
+    def __init__(self, model: str, *, wait_for_compile: bool = False, **settings: Any):
+        unknown = sorted(set(settings) - ENGINE_NAMES)
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], ENGINE_NAMES, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise TypeError(f"LLM() got unexpected keyword arguments {unknown}{hint}")
+        if settings.get("snapshot_store") is not None:
+            settings["snapshot_store"] = str(settings["snapshot_store"])
+        config = build(EngineConfig, {"model": str(model), **settings}, ENGINE_OPTIONS)
+        self.engine = LLMEngine(config)
         self._last_steps: dict[str, int] = {}
         if wait_for_compile:
             self.engine.wait_compiled()
@@ -179,6 +139,18 @@ class LLM:
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"prompt {i}: {e}") from None
         return [self.engine.add_request(None, c) for c in checked]
+
+
+def _signature() -> inspect.Signature:
+    """``LLM.__init__``'s, the settings spelled out (``help(LLM)``, ``inspect``, editors)."""
+    plain = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    before = [inspect.Parameter("self", plain), inspect.Parameter("model", plain)]
+    wait = inspect.Parameter("wait_for_compile", inspect.Parameter.KEYWORD_ONLY, default=False)
+    return signature(ENGINE_OPTIONS, before, [wait])
+
+
+LLM.__init__.__signature__ = _signature()
+LLM.__doc__ += "\n" + describe(ENGINE_OPTIONS)
 
 
 def _is_token_list(x) -> bool:

@@ -25,9 +25,9 @@ __all__ = ["InvalidRequestError", "LLMEngine", "Prompt", "ValidatedRequest"]
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, max_model_len: int | None = None):
+    def __init__(self, config: EngineConfig):
         self.config = config
-        self.startup = Startup(config, max_model_len)
+        self.startup = Startup(config)
         booted = self.startup.boot()
         self.model_config, self.settings = booted.model_config, booted.settings
         self.sched_config = booted.settings.scheduler

@@ -136,9 +136,15 @@ def _bar(name: str, total: int | None) -> Iterator[Advance]:
     from tqdm import tqdm
 
     bar = tqdm(
-        total=total, desc=name, unit="B", unit_scale=True, unit_divisor=1024,
-        leave=False, file=sys.stderr, dynamic_ncols=True,
-    )  # fmt: skip
+        total=total,
+        desc=name,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        leave=False,
+        file=sys.stderr,
+        dynamic_ncols=True,
+    )
     try:
         yield bar.update
     finally:

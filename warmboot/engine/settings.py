@@ -12,7 +12,14 @@ from pathlib import Path
 
 import torch
 
-from warmboot.config import EAGER_ENV, EngineConfig, ModelConfig, SchedulerConfig, resolve_eager
+from warmboot.config import (
+    DEFAULT_MAX_MODEL_LEN,
+    EAGER_ENV,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    resolve_eager,
+)
 from warmboot.device.threads import default_threads, usable_cpus
 from warmboot.kernels.backend import AttentionBackend, KVLayout
 from warmboot.kernels.torch_attention import TorchAttentionBackend
@@ -52,7 +59,7 @@ class Settings:
     cpu_threads: int | None
 
 
-def resolve(config: EngineConfig, model: ModelConfig, max_model_len: int | None) -> Settings:
+def resolve(config: EngineConfig, model: ModelConfig) -> Settings:
     device = resolve_device(config.device)
     pipelined = resolve_pipelined(config.pipelined, device)
     eager = resolve_eager(config.enforce_eager)
@@ -65,7 +72,7 @@ def resolve(config: EngineConfig, model: ModelConfig, max_model_len: int | None)
     return Settings(
         device=device,
         dtype=resolve_dtype(config.dtype, model, device),
-        scheduler=resolve_scheduler(config.scheduler, model, max_model_len),
+        scheduler=resolve_scheduler(config.scheduler, model),
         pipelined=pipelined,
         cuda_graphs=graphs,
         compiled=compiled and (bool(config.compile_steps) or not eager),
@@ -80,11 +87,11 @@ def resolve_compiled(compile_steps: bool | None, device: torch.device) -> bool:
     return device.type == "cpu" if compile_steps is None else compile_steps
 
 
-def resolve_scheduler(
-    cfg: SchedulerConfig, model: ModelConfig, max_model_len: int | None
-) -> SchedulerConfig:
+def resolve_scheduler(cfg: SchedulerConfig, model: ModelConfig) -> SchedulerConfig:
+    """``max_model_len`` filled in: the model's context, at most ``DEFAULT_MAX_MODEL_LEN``,
+    when unsaid; one longer than the model's context is refused."""
     limit = model.context_limit
-    length = max_model_len or min(cfg.max_model_len, limit)
+    length = cfg.max_model_len or min(DEFAULT_MAX_MODEL_LEN, limit)
     if length > limit:
         raise ValueError(f"max_model_len={length} exceeds the model's context ({limit} positions)")
     return replace(cfg, max_model_len=length)
@@ -115,8 +122,6 @@ def cpu_threads(config: EngineConfig, device: torch.device) -> int | None:
     default: the thread policy's (``device.threads``), either loop."""
     if device.type != "cpu":
         return None
-    if config.cpu_threads is not None and config.cpu_threads < 1:
-        raise ValueError(f"cpu_threads must be >= 1, got {config.cpu_threads}")
     # NOTE: only the device thread takes it (``CpuStream``): the caller's own torch threads,
     # which the loading phases use, are the caller's business
     return config.cpu_threads or default_threads(len(usable_cpus()))

@@ -96,11 +96,10 @@ class BootingEngine(Protocol):
 class Startup(GraphPhases):
     """One engine's start-up: runs the phases, keeps their times and the snapshot decision."""
 
-    def __init__(self, config: EngineConfig, max_model_len: int | None = None):
+    def __init__(self, config: EngineConfig):
         self.t0 = time.perf_counter()
         self.config = config
         self.model_dir = Path(config.model)
-        self.max_model_len = max_model_len
         self.times: dict[str, float] = {}
         self.snapshot: SnapshotBoot | None = None
         self.restored = False
@@ -143,7 +142,7 @@ class Startup(GraphPhases):
             model_config = ModelConfig.from_dir(self.model_dir)
             check_servable(self.model_dir, model_config, config.quantization)
             self.model_class = ARCHITECTURES[model_config.architecture]
-            settings = resolve.resolve(config, model_config, self.max_model_len)
+            settings = resolve.resolve(config, model_config)
         with self.phase("tokenizer"):
             tokenizer = Tokenizer.from_dir(self.model_dir)
             eos = resolve.eos_ids(self.model_dir, model_config, tokenizer)

@@ -58,11 +58,17 @@ def build_app(cfg: FleetConfig, app_name: str = APP_NAME):
     )
     # NOTE: the ingress takes every request at once (Serve's default of 5 would queue the
     # rest in the proxy, unbounded): it bounds the queue itself, with a 503 and Retry-After
-    ingress = serve.deployment(Ingress, name=INGRESS, num_replicas=1, max_ongoing_requests=100_000,
-                               ray_actor_options={"num_cpus": 0})  # fmt: skip
+    ingress = serve.deployment(
+        Ingress,
+        name=INGRESS,
+        num_replicas=1,
+        max_ongoing_requests=100_000,
+        ray_actor_options={"num_cpus": 0},
+    )
     config_json = cfg.to_json()
-    return ingress.bind(config_json, replica.bind(config_json, INGRESS, app_name), REPLICA,
-                        app_name)  # fmt: skip
+    return ingress.bind(
+        config_json, replica.bind(config_json, INGRESS, app_name), REPLICA, app_name
+    )
 
 
 def build_openai_app(config: dict, app_name: str = APP_NAME):

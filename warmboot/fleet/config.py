@@ -13,23 +13,39 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields, replace
 
+from warmboot.config import ENGINE_DEFAULTS
+from warmboot.options import check_choices, setting
+
+SCALING = "autoscaling"
+"""The ``--help`` group of the autoscaling settings."""
+
 
 @dataclass(frozen=True)
 class AutoscalingConfig:
-    min_replicas: int = 0
-    max_replicas: int = 2
-    target_ongoing_requests: int = 8
-    """Requests one replica takes before another is wanted: its batch (``max_num_seqs``), so a
-    burst scales to the need at once rather than 0 -> 1 -> 2 with a wasted boot."""
-    max_ongoing_requests: int | None = None
-    """Requests one replica runs at once; more wait in the handles' queues (None: twice the
-    target)."""
-    upscale_delay_s: float = 0.0
-    downscale_delay_s: float = 30.0
-    """Idle this long before a replica goes (to zero included)."""
-    metrics_interval_s: float = 0.25
-    """How often handles and replicas report their queues (Serve's default, 10 s, delays the
-    decision to leave zero by up to that long)."""
+    min_replicas: int = setting(0, "replicas kept when idle (0: scale to zero)")
+    max_replicas: int = setting(2, "most replicas")
+    target_ongoing_requests: int = setting(
+        8, "requests per replica before another starts (its batch)"
+    )
+    """Its batch (``max_num_seqs``), so a burst scales to the need at once rather than
+    0 -> 1 -> 2 with a wasted boot."""
+    max_ongoing_requests: int | None = setting(
+        None,
+        "requests one replica runs at once; more wait in the handles' queues (default: twice "
+        "the target)",
+    )
+    upscale_delay_s: float = setting(
+        0.0, "seconds of demand before a replica is added", flag="--upscale-delay"
+    )
+    downscale_delay_s: float = setting(
+        30.0, "idle seconds before a replica goes (to zero included)", flag="--downscale-delay"
+    )
+    metrics_interval_s: float = setting(
+        0.25,
+        "how often handles and replicas report their queues, in seconds",
+        flag="--metrics-interval",
+    )
+    """Serve's default, 10 s, delays the decision to leave zero by up to that long."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas or self.max_replicas < 1:
@@ -49,29 +65,42 @@ class FleetConfig:
     """The model directory (the same path on every node)."""
     engine_kwargs: dict = field(default_factory=dict)
     """``LLM`` keyword arguments (``model`` and ``snapshot_store`` are set by the fleet)."""
-    snapshot_store: str | None = None
-    """Shared store: a directory every node sees, or ``s3://bucket/prefix``."""
-    autoscaling: AutoscalingConfig = field(default_factory=AutoscalingConfig)
-    max_queued_requests: int = 64
-    """Requests waiting for a replica beyond this get 503 with ``Retry-After``."""
-    request_timeout_s: float = 300.0
-    """A request still waiting for a replica after this long gets 503."""
-    drain_timeout_s: float = 60.0
-    """A replica that is scaled down finishes its streams for up to this long; a stream still
-    running then ends with an error event, never a silent cut."""
-    sandbox: str = "auto"
-    """Tier P where runsc works (auto), or never (none)."""
-    node_cache_dir: str | None = None
-    """Per-node chunk cache in front of an S3 store (default: under the warmboot cache)."""
-    node_cache_bytes: int = 64 << 30
-    replica_cpus: float = 1.0
-    api_key: str | None = None
+    snapshot_store: str | None = setting(
+        None, "the shared store: a directory every node sees, or s3://bucket/prefix"
+    )
+    autoscaling: AutoscalingConfig = setting(factory=AutoscalingConfig, group=SCALING)
+    max_queued_requests: int = setting(
+        64, "requests waiting for a replica; past it a 503 with Retry-After"
+    )
+    request_timeout_s: float = setting(
+        300.0, "seconds a request may wait for a replica (then a 503)", flag="--request-timeout"
+    )
+    drain_timeout_s: float = setting(
+        60.0,
+        "seconds a replica scaled down has to finish its streams; one still running then ends "
+        "with an error event, never a silent cut",
+        flag="--drain-timeout",
+    )
+    sandbox: str = setting(
+        "auto",
+        "gVisor and process snapshots where runsc works (auto), or never (none)",
+        choices=("auto", "runsc", "none"),
+    )
+    node_cache_dir: str | None = setting(
+        None, "per-node chunk cache in front of an S3 store (default: under the warmboot cache)"
+    )
+    node_cache_bytes: int = setting(64 << 30, "the per-node chunk cache's size in bytes")
+    replica_cpus: float = setting(1.0, "CPUs Ray reserves for each replica")
+    api_key: str | None = setting(None, "require 'Authorization: Bearer KEY'")
 
     def __post_init__(self) -> None:
         if self.max_queued_requests < 1 or self.drain_timeout_s <= 0:
             raise ValueError("max_queued_requests must be >= 1 and drain_timeout_s > 0")
-        if self.sandbox not in ("auto", "none", "runsc"):
-            raise ValueError(f"sandbox must be auto, runsc or none, got {self.sandbox!r}")
+        check_choices(self)
+        if unknown := sorted(set(self.engine_kwargs) - set(ENGINE_DEFAULTS)):
+            raise ValueError(f"engine_kwargs: unknown LLM settings {unknown}")
+        if "snapshot_store" in self.engine_kwargs:
+            raise ValueError("engine_kwargs: snapshot_store is the fleet's own setting")
 
     @classmethod
     def from_llm_config(cls, doc: dict) -> FleetConfig:

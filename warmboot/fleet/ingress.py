@@ -44,14 +44,18 @@ async def _body(stream, sse: bool):
     except Exception as e:  # noqa: BLE001 - the replica went away mid-stream
         log.warning("a replica stream ended early: %s", e)
         if sse:
-            error = {"error": {"message": f"the replica serving this stream went away: "
-                               f"{type(e).__name__}", "type": "server_error", "code": 503}}  # fmt: skip
+            why = f"the replica serving this stream went away: {type(e).__name__}"
+            error = _error(why, "server_error", 503)
             yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
 
 
+def _error(message: str, kind: str, code: int | str) -> dict:
+    """An OpenAI-shaped error body."""
+    return {"error": {"message": message, "type": kind, "code": code}}
+
+
 def _busy(why: str) -> Response:
-    body = {"error": {"message": f"the fleet is at capacity: {why}; retry later",
-                      "type": "server_error", "code": 503}}  # fmt: skip
+    body = _error(f"the fleet is at capacity: {why}; retry later", "server_error", 503)
     return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
@@ -87,8 +91,9 @@ class Ingress:
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
-        return PlainTextResponse(render_metrics(self.view, self.waiting),
-                                 media_type="text/plain; version=0.0.4")  # fmt: skip
+        return PlainTextResponse(
+            render_metrics(self.view, self.waiting), media_type="text/plain; version=0.0.4"
+        )
 
     @app.get("/v1/models")
     async def models(self, request: Request) -> Response:
@@ -103,8 +108,13 @@ class Ingress:
             return denied
         if self.waiting >= self.cfg.max_queued_requests:
             return _busy(f"{self.waiting} requests are waiting for a replica (the bound)")
-        req = {"method": request.method, "path": "/" + path, "query": request.url.query,
-               "headers": _forwarded_headers(request), "body": await request.body()}  # fmt: skip
+        req = {
+            "method": request.method,
+            "path": "/" + path,
+            "query": request.url.query,
+            "headers": _forwarded_headers(request),
+            "body": await request.body(),
+        }
         self.waiting += 1
         self.view.note_waiting()
         stream = self.replicas.options(stream=True).handle.remote(req)
@@ -131,6 +141,5 @@ class Ingress:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), key.encode()):
             return None
-        return JSONResponse({"error": {"message": "invalid or missing API key",
-                             "type": "authentication_error", "code": "invalid_api_key"}},
-                            status_code=401)  # fmt: skip
+        body = _error("invalid or missing API key", "authentication_error", "invalid_api_key")
+        return JSONResponse(body, status_code=401)

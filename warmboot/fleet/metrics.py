@@ -37,8 +37,10 @@ class FleetView:
 
         status = serve.status().applications.get(self.app_name)
         deployment = status.deployments.get(self.deployment) if status else None
-        counts = {str(getattr(k, "value", k)): n for k, n in
-                  (deployment.replica_states.items() if deployment else ())}  # fmt: skip
+        counts = {
+            str(getattr(k, "value", k)): n
+            for k, n in (deployment.replica_states.items() if deployment else ())
+        }
         self.replicas = {s: counts.get(s, 0) for s in STATES}
         live = self.replicas["STARTING"] + self.replicas["RUNNING"] + self.replicas["RECOVERING"]
         if live > self._live:
@@ -91,8 +93,10 @@ def render_metrics(view: FleetView, waiting: int) -> str:
         "# TYPE warmboot_fleet_replica_start_seconds gauge",
     ]
     for rid, start in sorted(view.starts.items()):
-        lines.append(f'warmboot_fleet_replica_start_seconds{{replica="{rid}",'
-                     f'path="{start["path"]}"}} {start["seconds"]:.3f}')  # fmt: skip
+        lines.append(
+            f'warmboot_fleet_replica_start_seconds{{replica="{rid}",'
+            f'path="{start["path"]}"}} {start["seconds"]:.3f}'
+        )
     lines += _replica_families(view.live_reports())
     return "\n".join(lines) + "\n"
 

@@ -17,6 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
+from warmboot.config import ENGINE_DEFAULTS
 from warmboot.fleet.config import FleetConfig
 
 log = logging.getLogger("warmboot")
@@ -37,8 +38,9 @@ class Replica:
         self.holder.boot()
         self.app = create_app(self.holder, ServerConfig(served_model_name=self.cfg.model_id))
         self.reporter = _Reporter(self, ingress_name, app_name) if ingress_name else None
-        log.info("replica %s ready via %s in %.2f s", self.id, self.start["path"],
-                 self.start["seconds"])  # fmt: skip
+        log.info(
+            "replica %s ready via %s in %.2f s", self.id, self.start["path"], self.start["seconds"]
+        )
 
     async def handle(self, request: dict):
         """One HTTP request through the app: yields ``{"status", "headers"}``, then bytes."""
@@ -108,8 +110,9 @@ def boot_engine(cfg: FleetConfig):
     if not publish:
         engine["snapshot_publish"] = False
     try:
-        client = launch(LaunchConfig(engine=engine, store=store, sandbox=cfg.sandbox,
-                                     publish=publish))  # fmt: skip
+        client = launch(
+            LaunchConfig(engine=engine, store=store, sandbox=cfg.sandbox, publish=publish)
+        )
         pushed = _push(cache, Path(cfg.model_source)) if cache is not None and publish else ""
     finally:
         if lease is not None:
@@ -144,7 +147,7 @@ def _prepare_store(cfg: FleetConfig):
     from warmboot.snapshot.lease import try_lease
     from warmboot.snapshot.store import open_store
 
-    timeout = float(cfg.engine_kwargs.get("snapshot_timeout", 30.0))
+    timeout = float(cfg.engine_kwargs.get("snapshot_timeout", ENGINE_DEFAULTS["snapshot_timeout"]))
     root = Path(cfg.node_cache_dir or default_cache_dir())
     try:
         cache = NodeCache(open_store(cfg.snapshot_store), root, cfg.node_cache_bytes, timeout)
@@ -203,7 +206,7 @@ def _scope(request: dict) -> dict:
         "headers": [
             (k.lower().encode("latin-1"), v.encode("latin-1"))
             for k, v in request.get("headers", [])
-        ],  # fmt: skip
+        ],
         "client": ("127.0.0.1", 0),
         "server": ("127.0.0.1", 80),
     }

@@ -49,8 +49,9 @@ LOG_LEVEL_ENV = "WARMBOOT_WORKER_LOG_LEVEL"
 PR_SET_PDEATHSIG = 1
 
 
-def start(cfg, reason: str, t0: float, fallbacks: tuple[str, ...] = (),
-          place_front: bool = False) -> RemoteLLM:  # fmt: skip
+def start(
+    cfg, reason: str, t0: float, fallbacks: tuple[str, ...] = (), place_front: bool = False
+) -> RemoteLLM:
     """A started engine process for ``cfg`` (a ``LaunchConfig``): booted and seeded.
     Raises ``WorkerError`` (``WorkerSettingsError``, a ``ValueError``, for settings
     the engine refuses: booting them in-process would fail the same way)."""
@@ -101,8 +102,13 @@ class Child:
     ``PR_SET_PDEATHSIG`` watches is the thread that forked the child, so it must live as long
     as the child does (and no longer: it ends when the child has gone)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], cpus: tuple[int, ...] | None,
-                 threads: int | None = None):  # fmt: skip
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict[str, str],
+        cpus: tuple[int, ...] | None,
+        threads: int | None = None,
+    ):
         self.compute_cpus: list[int] = []
         """The cores the child's torch threads will be pinned to (the thread policy's)."""
         self._exited = threading.Event()
@@ -230,8 +236,9 @@ def _place_front(compute: list[int]) -> None:
             moved += 1
         except OSError:  # NOTE: a thread that just ended, or an OS that refuses
             pass
-    log.info("front end on cores %s, engine computes on %s (%d threads moved)",
-             front, compute, moved)  # fmt: skip
+    log.info(
+        "front end on cores %s, engine computes on %s (%d threads moved)", front, compute, moved
+    )
 
 
 def follow_parent() -> None:

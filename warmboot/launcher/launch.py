@@ -28,15 +28,17 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
+from warmboot.config import ENGINE_DEFAULTS
 from warmboot.engine import progress
 from warmboot.launcher import engine_process, local, runsc_image
 from warmboot.launcher import spec as spec_mod
+from warmboot.launcher.launch_config import LaunchConfig
 from warmboot.launcher.remote import Channel, LaunchInfo, RemoteLLM, WorkerError
 from warmboot.snapshot import process_image, start_costs
 from warmboot.snapshot.canary import canary_mismatch
@@ -47,38 +49,6 @@ log = logging.getLogger("warmboot.startup")
 QUIESCENT_TOTAL_S = 1800.0
 """How long the launcher waits for a sandboxed worker to be ready for its checkpoint while it
 reports it is alive (a background compile inside gVisor: minutes); then it boots in-process."""
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    engine: dict
-    """``LLM`` keyword arguments (``model`` included; ``snapshot_store`` for tier A)."""
-    store: str | None = None
-    """Where process images live (the tier-A store); None disables tier P."""
-    sandbox: str = "auto"
-    """auto (runsc when available), runsc (same, but say loudly when it is not), none."""
-    work_dir: Path = field(default_factory=lambda: Path("/tmp/warmboot-launcher"))
-    seed: int = 0
-    boot_timeout: float = 600.0
-    restore_timeout: float = 120.0
-    """A restore (to a started, canary-checked worker) that takes longer falls back."""
-    publish: bool = True
-    engine_process: str = "off"
-    """Where the engine runs when not in gVisor: ``on``: in a plain child process
-    (``engine_process``); ``auto``: so when it runs on the CPU; ``off``: in this process."""
-    engine_cpus: tuple[int, ...] | None = None
-    """The CPUs an engine process may use (None: the launching thread's)."""
-    place_front: bool = False
-    """With an engine process on the CPU, move this process's threads off the cores the
-    engine computes on (``serve``: this process is then only the HTTP front end)."""
-    on_path: Callable[[bool], None] | None = None
-    """Called once the start path is under way (a restore or boot launched), maybe again on a
-    fallback, with whether the engine runs in gVisor: ``serve`` imports its HTTP stack only
-    then, not beside the launcher's choice, and keeps where it ran (``spare_hints``)."""
-    on_recorded: Callable[[bool], None] | None = None
-    """Called once this start's cost is on record, with whether the next start of its key
-    will run the engine in gVisor by the figures now on record (``local.recorded``): what
-    ``serve`` keeps for its next spare, rather than where this one ran."""
 
 
 def launch(cfg: LaunchConfig):
@@ -243,8 +213,8 @@ def _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, ph
         runsc_image.unpack_or_keep(image / "checkpoint.img")
     canary = quiescent["canary"]
     client = _restore_and_start(cfg, spec, work, image, canary, phases)
-    meta = {"fields": fields, "canary": canary, "image_bytes": process_image.image_bytes(image),
-            "mapped_chunks": quiescent.get("mapped_chunks") or {}}  # fmt: skip
+    size, mapped = process_image.image_bytes(image), quiescent.get("mapped_chunks") or {}
+    meta = {"fields": fields, "canary": canary, "image_bytes": size, "mapped_chunks": mapped}
     try:  # NOTE: the restored, checked worker serves whatever happens to the publish
         with _phase(phases, "publish_image", meta["image_bytes"]) as advance:
             new = run_with_deadline(
@@ -255,14 +225,15 @@ def _boot_checkpoint_publish(cfg, store, key, fields, spec, reason, t0, work, ph
             )
     except Exception as e:  # noqa: BLE001 - a full, read-only or stalled store
         log.warning("publishing process snapshot %s failed: %s", key[:12], e)
-        return _finish(client, "cold", f"{reason}; booted in gVisor; publish failed: {e}",
-                       phases, t0)  # fmt: skip
+        why = f"{reason}; booted in gVisor; publish failed: {e}"
+        return _finish(client, "cold", why, phases, t0)
     log.info("published process snapshot %s (%.0f MB new)", key[:12], new / 1e6)
     return _finish(client, "cold", f"{reason}; booted in gVisor and published", phases, t0)
 
 
-def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases: dict,
-                       verify=lambda: None, prefetch=lambda: None):  # fmt: skip
+def _restore_and_start(
+    cfg, spec, work: Path, image: Path, canary: list, phases: dict, verify=None, prefetch=None
+):
     """``runsc restore`` the image, send the fresh settings, check the canary. While runsc
     restores, ``verify()`` (the image's chunks) and ``prefetch()`` run and the tokenizer
     loads (none delays runsc's start); the worker is told to start once ``verify`` passed.
@@ -276,8 +247,9 @@ def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases:
         with _phase(phases, "runsc_restore"):
             proc = sandbox.restore(image)
             local.path_under_way(cfg, sandboxed=True)
-            verified = _on_thread(verify)
-            prefetch()
+            verified = _on_thread(verify or (lambda: None))
+            if prefetch is not None:
+                prefetch()
             tokenizer = Tokenizer.from_dir(cfg.engine["model"])
             verified.result()
             channel = Channel(proc.stdin, proc.stdout, "restored worker")
@@ -293,8 +265,9 @@ def _restore_and_start(cfg, spec, work: Path, image: Path, canary: list, phases:
         raise
 
 
-def _start(cfg, sandbox, proc, channel, work: Path, canary: list | None, phases: dict,
-           tokenizer=None):  # fmt: skip
+def _start(
+    cfg, sandbox, proc, channel, work: Path, canary: list | None, phases: dict, tokenizer=None
+):
     """Wait for the worker's ``started`` (its ``start`` frame sent), check the canary against
     ``canary`` (None: nothing to check against, a fresh boot), and wrap the worker in a
     client that reaps it on exit."""
@@ -344,7 +317,7 @@ def _phase(phases: dict, name: str, total: int | None = None) -> Iterator[progre
 
 
 def _store_timeout(cfg: LaunchConfig) -> float:
-    return float(cfg.engine.get("snapshot_timeout") or 30.0)
+    return float(cfg.engine.get("snapshot_timeout") or ENGINE_DEFAULTS["snapshot_timeout"])
 
 
 def _discard(cfg: LaunchConfig, store, key: str) -> None:

@@ -110,8 +110,14 @@ class LaunchInfo:
 class RemoteLLM:
     """``EngineClient`` over a started worker's channel (after its ``started`` frame)."""
 
-    def __init__(self, channel: Channel, tokenizer: Tokenizer, started: dict, info: LaunchInfo,
-                 gone: Callable[[], str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        channel: Channel,
+        tokenizer: Tokenizer,
+        started: dict,
+        info: LaunchInfo,
+        gone: Callable[[], str] | None = None,
+    ):
         """``gone()``: why the worker's output ended (its exit status), when it ends without
         a ``fatal`` frame."""
         self.channel = channel

@@ -162,6 +162,9 @@ def unpack_or_keep(path: Path) -> Unpacked | None:
         return None
     log.info(
         "process image: %d of %d chunks stored, %.0f -> %.0f MB (a restore inflates less)",
-        done.stored, done.chunks, done.before / 1e6, done.after / 1e6,
-    )  # fmt: skip
+        done.stored,
+        done.chunks,
+        done.before / 1e6,
+        done.after / 1e6,
+    )
     return done

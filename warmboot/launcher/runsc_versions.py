@@ -24,7 +24,7 @@ def known(binary: str, what: str = "version") -> str | None:
 
 def remember(binary: str, answer: str, what: str = "version") -> None:
     """Record what ``binary`` said; the file is replaced whole (a reader never sees half)."""
-    from warmboot.config import put_latest
+    from warmboot.cache_files import put_latest
 
     stamp = _stamp(binary)
     if stamp is not None:
@@ -62,6 +62,6 @@ def _stamp(binary: str) -> str | None:
 
 
 def _load(what: str) -> dict[str, str]:
-    from warmboot.config import read_cache_dict
+    from warmboot.cache_files import read_cache_dict
 
     return {k: v for k, v in read_cache_dict(_path(what)).items() if isinstance(v, str)}

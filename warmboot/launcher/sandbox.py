@@ -362,11 +362,13 @@ def delete_containers(state_dir: Path) -> None:
         return
     root = ["--root", str(state_dir)]
     try:
-        out = subprocess.run([runsc, *root, "list", "-quiet"], capture_output=True, text=True,
-                             timeout=RUNSC_TIMEOUT)  # fmt: skip
+        out = subprocess.run(
+            [runsc, *root, "list", "-quiet"], capture_output=True, text=True, timeout=RUNSC_TIMEOUT
+        )
         for cid in out.stdout.split():
-            subprocess.run([runsc, *root, "delete", "-force", cid], capture_output=True,
-                           timeout=RUNSC_TIMEOUT)  # fmt: skip
+            subprocess.run(
+                [runsc, *root, "delete", "-force", cid], capture_output=True, timeout=RUNSC_TIMEOUT
+            )
     except (OSError, subprocess.TimeoutExpired):
         pass
 

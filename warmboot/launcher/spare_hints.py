@@ -62,7 +62,7 @@ def remember(launch: str | None, sandboxed: bool, store: str | None = None) -> N
     this kind of host too, for new replicas (``on_recorded``'s word only)."""
     if launch is None:
         return
-    from warmboot.config import put_latest
+    from warmboot.cache_files import put_latest
 
     where, entries = GVISOR if sandboxed else LOCAL, _load()
     if entries.get(launch) != where:
@@ -78,7 +78,7 @@ def hints_path() -> Path:
 
 
 def _load() -> dict[str, str]:
-    from warmboot.config import read_cache_dict
+    from warmboot.cache_files import read_cache_dict
 
     return {k: v for k, v in read_cache_dict(hints_path()).items() if v in (GVISOR, LOCAL)}
 
@@ -106,7 +106,7 @@ def _shared(store: str) -> dict[str, str]:
 
 
 def _share(store: str, launch: str, where: str) -> None:
-    from warmboot.config import with_latest
+    from warmboot.cache_files import with_latest
     from warmboot.snapshot.start_costs import write_record
 
     entries, record = _shared(store), _record(store)

@@ -27,9 +27,12 @@ def worker_spec(engine_kwargs: dict, work_dir: Path):
     settings, never inherited (they are part of the process key and of the image)."""
     root = Path(work_dir).resolve()
     env = {k: os.environ[k] for k in ("WARMBOOT_CACHE", "PYTHONPATH") if k in os.environ}
-    env |= {"PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
-            "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1",
-            HOST_CPU_ENV: host_cpu_features()}  # fmt: skip
+    env |= {
+        "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+        "LANG": "C.UTF-8",
+        "PYTHONUNBUFFERED": "1",
+        HOST_CPU_ENV: host_cpu_features(),
+    }
     env[HOST_NATIVE_ENV] = str(cache_root() / "native")  # NOTE: the host's build, not keyed
     binds = []
     engine = sandboxed(engine_kwargs)
@@ -48,8 +51,9 @@ def worker_spec(engine_kwargs: dict, work_dir: Path):
     scratch.mkdir(parents=True, exist_ok=True)
     env["HOME"] = str(scratch)  # NOTE: tools' caches land in the captured tmpfs, and the
     # host's ~/.cache (models, stores) stays visible
-    return SandboxSpec(argv=argv, cwd="/", env=env, writable_binds=tuple(binds),
-                       tmpfs=(str(scratch),))  # fmt: skip
+    return SandboxSpec(
+        argv=argv, cwd="/", env=env, writable_binds=tuple(binds), tmpfs=(str(scratch),)
+    )
 
 
 def sandboxed(engine: dict) -> dict:
@@ -90,7 +94,7 @@ def process_key_fields(engine: dict, runsc_version: str, spec) -> dict[str, str]
                 "env": {k: v for k, v in spec.env.items() if k != HOST_NATIVE_ENV},
                 "binds": [dst for _, dst in spec.binds()],
                 "tmpfs": spec.tmpfs,
-            },  # fmt: skip
+            },
             sort_keys=True,
         ),
     }

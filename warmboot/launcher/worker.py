@@ -262,8 +262,14 @@ def _serve(argv: list[str], writer: FrameWriter, stdin) -> int:
             return 0
         engine = LLM(**settings).engine
     except Exception as e:  # noqa: BLE001 - reported to the launcher, which falls back
-        writer.send({"t": "fatal", "message": f"{type(e).__name__}: {e}", "error": str(e),
-                     "user_error": _user_error(e)})  # fmt: skip
+        writer.send(
+            {
+                "t": "fatal",
+                "message": f"{type(e).__name__}: {e}",
+                "error": str(e),
+                "user_error": _user_error(e),
+            }
+        )
         return 1
     # NOTE: no full-collection stalls over the booted engine (see EngineHolder); the young
     # generations only are collected first: a full collection here took 70 ms of the demo's

@@ -69,15 +69,24 @@ class Admission:
         ``least``: a lower bound on the call's prompt tokens (``least_tokens``)."""
         lim = self.limits
         if prompts > lim.max_prompts_per_request:
-            _too_much("prompt", f"{prompts} prompts in one request; at most "
-                      f"{lim.max_prompts_per_request} (--max-prompts-per-request)")  # fmt: skip
+            _too_much(
+                "prompt",
+                f"{prompts} prompts in one request; at most "
+                f"{lim.max_prompts_per_request} (--max-prompts-per-request)",
+            )
         capacity = lim.max_num_seqs + lim.max_queued_requests
         if prompts * n > min(lim.max_seqs_per_request, capacity):
-            _too_much("n", f"{prompts} prompts x n={n} = {prompts * n} sequences; at most "
-                      f"{min(lim.max_seqs_per_request, capacity)} per request")  # fmt: skip
+            _too_much(
+                "n",
+                f"{prompts} prompts x n={n} = {prompts * n} sequences; at most "
+                f"{min(lim.max_seqs_per_request, capacity)} per request",
+            )
         if prompt_logprobs and least > lim.max_prompt_logprob_tokens:
-            _too_much("prompt_logprobs", f"prompt logprobs over at least {least} prompt tokens; "
-                      f"at most {lim.max_prompt_logprob_tokens} per request")  # fmt: skip
+            _too_much(
+                "prompt_logprobs",
+                f"prompt logprobs over at least {least} prompt tokens; "
+                f"at most {lim.max_prompt_logprob_tokens} per request",
+            )
 
     def admit(self, seqs: int, client: str = "") -> Ticket:
         """Take ``seqs`` sequences of capacity for ``client``, or raise ``Overloaded``."""
@@ -135,9 +144,9 @@ def check_length(chars: int, max_token_chars: int, max_tokens: int, param: str, 
     least = least_tokens(chars, max_token_chars)
     if least > max_tokens:
         raise UnsupportedParameter(
-            param, f"{what} too long: at least {least} tokens ({chars} characters); at most "
-            f"{max_tokens}"
-        )  # fmt: skip
+            param,
+            f"{what} too long: at least {least} tokens ({chars} characters); at most {max_tokens}",
+        )
 
 
 def _too_much(param: str, message: str) -> None:

@@ -30,13 +30,7 @@ from warmboot.sampling_params import SamplingParams
 from warmboot.server import chunks as chunks_mod
 from warmboot.server import responses as R
 from warmboot.server import tools as tools_mod
-from warmboot.server.admission import (
-    Admission,
-    Overloaded,
-    check_length,
-    client_of,
-    least_tokens,
-)
+from warmboot.server.admission import Admission, Overloaded, check_length, client_of, least_tokens
 from warmboot.server.chat_render import chat_prompt
 from warmboot.server.config import ServerConfig
 from warmboot.server.delivery import json_body, sse, until_disconnect
@@ -147,8 +141,9 @@ class _Api:
         else:
             special = body.add_special_tokens is not False
             limit = TOKENIZE_CONTEXTS * llm.max_model_len  # NOTE: lm-eval's rolling windows
-            check_length(len(body.prompt), llm.tokenizer.max_token_chars, limit, "prompt",
-                         "the prompt is")  # fmt: skip
+            check_length(
+                len(body.prompt), llm.tokenizer.max_token_chars, limit, "prompt", "the prompt is"
+            )
             tokens = await asyncio.to_thread(llm.tokenizer.encode, body.prompt, special)
         out = {"count": len(tokens), "max_model_len": llm.max_model_len, "tokens": tokens}
         if body.return_token_strs:
@@ -293,8 +288,9 @@ class _Api:
             )
         chars = sum(len(m.text()) for m in chat.messages)
         chars += len(json.dumps(tools)) if tools else 0
-        check_length(chars, llm.tokenizer.max_token_chars, limit, "messages",
-                     "the messages and tools are")  # fmt: skip
+        check_length(
+            chars, llm.tokenizer.max_token_chars, limit, "messages", "the messages and tools are"
+        )
 
     def _tool_plan(self, llm, body: ChatCompletionRequest):
         fmt = self.config.tool_call_parser
@@ -339,8 +335,12 @@ class _Api:
         chat = body.chat_request()
         llm, tool_plan, prompt = await self._chat_like(body.model, chat)
         params = chat.sampling_params(tool_plan.tag if tool_plan else None)
-        builder = MessageBuilder(self.config.served_model_name, len(prompt["prompt_token_ids"]),
-                                 body.stop_sequences, tool_plan)  # fmt: skip
+        builder = MessageBuilder(
+            self.config.served_model_name,
+            len(prompt["prompt_token_ids"]),
+            body.stop_sequences,
+            tool_plan,
+        )
         return await self._deliver(llm, prompt, params, request, body.stream, builder)
 
     async def count_tokens(self, body: CountTokensRequest) -> dict:
@@ -392,6 +392,7 @@ def _without_specials(llm, prompts: list) -> list:
     encode = llm.tokenizer.encode
     return [
         {"prompt": p, "prompt_token_ids": encode(p, add_special_tokens=False)}
-        if isinstance(p, str) else p
+        if isinstance(p, str)
+        else p
         for p in prompts
-    ]  # fmt: skip
+    ]

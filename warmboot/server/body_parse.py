@@ -34,8 +34,17 @@ from pathlib import Path
 from warmboot.server.config import ServerConfig
 
 log = logging.getLogger("warmboot.server")
-SCREENED = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
-                      "/v1/messages/count_tokens", "/tokenize", "/detokenize"})  # fmt: skip
+SCREENED = frozenset(
+    {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/tokenize",
+        "/detokenize",
+    }
+)
 """The POST routes whose bodies are screened."""
 MIN_SCREEN_BYTES = 128 << 10
 """Smaller bodies are parsed here (the worst case, many small items: about 15 ms)."""
@@ -121,8 +130,11 @@ class _Child:
         env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), path) if p)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "warmboot.server.screen_child"],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, env=env,
-        )  # fmt: skip
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            bufsize=0,
+            env=env,
+        )
         self._in, self._out = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         os.set_blocking(self._in, False)
         try:

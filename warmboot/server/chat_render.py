@@ -24,9 +24,11 @@ def chat_prompt(tokenizer, body, tools: list[dict] | None, config: ServerConfig)
     conversation = body.conversation()
     try:
         text = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=body.add_generation_prompt,
-            template=template, **variables,
-        )  # fmt: skip
+            conversation,
+            add_generation_prompt=body.add_generation_prompt,
+            template=template,
+            **variables,
+        )
     except ValueError as e:  # no template, or the template rejected the conversation
         raise UnsupportedParameter("messages", f"cannot render the chat template: {e}") from None
     except Exception as e:  # noqa: BLE001 - jinja errors raised by the template itself
@@ -62,8 +64,7 @@ def _variables(tokenizer, body, template: str | None, tools) -> dict[str, Any]:
         raise UnsupportedParameter("messages", f"cannot render the chat template: {e}") from None
     except Exception as e:  # noqa: BLE001 - a template that does not parse
         raise UnsupportedParameter("chat_template", f"the chat template is invalid: {e}") from None
-    given = {"tools": tools, "documents": body.documents,
-             "reasoning_effort": body.reasoning_effort}  # fmt: skip
+    given = {"tools": tools, "documents": body.documents, "reasoning_effort": body.reasoning_effort}
     given = {k: v for k, v in given.items() if v is not None}
     kwargs = body.chat_template_kwargs or {}
     clash = sorted(RESERVED.intersection(kwargs))
@@ -81,9 +82,9 @@ def _variables(tokenizer, body, template: str | None, tools) -> dict[str, Any]:
 def _read_by(reads: frozenset[str], name: str, param: str, what: str) -> None:
     if name not in reads:
         raise UnsupportedParameter(
-            param, f"{what} is not used by this model's chat template, which reads only "
-            f"{sorted(reads)}"
-        )  # fmt: skip
+            param,
+            f"{what} is not used by this model's chat template, which reads only {sorted(reads)}",
+        )
 
 
 def _open_final(text: str, final: str) -> str:

@@ -1,54 +1,103 @@
 """The server's own settings (``ServerConfig``): the model name it answers to, the API key,
-the request body limit, admission limits (``AdmissionLimits``), chat templates, and whether
-the debug route is on. A leaf module, so the app, the
-middleware and the CLI can all share it without importing each other.
+the request body limit, admission limits (``AdmissionLimits``), the HTTP limits
+(``HttpLimits``), chat templates, and whether the debug route is on: each a ``setting``, so
+``serve``'s options are derived from them. A leaf module, so the app, the middleware and the
+CLI can all share it without importing each other.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+
+from warmboot.config import ENGINE_DEFAULTS
+from warmboot.options import setting
+
+LIMITS = "limits"
+"""The ``--help`` group of admission control and the HTTP limits: past them a call gets a
+429, 400, 408, 413 or 431."""
 
 
 @dataclass(frozen=True)
 class AdmissionLimits:
     """Admission control (``admission``): a call's cost and the server's capacity."""
 
-    max_num_seqs: int = 64
-    """The engine's running batch: sequences beyond it wait."""
-    max_queued_requests: int = 256
-    """Sequences that may wait beyond the running batch."""
-    max_queued_tokens: int = 1 << 18
-    """Prompt tokens that may be in flight (running or waiting)."""
-    max_prompts_per_request: int = 256
-    max_seqs_per_request: int = 256
-    """Prompts x ``n`` of one call (each sequence at most the context: this bounds the
-    call's total tokens too)."""
-    max_prompt_logprob_tokens: int = 1 << 15
-    """Prompt tokens whose logprobs one call asks for (prompts x prompt length)."""
+    max_num_seqs: int = ENGINE_DEFAULTS["max_num_seqs"]
+    """The engine's running batch (its ``max_num_seqs``): sequences beyond it wait."""
+    max_queued_requests: int = setting(
+        256, "sequences that may wait beyond --max-num-seqs; past it a 429 with Retry-After"
+    )
+    max_queued_tokens: int = setting(
+        1 << 18, "prompt tokens that may be in flight (running or waiting); past it a 429"
+    )
+    max_prompts_per_request: int = setting(256, "prompts in one completions call (a 400 past it)")
+    max_seqs_per_request: int = setting(
+        256, "prompts x n of one call (a 400 past it; each sequence at most the context)"
+    )
+    max_prompt_logprob_tokens: int = setting(
+        1 << 15, "prompt tokens whose logprobs one call asks for, prompts x length (a 400 past it)"
+    )
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one connection may hold (``server.http_server``)."""
+
+    max_header_bytes: int = setting(64 << 10, "request line and headers (a 431 past it)")
+    header_timeout_s: float = setting(
+        10.0,
+        "seconds a request's head may take to arrive, from the connection's opening or a later "
+        "request's first byte (then the connection is closed)",
+        flag="--header-timeout",
+    )
+    body_timeout_s: float = setting(
+        30.0, "seconds a request body may stall (a 408)", flag="--body-timeout"
+    )
+    keep_alive_timeout_s: float = setting(
+        5.0, "seconds an idle keep-alive connection stays open", flag="--keep-alive-timeout"
+    )
+    max_connections: int = setting(
+        1000,
+        "open connections (capped below the file descriptor limit); past it the longest idle "
+        "one is closed",
+    )
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    served_model_name: str
-    """The model id clients must send (``model`` field) and ``/v1/models`` lists."""
-    api_key: str | None = None
-    """When set, ``/v1/*`` and ``/debug/*`` require ``Authorization: Bearer <key>``."""
-    max_body_bytes: int = 4 << 20
-    """Larger request bodies get a 413."""
-    enable_debug: bool = False
-    """Expose ``GET /debug/engine`` (pool invariants and engine counters)."""
-    tool_call_parser: str = "auto"
-    """How the model writes tool calls: hermes, llama3_json, mistral, or auto (read from the
-    chat template)."""
-    chat_template: str | None = None
-    """A Jinja chat template used instead of the tokenizer's (``--chat-template``)."""
-    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
-    client_id_header: str | None = None
-    """A header naming the client (fair scheduling, per-client shares), set by a trusted
-    proxy; None: the peer address names it (``--client-id-header``)."""
-    trust_request_chat_template: bool = False
-    """Render a request's own ``chat_template`` (vLLM's flag); refused (400) otherwise."""
+    served_model_name: str = setting(
+        help="the model id clients send and /v1/models lists (default: the model directory's name)"
+    )
+    api_key: str | None = setting(
+        None, "require 'Authorization: Bearer KEY' on /v1 and /debug (default: $WARMBOOT_API_KEY)"
+    )
+    max_body_bytes: int = setting(4 << 20, "larger request bodies get a 413", group=LIMITS)
+    enable_debug: bool = setting(
+        False,
+        "expose GET /debug/engine (pool invariants, engine counters)",
+        flag="--debug-endpoints",
+    )
+    tool_call_parser: str = setting(
+        "auto",
+        "how the model writes tool calls (auto: read the chat template)",
+        choices=("auto", "hermes", "llama3_json", "mistral"),
+    )
+    chat_template: str | None = setting(
+        None,
+        "the chat template to render chats with instead of the tokenizer's: a path to a Jinja "
+        "file, or the template itself (as vLLM's flag)",
+    )
+    """The template's text here (``read_chat_template``)."""
+    admission: AdmissionLimits = setting(factory=AdmissionLimits, group=LIMITS)
+    client_id_header: str | None = setting(
+        None,
+        "a header that names the client, set by a trusted proxy (fair scheduling and "
+        "per-client shares; default: the peer address)",
+        group=LIMITS,
+    )
+    trust_request_chat_template: bool = setting(
+        False, "render a request's own chat_template (refused with a 400 otherwise)"
+    )
 
 
 def read_chat_template(value: str | None) -> str | None:

@@ -43,8 +43,14 @@ def model_not_found(model: str, served: str) -> ApiError:
 
 ANTHROPIC_PATH = "/v1/messages"
 """Where errors take Anthropic's shape (the Messages API's routes)."""
-_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 def anthropic_error_body(status: int, message: str) -> dict:

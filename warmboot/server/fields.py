@@ -106,9 +106,14 @@ class StructuredOutputsParams(_Strict):
         return StructuredOutputs(**{kind: value})
 
     def _forms(self) -> dict[str, Any]:
-        return {"json": self.json_, "regex": self.regex, "choice": self.choice,
-                "grammar": self.grammar, "json_object": self.json_object,
-                "structural_tag": self.structural_tag}  # fmt: skip
+        return {
+            "json": self.json_,
+            "regex": self.regex,
+            "choice": self.choice,
+            "grammar": self.grammar,
+            "json_object": self.json_object,
+            "structural_tag": self.structural_tag,
+        }
 
 
 def choice_grammar(choices: list[str], param: str) -> str:

@@ -116,14 +116,22 @@ class Guard:
         if not self.screen.wants(scope, body) or llm is None or getattr(llm, "dead", None):
             return None  # NOTE: an engine not (or no longer) ready: the app answers 503
         if self.screen.waiting >= MAX_WAITING:
-            error = ApiError(429, f"{MAX_WAITING} large request bodies are waiting to be read; "
-                             "retry shortly", "rate_limit_error", code="server_overloaded")  # fmt: skip
+            error = ApiError(
+                429,
+                f"{MAX_WAITING} large request bodies are waiting to be read; retry shortly",
+                "rate_limit_error",
+                code="server_overloaded",
+            )
             response = error.response(scope["path"])
             response.headers["Retry-After"] = "1"
             return response
         tok = llm.tokenizer
-        facts = {"max_model_len": llm.max_model_len, "max_token_chars": tok.max_token_chars,
-                 "vocab_size": len(tok), "chat_template": tok.chat_template}  # fmt: skip
+        facts = {
+            "max_model_len": llm.max_model_len,
+            "max_token_chars": tok.max_token_chars,
+            "vocab_size": len(tok),
+            "chat_template": tok.chat_template,
+        }
         found = await self.screen.refusal(scope, facts, body)
         if found is None:
             return None
@@ -187,8 +195,11 @@ def decoded_body(scope, body: bytes, limit: int) -> tuple[dict, bytes]:
     if encoding in ("gzip", "deflate"):
         body = _inflate(body, encoding, limit)
     elif encoding not in ("", "identity"):
-        raise ApiError(415, f"unsupported content-encoding {encoding!r}; use gzip or deflate",
-                       "invalid_request_error")  # fmt: skip
+        raise ApiError(
+            415,
+            f"unsupported content-encoding {encoding!r}; use gzip or deflate",
+            "invalid_request_error",
+        )
     headers.pop(b"content-encoding", None)
     headers[b"content-length"] = str(len(body)).encode()
     # NOTE: every body is JSON, whatever type was sent (curl -d sends a form type)
@@ -202,11 +213,16 @@ def check_text(body: bytes) -> None:
     try:
         body.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ApiError(400, f"the request body is not valid UTF-8 (byte {e.start})",
-                       "invalid_request_error") from None  # fmt: skip
+        raise ApiError(
+            400, f"the request body is not valid UTF-8 (byte {e.start})", "invalid_request_error"
+        ) from None
     if _SURROGATE_ESCAPE.search(body) and _has_lone_surrogate(body):
-        raise ApiError(400, "the request body holds an unpaired UTF-16 surrogate escape "
-                       "(such as \\ud800): not valid Unicode text", "invalid_request_error")  # fmt: skip
+        raise ApiError(
+            400,
+            "the request body holds an unpaired UTF-16 surrogate escape "
+            "(such as \\ud800): not valid Unicode text",
+            "invalid_request_error",
+        )
 
 
 def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
@@ -215,11 +231,15 @@ def _inflate(body: bytes, encoding: str, limit: int) -> bytes:
     try:
         out = inflater.decompress(body, limit + 1)
     except zlib.error as e:
-        raise ApiError(400, f"the {encoding} request body is corrupt: {e}",
-                       "invalid_request_error") from None  # fmt: skip
+        raise ApiError(
+            400, f"the {encoding} request body is corrupt: {e}", "invalid_request_error"
+        ) from None
     if len(out) > limit or inflater.unconsumed_tail:
-        raise ApiError(413, f"the decompressed request body exceeds the limit of {limit} bytes",
-                       "invalid_request_error")  # fmt: skip
+        raise ApiError(
+            413,
+            f"the decompressed request body exceeds the limit of {limit} bytes",
+            "invalid_request_error",
+        )
     return out
 
 

@@ -21,34 +21,20 @@ from __future__ import annotations
 import asyncio
 import http
 import resource
-from dataclasses import dataclass
 
 import uvicorn
 
+from warmboot.server.config import HttpLimits
 from warmboot.server.errors import ApiError
 
 FD_RESERVE = 128
 """File descriptors kept out of the connection cap (model files, logs, the engine's own)."""
 
 
-@dataclass(frozen=True)
-class HttpLimits:
-    max_header_bytes: int = 64 << 10
-    """Request line plus headers; larger heads get a 431."""
-    header_timeout_s: float = 10.0
-    """A request head must arrive within this (from the connection's opening, or from the
-    first byte of a later request on it)."""
-    body_timeout_s: float = 30.0
-    """A request body that sends nothing for this long gets a 408."""
-    keep_alive_timeout_s: float = 5.0
-    """An idle keep-alive connection is closed after this."""
-    max_connections: int = 1000
-    """Open connections at most (capped below the process's file descriptor limit)."""
-
-
-def http_config(app, limits: HttpLimits = HttpLimits(), **options) -> uvicorn.Config:
+def http_config(app, limits: HttpLimits | None = None, **options) -> uvicorn.Config:
     """A ``uvicorn.Config`` serving ``app`` with ``limits``; ``options`` go to uvicorn
     (host, port, log_level, access_log, ...), bar ``http`` and ``timeout_keep_alive``."""
+    limits = limits or HttpLimits()
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
     except ImportError:  # NOTE: uvicorn without its [standard] extras

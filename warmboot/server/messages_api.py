@@ -147,13 +147,16 @@ class CountTokensRequest(_Strict):
     def chat_request(self) -> ChatCompletionRequest:
         """The chat completions request this one amounts to (known fields only)."""
         if (self.thinking or {}).get("type", "disabled") not in ("disabled", "adaptive"):
-            raise UnsupportedParameter("thinking", "extended thinking is not supported: this "
-                                       "server returns no thinking blocks")  # fmt: skip
+            raise UnsupportedParameter(
+                "thinking",
+                "extended thinking is not supported: this server returns no thinking blocks",
+            )
         messages = self._system() + [m for msg in self.messages for m in _chat_messages(msg)]
         prefill = messages[-1]["role"] == "assistant"
         if prefill and (messages[-1].get("tool_calls") or not messages[-1]["content"]):
-            raise UnsupportedParameter("messages", "a final assistant message (prefill) must "
-                                       "hold text, and no tool_use")  # fmt: skip
+            raise UnsupportedParameter(
+                "messages", "a final assistant message (prefill) must hold text, and no tool_use"
+            )
         choice = self.tool_choice
         return ChatCompletionRequest(
             model=self.model,
@@ -187,8 +190,13 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
 
     def _sampling(self) -> dict:
-        return {"max_completion_tokens": self.max_tokens, "stop": self.stop_sequences,
-                "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}  # fmt: skip
+        return {
+            "max_completion_tokens": self.max_tokens,
+            "stop": self.stop_sequences,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+        }
 
 
 def _joined(blocks: list[TextBlock]) -> str:
@@ -203,15 +211,20 @@ def _chat_messages(msg: Message) -> list[dict]:
     kinds = {"user": (TextBlock, ToolResultBlock), "assistant": (TextBlock, ToolUseBlock)}
     for block in msg.content:
         if not isinstance(block, kinds[msg.role]):
-            raise UnsupportedParameter("messages", f"{block.type} blocks cannot come from the "
-                                       f"{msg.role}")  # fmt: skip
+            raise UnsupportedParameter(
+                "messages", f"{block.type} blocks cannot come from the {msg.role}"
+            )
     text = _joined([b for b in msg.content if isinstance(b, TextBlock)])
     if msg.role == "assistant":
         calls = [
-            {"id": b.id, "type": "function",
-             "function": {"name": b.name, "arguments": json.dumps(b.input)}}
-            for b in msg.content if isinstance(b, ToolUseBlock)
-        ]  # fmt: skip
+            {
+                "id": b.id,
+                "type": "function",
+                "function": {"name": b.name, "arguments": json.dumps(b.input)},
+            }
+            for b in msg.content
+            if isinstance(b, ToolUseBlock)
+        ]
         return [{"role": "assistant", "content": text or None, "tool_calls": calls or None}]
     results = [b for b in msg.content if isinstance(b, ToolResultBlock)]
     out = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()} for b in results]
@@ -242,9 +255,16 @@ class MessageBuilder:
 
     def _body(self, content: list[dict], stop_reason, stop_sequence, output_tokens: int) -> dict:
         usage = {"input_tokens": self.input_tokens, "output_tokens": output_tokens}
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-                "usage": usage}  # fmt: skip
+        return {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": stop_reason,
+            "stop_sequence": stop_sequence,
+            "usage": usage,
+        }
 
     def _split(self, c) -> tuple[str, list[tools_mod.ToolCall]]:
         """(text, calls) of output ``c``: the text less the calls and any call cut short; one
@@ -317,8 +337,12 @@ def _text_block(text: str) -> dict:
 
 
 def _tool_use(call: tools_mod.ToolCall) -> dict:
-    return {"type": "tool_use", "id": f"toolu_{uuid.uuid4().hex[:24]}", "name": call.name,
-            "input": json.loads(call.arguments)}  # fmt: skip
+    return {
+        "type": "tool_use",
+        "id": f"toolu_{uuid.uuid4().hex[:24]}",
+        "name": call.name,
+        "input": json.loads(call.arguments),
+    }
 
 
 def _block_start(index: int, block: dict) -> dict:

@@ -180,12 +180,18 @@ def _memory_families(state: dict):
     if not grammar:
         return
     for name, key, doc in (
-        ("warmboot_grammar_cache_bytes", "cached_bytes",
-         "Bytes held by the compiled-grammar cache (xgrammar's count plus the spec text)"),
-        ("warmboot_grammar_cache_limit_bytes", "cache_limit_bytes",
-         "The compiled-grammar cache's bound in bytes"),
+        (
+            "warmboot_grammar_cache_bytes",
+            "cached_bytes",
+            "Bytes held by the compiled-grammar cache (xgrammar's count plus the spec text)",
+        ),
+        (
+            "warmboot_grammar_cache_limit_bytes",
+            "cache_limit_bytes",
+            "The compiled-grammar cache's bound in bytes",
+        ),
         ("warmboot_grammar_cache_entries", "cached_grammars", "Compiled grammars cached"),
-    ):  # fmt: skip
+    ):
         gauge = GaugeMetricFamily(name, doc)
         gauge.add_metric([], float(grammar[key]))
         yield gauge
@@ -195,8 +201,13 @@ def _memory_families(state: dict):
         "ran), timed_out (a caller stopped waiting), dropped (queued, then nobody waited)",
         labels=["outcome"],
     )
-    for outcome, key in (("hit", "hits"), ("compiled", "compiled"), ("failed", "failed"),
-                         ("timed_out", "timed_out"), ("dropped", "dropped")):  # fmt: skip
+    for outcome, key in (
+        ("hit", "hits"),
+        ("compiled", "compiled"),
+        ("failed", "failed"),
+        ("timed_out", "timed_out"),
+        ("dropped", "dropped"),
+    ):
         compiles.add_metric([outcome], float(grammar.get(key, 0)))
     yield compiles
 
@@ -241,8 +252,9 @@ def _start_families(state: dict):
         graphs.add_metric([outcome], float(compile_info.get(key, 0)))
     yield graphs
     ready = GaugeMetricFamily(
-        "warmboot_compiled_steps", "1 once the compiled model steps run (a restore compiles "
-        "them in the background while eager steps serve)"
-    )  # fmt: skip
+        "warmboot_compiled_steps",
+        "1 once the compiled model steps run (a restore compiles "
+        "them in the background while eager steps serve)",
+    )
     ready.add_metric([], 1.0 if compile_info.get("compiled") else 0.0)
     yield ready

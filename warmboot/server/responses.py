@@ -168,10 +168,12 @@ def prompt_columns(meta: ResponseMeta, out: RequestOutput) -> dict:
         cols["token_logprobs"].append(entries[token_id].logprob)
         top = sorted(entries.items(), key=lambda kv: kv[1].logprob, reverse=True)
         named = meta.token_ids_as_text
-        cols["top_logprobs"].append(_by_text(
-            (token_id_text(t) if named else lp.decoded_token or "", lp.logprob)
-            for t, lp in top[: meta.top_logprobs]
-        ))  # fmt: skip
+        cols["top_logprobs"].append(
+            _by_text(
+                (token_id_text(t) if named else lp.decoded_token or "", lp.logprob)
+                for t, lp in top[: meta.top_logprobs]
+            )
+        )
     return cols
 
 
@@ -179,11 +181,14 @@ def vllm_prompt_logprobs(out: RequestOutput) -> list[dict | None] | None:
     """vLLM's shape: per prompt token None or {token id: {logprob, decoded_token}}."""
     if out.prompt_logprobs is None:
         return None
-    return [
-        None if e is None else {str(t): {"logprob": lp.logprob, "decoded_token": lp.decoded_token}
-                                for t, lp in e.items()}
-        for e in out.prompt_logprobs
-    ]  # fmt: skip
+    return [None if e is None else _vllm_entry(e) for e in out.prompt_logprobs]
+
+
+def _vllm_entry(entry: dict) -> dict:
+    return {
+        str(t): {"logprob": lp.logprob, "decoded_token": lp.decoded_token}
+        for t, lp in entry.items()
+    }
 
 
 def _joined(first: dict | None, second: dict | None) -> dict | None:
@@ -276,13 +281,12 @@ def chat_body(meta: ResponseMeta, out: RequestOutput, tool_plan=None) -> dict:
         message, called = {"role": "assistant", "content": c.text}, False
         if tool_plan is not None:
             message, called = tool_plan.message(c.text, cut=c.finish_reason == "length")
-        choices.append({
-            "index": c.index,
-            "message": message,
-            "logprobs": chat_lp(meta, c, 0),
-            # NOTE: a length cut stays "length" (the last call may be the one cut short)
-            "finish_reason": "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason,
-        })  # fmt: skip
+        # NOTE: a length cut stays "length" (the last call may be the one cut short)
+        finish = "tool_calls" if called and c.finish_reason == "stop" else c.finish_reason
+        lp = chat_lp(meta, c, 0)
+        choices.append(
+            {"index": c.index, "message": message, "logprobs": lp, "finish_reason": finish}
+        )
     return {
         "id": meta.id,
         "object": "chat.completion",

@@ -106,8 +106,9 @@ class ResponsesRequest(IgnoredByDesign):
         if kind in ("text", "json_object"):
             return ResponseFormat(type=kind)
         if kind == "json_schema":
-            schema = JsonSchema(name=fmt.get("name", "response"), schema=fmt.get("schema"),
-                                strict=fmt.get("strict"))  # fmt: skip
+            schema = JsonSchema(
+                name=fmt.get("name", "response"), schema=fmt.get("schema"), strict=fmt.get("strict")
+            )
             return ResponseFormat(type="json_schema", json_schema=schema)
         raise UnsupportedParameter("text", f"text.format type {kind!r} is not supported")
 
@@ -128,8 +129,11 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     for i, item in enumerate(items):
         kind = item.get("type", "message")
         if kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {"name": item.get("name"), "arguments": item.get("arguments")},
+            }
             if out and out[-1]["role"] == "assistant" and out[-1].get("tool_calls"):
                 out[-1]["tool_calls"].append(call)  # NOTE: parallel calls: one assistant turn
             else:
@@ -155,8 +159,10 @@ def _chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | No
     out = []
     for i, tool in enumerate(tools):
         if tool.get("type") != "function":
-            raise UnsupportedParameter("tools", f"tools[{i}] of type {tool.get('type')!r} is "
-                                       "not supported (function tools are)")  # fmt: skip
+            raise UnsupportedParameter(
+                "tools",
+                f"tools[{i}] of type {tool.get('type')!r} is not supported (function tools are)",
+            )
         fn = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
         out.append({"type": "function", "function": fn})
     return out
@@ -175,8 +181,9 @@ def _text(content: Any, i: int) -> str:
     for part in content or ():
         if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise UnsupportedParameter("input", f"input item {i}: content parts of type "
-                                       f"{kind!r} are not supported")  # fmt: skip
+            raise UnsupportedParameter(
+                "input", f"input item {i}: content parts of type {kind!r} are not supported"
+            )
         parts.append(str(part.get("text", "")))
     return "".join(parts)
 
@@ -208,17 +215,27 @@ class ResponseBuilder:
             usage = _usage(out)
         b = self.body
         return {
-            "id": self.id, "object": "response", "created_at": self.created,
-            "status": status, "error": None, "incomplete_details": incomplete,
-            "model": self.meta.model, "output": output, "usage": usage,
-            "instructions": b.instructions, "max_output_tokens": b.max_output_tokens,
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "error": None,
+            "incomplete_details": incomplete,
+            "model": self.meta.model,
+            "output": output,
+            "usage": usage,
+            "instructions": b.instructions,
+            "max_output_tokens": b.max_output_tokens,
             "temperature": 1.0 if b.temperature is None else b.temperature,
             "top_p": 1.0 if b.top_p is None else b.top_p,
-            "text": b.text or {"format": {"type": "text"}}, "tools": b.tools or [],
+            "text": b.text or {"format": {"type": "text"}},
+            "tools": b.tools or [],
             "tool_choice": b.tool_choice or "auto",
             "parallel_tool_calls": b.parallel_tool_calls is not False,
-            "previous_response_id": None, "metadata": b.metadata or {}, "store": False,
-        }  # fmt: skip
+            "previous_response_id": None,
+            "metadata": b.metadata or {},
+            "store": False,
+        }
 
     def _output(self, c) -> list[dict]:
         """The output items: the message (unless only calls came), then one per call."""
@@ -232,8 +249,13 @@ class ResponseBuilder:
 
     def _message(self, text: str, status: str, logprobs: dict | None = None) -> dict:
         part = self._part(text, logprobs)
-        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant",
-                "content": [part]}  # fmt: skip
+        return {
+            "type": "message",
+            "id": self.item_id,
+            "status": status,
+            "role": "assistant",
+            "content": [part],
+        }
 
     @staticmethod
     def _part(text: str, logprobs: dict | None = None) -> dict:
@@ -288,7 +310,7 @@ class ResponseBuilder:
         return [
             self.event(
                 "response.output_item.added", output_index=0, item=self._message("", "in_progress")
-            ),  # fmt: skip
+            ),
             self.event("response.content_part.added", **at, part=self._part("")),
         ]
 
@@ -311,22 +333,27 @@ class ResponseBuilder:
                 "response.output_item.added",
                 output_index=index,
                 item={**item, "arguments": "", "status": "in_progress"},
-            ),  # fmt: skip
+            ),
             self.event("response.function_call_arguments.delta", **at, delta=item["arguments"]),
             self.event(
                 "response.function_call_arguments.done",
                 **at,
                 name=item["name"],
                 arguments=item["arguments"],
-            ),  # fmt: skip
+            ),
             self.event("response.output_item.done", output_index=index, item=item),
         ]
 
 
 def _function_call(call: tools_mod.ToolCall) -> dict:
-    return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call.id,
-            "name": call.name, "arguments": call.arguments,
-            "status": "completed" if call.complete else "incomplete"}  # fmt: skip
+    return {
+        "type": "function_call",
+        "id": f"fc_{uuid.uuid4().hex}",
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": call.arguments,
+        "status": "completed" if call.complete else "incomplete",
+    }
 
 
 def _usage(out: RequestOutput) -> dict:

@@ -52,8 +52,11 @@ class _Tokenizer(_Stand):
 
 def engine_holder(facts: dict) -> _Stand:
     """An engine holder whose engine knows only ``facts``."""
-    tokenizer = _Tokenizer(max_token_chars=facts["max_token_chars"],
-                           vocab_size=facts["vocab_size"], chat_template=facts["chat_template"])  # fmt: skip
+    tokenizer = _Tokenizer(
+        max_token_chars=facts["max_token_chars"],
+        vocab_size=facts["vocab_size"],
+        chat_template=facts["chat_template"],
+    )
     llm = _Stand(max_model_len=facts["max_model_len"], tokenizer=tokenizer)
     return _Stand(llm=llm, require=lambda: llm, state=lambda: None, error=None)
 

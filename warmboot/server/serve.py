@@ -11,8 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from warmboot.server.app import ServerConfig, create_app
+from warmboot.server.config import HttpLimits
 from warmboot.server.engine_holder import EngineHolder
-from warmboot.server.http_server import HttpLimits, http_config
+from warmboot.server.http_server import http_config
 
 log = logging.getLogger("warmboot")
 

@@ -154,6 +154,9 @@ class UsageSoFar:
     def stamp(self, chunk: dict) -> dict:
         if self.on:
             prompt = sum(self._prompts.values())
-            chunk["usage"] = {"prompt_tokens": prompt, "completion_tokens": self._generated,
-                              "total_tokens": prompt + self._generated}  # fmt: skip
+            chunk["usage"] = {
+                "prompt_tokens": prompt,
+                "completion_tokens": self._generated,
+                "total_tokens": prompt + self._generated,
+            }
         return chunk

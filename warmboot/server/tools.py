@@ -27,8 +27,11 @@ class ToolCall:
     """False: the token limit cut the call; ``arguments`` are what was generated."""
 
     def openai(self, index: int | None = None) -> dict:
-        call = {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}  # fmt: skip
+        call = {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
         return call if index is None else {"index": index, **call}
 
 
@@ -73,8 +76,9 @@ def chosen(tool_choice: Any, names: list[str]) -> tuple[str, str | None]:
 
 
 # -- enforcement ---------------------------------------------------------------------------------
-def structural_tag(fmt: str, schemas: dict[str, dict], mode: str, name: str | None,
-                   parallel: bool) -> dict:  # fmt: skip
+def structural_tag(
+    fmt: str, schemas: dict[str, dict], mode: str, name: str | None, parallel: bool
+) -> dict:
     """The xgrammar structural tag for ``mode`` (auto, required, named) in format ``fmt``."""
     if name is not None:
         schemas = {name: schemas[name]}
@@ -82,11 +86,19 @@ def structural_tag(fmt: str, schemas: dict[str, dict], mode: str, name: str | No
     if mode == "named":
         return {"type": "structural_tag", "format": tags[0]}
     if mode == "required":  # calls only, one or more (parallel), nothing around them
-        fmt_ = {"type": "tags_with_separator", "tags": tags, "separator": "\n",
-                "at_least_one": True, "stop_after_first": not parallel}  # fmt: skip
+        fmt_ = {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": "\n",
+            "at_least_one": True,
+            "stop_after_first": not parallel,
+        }
         return {"type": "structural_tag", "format": fmt_}
-    triggers = {"hermes": ["<tool_call>"], "llama3_json": ['{"name": '],
-                "mistral": ["[TOOL_CALLS]"]}[fmt]  # fmt: skip
+    triggers = {
+        "hermes": ["<tool_call>"],
+        "llama3_json": ['{"name": '],
+        "mistral": ["[TOOL_CALLS]"],
+    }[fmt]
     return {
         "type": "structural_tag",
         "format": {
@@ -200,7 +212,7 @@ _OPEN_CALL = {
     "hermes": re.compile(r'\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"arguments"\s*:\s*(.*)', re.S),
     "llama3_json": re.compile(r'\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"parameters"\s*:\s*(.*)', re.S),
     "mistral": re.compile(r'\[?\s*\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"arguments"\s*:\s*(.*)', re.S),
-}  # fmt: skip
+}
 """A call's start up to its arguments (the structural tag writes it so), from the opener."""
 
 
@@ -270,9 +282,10 @@ def plan(tools: list[dict] | None, tool_choice: Any, parallel: bool, fmt: str | 
         return None
     if fmt is None:
         raise UnsupportedParameter(
-            "tools", "this model's chat template shows no tool-call format; start the server "
-            "with --tool-call-parser " + "|".join(FORMATS)
-        )  # fmt: skip
+            "tools",
+            "this model's chat template shows no tool-call format; start the server "
+            "with --tool-call-parser " + "|".join(FORMATS),
+        )
     tag = structural_tag(fmt, schemas, mode, name, parallel)
     return ToolPlan(fmt, frozenset(schemas), tag)
 

@@ -12,6 +12,11 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+from warmboot.engine_options import add_engine_options, engine_kwargs
+
+CREATE_OWN = ("snapshot_store", "snapshot_publish")
+"""Engine settings ``snapshot create`` spells its own way (``--store``) or fixes (it publishes)."""
+
 
 def add_snapshot_parser(sub) -> None:
     """Register ``snapshot`` and its subcommands on the top-level subparsers."""
@@ -28,13 +33,8 @@ def add_snapshot_parser(sub) -> None:
 
     create = command("create", "boot the model and publish a snapshot for its key", _create)
     create.add_argument("--model", required=True, help="directory of a Hugging Face-format model")
-    create.add_argument(
-        "--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"]
-    )
-    create.add_argument("--device", default="auto")
-    create.add_argument("--max-model-len", type=int, default=None)
-    create.add_argument("--max-num-seqs", type=int, default=64)
-    create.add_argument("--block-size", type=int, default=16)
+    # NOTE: the store is --store; create always publishes
+    add_engine_options(create, leave_out=CREATE_OWN, verbose=False)
     command("ls", "list the snapshots in a store", _ls)
     inspect = command("inspect", "show every key field, fact, tensor and file", _inspect)
     inspect.add_argument("key", help="a snapshot key or a unique prefix")
@@ -82,15 +82,7 @@ def _create(args) -> int:
 
     t0 = time.perf_counter()
     store = str(_open(args.store).url)
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        block_size=args.block_size,
-        snapshot_store=store,
-    )
+    llm = LLM(**engine_kwargs(args, args.model, CREATE_OWN), snapshot_store=store)
     info, snap = llm.engine.start_info, llm.engine.snapshot
     if info.path == "restored_image":
         print(f"snapshot {snap.key} already in {store} (restored it in {info.ready_s:.2f}s)")

@@ -48,7 +48,7 @@ def try_lease(store: Store, name: str, ttl_s: float = PUBLISH_LEASE_S) -> Lease 
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "expires": time.time() + ttl_s,
-        }  # fmt: skip
+        }
     ).encode()
     for _ in range(2):
         if store.create_lease(name, body):

@@ -152,8 +152,12 @@ class S3Store(Store):
         )
 
     def put_record(self, name: str, data: bytes) -> None:
-        self._call("PUT record", self.client.put_object, Key=self._key("records", f"{name}.json"),
-                   Body=data)  # fmt: skip
+        self._call(
+            "PUT record",
+            self.client.put_object,
+            Key=self._key("records", f"{name}.json"),
+            Body=data,
+        )
 
     def get_record(self, name: str) -> bytes | None:
         data = self._get("record", self._key("records", f"{name}.json"), MAX_RECORD_BYTES + 1)

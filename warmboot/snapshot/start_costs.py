@@ -53,15 +53,23 @@ import statistics
 from functools import cache
 from pathlib import Path
 
-from warmboot.config import cache_root, read_cache_dict, write_cache_dict
+from warmboot.cache_files import read_cache_dict, write_cache_dict
+from warmboot.config import cache_root
 from warmboot.host import HOST_NATIVE_ENV, host_cpu_features
 from warmboot.snapshot.deadline import run_with_deadline
 
 log = logging.getLogger(__name__)
 ENV = "WARMBOOT_START_BY_COST"
 
-OFF_PATH = ("compile", "compile_artifacts", "step_choice", "snapshot_publish", "autotune",
-            "cuda_graphs", "native_build")  # fmt: skip
+OFF_PATH = (
+    "compile",
+    "compile_artifacts",
+    "step_choice",
+    "snapshot_publish",
+    "autotune",
+    "cuda_graphs",
+    "native_build",
+)
 """Phases that are not between a start and its first servable step."""
 KEEP = 5
 """Figures kept per path and key (the latest ones)."""

@@ -241,8 +241,11 @@ def _build_and_load() -> tuple[Path | None, str | None]:
     return path, None
 
 
-HOST_ISAS = (("avx512_bf16", ("avx512_bf16", "avx512bw")), ("avx512", ("avx512f", "avx512bw")),
-             ("avx2", ("avx2", "fma")))  # fmt: skip
+HOST_ISAS = (
+    ("avx512_bf16", ("avx512_bf16", "avx512bw")),
+    ("avx512", ("avx512f", "avx512bw")),
+    ("avx2", ("avx2", "fma")),
+)
 """The native sets, best first, with the host CPU flags each needs."""
 
 

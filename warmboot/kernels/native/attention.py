@@ -44,13 +44,25 @@ def flash_prefill(q: torch.Tensor, *kv: torch.Tensor) -> bool:
     to ``FLASH_MAX_DIM``, the tiles usable here): faster than SDPA and the native kernel from 8
     tokens on (``docs/benchmarks/intel/kernels.md``)."""
     d = q.shape[-1]
-    rows = all(t.dtype == torch.bfloat16 and t.stride(-1) == 1 and t.stride(-2) == d
-               for t in (q, *kv))  # fmt: skip
+    rows = all(
+        t.dtype == torch.bfloat16 and t.stride(-1) == 1 and t.stride(-2) == d for t in (q, *kv)
+    )
     return rows and d % 32 == 0 and d <= FLASH_MAX_DIM and native.amx()
 
 
-def causal_prefill(q, k, v, out, starts: list[int], lens: list[int], scale: float,
-                   window=None, sinks=None, softcap=None, chunk=None) -> None:  # fmt: skip
+def causal_prefill(
+    q,
+    k,
+    v,
+    out,
+    starts: list[int],
+    lens: list[int],
+    scale: float,
+    window=None,
+    sinks=None,
+    softcap=None,
+    chunk=None,
+) -> None:
     """Fresh prefills (no cached context: causal over their own K/V, the rows ``starts[i]``
     .. ``+ lens[i]`` of q, k, v) into the same rows of ``out``, shared with the helper
     threads (``csrc/causal_prefill.cpp``): flash attention on AMX tiles where
@@ -75,12 +87,21 @@ def paged_prefill(
     ``window``, ``sinks``, ``softcap`` and ``chunk`` as for ``causal_prefill``."""
     return bool(
         torch.ops.warmboot_cpu.paged_prefill(
-            q, k_cache, v_cache, out,
-            [s.query_start for s in seqs], [s.query_len for s in seqs],
-            [s.context_len for s in seqs], [s.block_table for s in seqs], scale,
-            window or 0, _sinks(sinks), softcap or 0.0, chunk or 0,
+            q,
+            k_cache,
+            v_cache,
+            out,
+            [s.query_start for s in seqs],
+            [s.query_len for s in seqs],
+            [s.context_len for s in seqs],
+            [s.block_table for s in seqs],
+            scale,
+            window or 0,
+            _sinks(sinks),
+            softcap or 0.0,
+            chunk or 0,
         )
-    )  # fmt: skip
+    )
 
 
 def _sinks(sinks: torch.Tensor | None) -> torch.Tensor | None:
