@@ -14,6 +14,9 @@ CLIENTS_STAMP := $(CLIENTS)/.installed
 # the checks of the quantized test checkpoints against the formats' own libraries.
 QUANT       := .venv-quant
 QUANT_STAMP := $(QUANT)/.installed
+# peft and accelerate (pure Python) likewise, for the LoRA adapter tests (adapters peft writes).
+LORA       := .venv-lora
+LORA_STAMP := $(LORA)/.installed
 
 .PHONY: demo test lint bench clean runsc promtool gpu-wheels native
 .PHONY: check
@@ -32,6 +35,11 @@ $(QUANT_STAMP): tests/quant/requirements.txt $(STAMP)
 	$(PY) -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps \
 		--target $(QUANT)/site -r tests/quant/requirements.txt
 	touch $(QUANT_STAMP)
+
+$(LORA_STAMP): tests/lora/requirements.txt $(STAMP)
+	$(PY) -m pip install -q --disable-pip-version-check --no-cache-dir --no-deps \
+		--target $(LORA)/site -r tests/lora/requirements.txt
+	touch $(LORA_STAMP)
 
 $(LMEVAL_STAMP): tests/lm_eval/requirements.txt
 	test -x $(LMEVAL)/bin/python || python3 -m venv $(LMEVAL)
@@ -72,7 +80,7 @@ native: $(STAMP)
 demo: $(STAMP) runsc native
 	$(PY) -m warmboot.cli demo
 
-test: $(STAMP) runsc promtool native $(LMEVAL_STAMP) $(CLIENTS_STAMP) $(QUANT_STAMP)
+test: $(STAMP) runsc promtool native $(LMEVAL_STAMP) $(CLIENTS_STAMP) $(QUANT_STAMP) $(LORA_STAMP)
 	$(PY) -m ruff format --check warmboot tests bench
 	$(PY) -m ruff check warmboot tests bench
 	$(PY) -m pytest -q -ra

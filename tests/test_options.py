@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from warmboot.cli import build_parser, launch_options, server_settings
-from warmboot.config import ENGINE_OPTIONS, CacheConfig, EngineConfig, SchedulerConfig
+from warmboot.config import (
+    ENGINE_OPTIONS,
+    CacheConfig,
+    EngineConfig,
+    LoRAConfig,
+    SchedulerConfig,
+)
 from warmboot.engine_options import engine_kwargs
 from warmboot.fleet.cli import FLEET_OWN, fleet_config
 from warmboot.fleet.config import AutoscalingConfig, FleetConfig
@@ -43,7 +49,7 @@ NOT_SETTINGS = {
     (FleetConfig, "model_source"),  # --model
     (FleetConfig, "engine_kwargs"),  # the engine options and --engine-kwargs
 }
-CONFIGS = (EngineConfig, CacheConfig, SchedulerConfig, ServerConfig, AdmissionLimits)
+CONFIGS = (EngineConfig, CacheConfig, SchedulerConfig, LoRAConfig, ServerConfig, AdmissionLimits)
 CONFIGS += (HttpLimits, FleetConfig, AutoscalingConfig)
 
 

@@ -16,6 +16,7 @@ _EXPORTS = {
     "CompletionOutput": "warmboot.outputs",
     "Logprob": "warmboot.outputs",
     "OutputFolder": "warmboot.outputs",
+    "LoRARequest": "warmboot.lora_request",
 }
 __all__ = [*_EXPORTS, "__version__"]
 

@@ -212,6 +212,9 @@ class SchedulerConfig:
     )
     """``core.step_cost``; a running stream's inter-token gap stays near it too. The server's
     default is ``cli.DEFAULT_MAX_STEP_MS``; offline, none."""
+    max_loras: int = setting(
+        1, "adapters the running requests may use at once (device slots)", group="LoRA"
+    )
     reserved_seats: int | None = setting(
         None,
         "seats only a client's or a call's first sequence may take, so a newcomer finds one "
@@ -222,7 +225,7 @@ class SchedulerConfig:
     them (rounded up) only a client's first may take. Fewer than ``max_num_seqs``."""
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "max_loras"):
             if (getattr(self, name) or 1) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("long_prefill_token_threshold", "reserved_seats", "max_step_ms"):
@@ -251,6 +254,20 @@ class SchedulerConfig:
             reserve = max(1, self.max_num_seqs // 16)
         reserve = min(reserve, self.max_num_seqs - 1)
         return self.max_num_seqs - reserve, self.max_num_seqs - (reserve + 1) // 2
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    enable_lora: bool = setting(False, "serve LoRA adapters over the base model (vLLM's flag)")
+    max_lora_rank: int = setting(16, "the largest adapter rank served")
+    max_cpu_loras: int | None = setting(
+        None, "adapters kept loaded in host memory (default: --max-loras)"
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("max_lora_rank", "max_cpu_loras"):
+            if (getattr(self, name) or 1) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 SNAPSHOTS = "snapshots"
@@ -304,6 +321,7 @@ class EngineConfig:
     )
     cache: CacheConfig = setting(factory=CacheConfig, group="KV cache")
     scheduler: SchedulerConfig = setting(factory=SchedulerConfig, group="scheduler")
+    lora: LoRAConfig = setting(factory=LoRAConfig, group="LoRA")
     snapshot_store: str | None = setting(
         None,
         "tier-A snapshot store (a directory or s3://bucket/prefix): start the way measured "
@@ -334,6 +352,9 @@ class EngineConfig:
             raise ValueError(f"snapshot_timeout must be > 0 seconds, got {self.snapshot_timeout}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
+        slots, kept = self.scheduler.max_loras, self.lora.max_cpu_loras
+        if kept is not None and kept < slots:
+            raise ValueError(f"max_cpu_loras ({kept}) must be >= max_loras ({slots})")
 
 
 ENGINE_OPTIONS = options(EngineConfig, group="engine")

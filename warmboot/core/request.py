@@ -50,6 +50,8 @@ class Request:
     prefix_root: bytes | None = None
     """What its KV depends on besides its tokens (``CausalLM.prefix_root``): the root of its
     blocks' prefix-cache chain, so only requests with equal KV share blocks."""
+    lora: str | None = None
+    """The adapter it runs with (``LoRARequest.lora_name``); None: the base model."""
     rank: int = 0
     """0: its slot is its client's first live one (may take a reserved seat); set by the
     scheduler (``core.fair_queue``)."""
@@ -161,3 +163,11 @@ class Request:
             and not leader.is_finished
             and leader.num_output_tokens == 0
         )
+
+
+def lora_full(running: list[Request], max_loras: int, req: Request) -> bool:
+    """``req``'s adapter would be one more than ``max_loras`` among the ``running``."""
+    if req.lora is None:
+        return False
+    live = {r.lora for r in running if r.lora is not None}
+    return req.lora not in live and len(live) >= max_loras

@@ -2,12 +2,7 @@
 budget, prefill and decode mixed in one step, preemption by recompute. Pure Python; talks to
 the runner in plain data.
 
-Fairness policy (per client, then per call; the order is ``core.fair_queue``'s). A call is
-one API request, a client whoever sent it (the server passes the peer address or a trusted
-proxy's header). Clients take turns, then each client's calls: a client's flood of calls (256
-streams) delays that client, not the others; a call of many prompts delays that call, not the
-client's other calls. Per client because a client can open any number of calls; per call
-within it because one proxy may carry many users.
+Fairness (``core.fair_queue``): clients take turns, then each client's calls.
 
 - Round robin: within a priority, one sequence of each client per round, then by arrival.
 - Reserved seats: only a client's or a call's first live sequence may take the last
@@ -26,6 +21,7 @@ within it because one proxy may carry many users.
   client's small prompt runs in a short step of its own, never two of those in a row.
 - Shared steps (time-capped only, ``core.shared_steps``): while several clients are present,
   steps are a few one-row steps long, their decodes cut to fit (served longest ago first).
+- LoRA: running requests use at most ``max_loras`` adapters; one needing another may be passed.
 
 Bound: a new client's first sequence is admitted in the first step scheduled after it arrives
 that has, once the requests ahead of it are served (preempted requests, lower priority values
@@ -44,7 +40,7 @@ from collections.abc import Iterable
 from warmboot.config import SchedulerConfig
 from warmboot.core.block_manager import BlockManager
 from warmboot.core.fair_queue import Entry, FairTurns, WaitingQueue
-from warmboot.core.request import FinishReason, Request, RequestStatus
+from warmboot.core.request import FinishReason, Request, RequestStatus, lora_full
 from warmboot.core.shared_steps import MIN_UNITS, SharedSteps, shared_cut
 from warmboot.core.state_prefix import KVPrefix
 from warmboot.core.step_cost import MIN_SAMPLES, StepCost
@@ -148,8 +144,12 @@ class Scheduler:
         """Whether a waiting request could take a seat now (siblings wait for their leader)."""
         if len(self.running) >= self.config.max_num_seqs:
             return False
-        return any(
-            not r.waits_for_leader(self.kv.enable_prefix_caching) for r in self.waiting.requests()
+        return any(not self._held(r) for r in self.waiting.requests())
+
+    def _held(self, req: Request) -> bool:
+        """It waits for its leader's prompt KV, or for a free adapter slot (``max_loras``)."""
+        return req.waits_for_leader(self.kv.enable_prefix_caching) or lora_full(
+            self.running, self.config.max_loras, req
         )
 
     def _weight(self, req: Request, start: int | None = None) -> float:
@@ -240,7 +240,7 @@ class Scheduler:
             entry = self.waiting.pop(rank=2 if seated < anyone else 1 if seated < firsts else 0)
             if entry is None:
                 break
-            if entry.req.waits_for_leader(self.kv.enable_prefix_caching):
+            if self._held(entry.req):
                 skipped.append(entry)
                 continue
             cost = self._admit(entry, out, budget)
@@ -300,7 +300,7 @@ class Scheduler:
             units = self._chunk(entry.req, entry.req.num_tokens, budget)[1]
             alone = fixed + per_unit * (EXPRESS_UNITS - budget + units)
             gain = (shared + per_unit * units) / alone
-            if entry.req.waits_for_leader(self.kv.enable_prefix_caching) or gain < EXPRESS_GAIN:
+            if gain < EXPRESS_GAIN or self._held(entry.req):
                 break
             cost = self._admit(entry, out, budget, whole=True)
             if cost is None:
@@ -340,6 +340,7 @@ class Scheduler:
             device_fed=device_fed,
             prompt_logprobs_from=lp_from,
             prompt_logprob_targets=targets,
+            lora=req.lora,
             **states,
         )
 

@@ -45,6 +45,8 @@ class ScheduledRequest:
     None: from the request's own slot (zeros at position 0)."""
     state_saves: tuple[tuple[int, int], ...] = ()
     """State layers: (tokens into this chunk, checkpoint row) to copy the states into there."""
+    lora: str | None = None
+    """The adapter its rows run with (``Request.lora``); None: the base model."""
 
     @property
     def num_tokens(self) -> int:

@@ -318,7 +318,8 @@ def packed_view(model: CausalLM, table: PackedLinears, pack: bool = True) -> Cau
             for slot, linear in enumerate(linears):
                 linear.method = PackedMethod(slot)
             for mlp in (m for m in layer.modules() if isinstance(m, GatedMLP)):
-                packed = mlp.gate_up_proj.method.packable
+                # NOTE: an adapter on gate/up adds to the projection before the activation
+                packed = mlp.gate_up_proj.method.packable and mlp.gate_up_proj.lora_index is None
                 mlp.fused_silu = (
                     packed and mlp.act is F.silu and native_silu(mlp.gate_up_proj.weight.dtype)
                 )

@@ -14,6 +14,7 @@ from warmboot.device.pools import StateMoves
 from warmboot.device.slots import RequestSlots
 from warmboot.device.staging import Staging, StepInputs, host_tensor
 from warmboot.kernels.backend import AttentionMetadata, KVLayout, PrefillSeq
+from warmboot.lora.registry import LoraRegistry
 from warmboot.models.layers.rope import pack_position
 
 if TYPE_CHECKING:
@@ -48,6 +49,8 @@ class InputBuilder:
         self.rope_lengths = False
         """The model's rope depends on the sequence length (``models.layers.rope``): each
         position carries its request's prompt length in its high bits."""
+        self.lora: LoraRegistry | None = None
+        """With LoRA on: the adapters, whose device slots each step's plan takes."""
 
     def adopt(self, model: CausalLM, layout: KVLayout) -> None:
         """What ``model``'s steps need in their inputs (its state layers, its rope)."""
@@ -116,6 +119,7 @@ class InputBuilder:
             last_index=last_index,
             graph_batch=graph_batch,
             state_moves=moves,
+            lora=self.lora.plan([(s.lora, s.num_tokens) for s in rows]) if self.lora else None,
         )
         if any(s.prompt_logprob_targets for s in rows):
             self._prompt_rows(step)

@@ -1,8 +1,7 @@
 """The model runner owns every device tensor (weights, KV cache, per-request token slots and
 generators) and turns a ``SchedulerOutput`` into a ``RunnerOutput`` in calls that the loops
 order: ``prepare_step`` + ``submit_forward``, ``launch_sample``, ``collect``; committed tokens
-come back through ``record_tokens``. Per request it keeps a slot (``slots``) and its sampling
-state (``sampling_state``: seeded generators, penalty histories)."""
+come back through ``record_tokens``. Per request: a slot (``slots``), sampling state."""
 
 from __future__ import annotations
 
@@ -26,6 +25,7 @@ from warmboot.device.streams import make_stream
 from warmboot.device.threads import torch_threads
 from warmboot.kernels.backend import AttentionBackend, AttentionSpec, KVLayout
 from warmboot.kernels.step_ops import StepContext
+from warmboot.lora.registry import step_lora
 from warmboot.models.base import CausalLM
 from warmboot.models.loader import assemble_model, load_model
 
@@ -55,15 +55,13 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, ...] | None] = []
         self.state_caches: list[dict[str, torch.Tensor] | None] = []
         """Per layer: K and V pages, or a state layer's tensors (``device.pools``: a row per
-        request slot, ``scratch_state_slot`` written only by compile warm-ups, then
-        ``checkpoint_rows``: states kept at block boundaries for ``core.state_prefix``)."""
+        request slot, the warm-ups' ``scratch_state_slot``, then ``checkpoint_rows``)."""
         self.pools = Pools(device, dtype)
         self.sampler = Sampler()
         self.cpu_threads = cpu_threads
         self.stream = make_stream(device, cpu_threads)
         weakref.finalize(self, self.stream.close)
-        self.sampling_state = SamplingState(device)
-        """Per request: seeded generators and penalty histories."""
+        self.sampling_state = SamplingState(device)  # NOTE: seeded generators, penalty histories
         self._handles: list[StepHandle | None] = [None, None]
         """The step that last used each ping-pong working set."""
         self._step_count = 0
@@ -292,7 +290,8 @@ class ModelRunner:
                 return
             input_ids = up(step.input_ids)
             patch(input_ids)
-            hidden = hidden_fn(input_ids, up(step.positions), step.meta.to(up))
+            with step_lora(step.lora, up):
+                hidden = hidden_fn(input_ids, up(step.positions), step.meta.to(up))
             keep_states(self.state_caches, step.state_moves, up)
             if step.sample_rows:
                 handle.logits = logits_fn(hidden[up(step.sample_index)])
@@ -361,7 +360,8 @@ class ModelRunner:
             up = self._upload
             prepare_states(self.state_caches, step.state_moves, up)
             ids, positions, meta = up(step.input_ids), up(step.positions), step.meta.to(up)
-            hidden = hidden_fn(ids, positions, meta)
+            with step_lora(step.lora, up):
+                hidden = hidden_fn(ids, positions, meta)
             keep_states(self.state_caches, step.state_moves, up)
             return logits_fn(hidden)
 

@@ -12,6 +12,7 @@ from warmboot.core.types import ScheduledRequest, SchedulerOutput
 from warmboot.device.pools import StateMoves
 from warmboot.device.streams import Event
 from warmboot.kernels.backend import AttentionMetadata
+from warmboot.lora.registry import LoraPlan
 
 
 def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -96,6 +97,8 @@ class StepInputs:
     """The prompt tokens those positions predict."""
     state_moves: StateMoves = field(default_factory=StateMoves)
     """State rows zeroed or loaded before the forward and kept after it."""
+    lora: LoraPlan | None = None
+    """The step's adapters (``lora.registry``): loaded and bound around its forward."""
 
 
 @dataclass

@@ -11,6 +11,7 @@ from typing import Any
 
 from warmboot.config import ENGINE_OPTIONS, EngineConfig
 from warmboot.engine.llm_engine import InvalidRequestError, LLMEngine, Prompt
+from warmboot.lora_request import LoRARequest
 from warmboot.options import build, describe, signature
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
@@ -72,8 +73,10 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order.
+        """Generate for every prompt; outputs come back in prompt order. ``lora_request``:
+        the adapter of every prompt, or one per prompt (None: the base model).
 
         All prompts are validated before any is queued: a bad one raises ``ValueError`` naming
         its index, and nothing runs.
@@ -81,7 +84,7 @@ class LLM:
         if isinstance(prompts, (str, dict)) or _is_token_list(prompts):
             prompts = [prompts]
         params = [_final(p) for p in _per_prompt(sampling_params, len(prompts))]
-        ids = self._add_all(prompts, params)
+        ids = self._add_all(prompts, params, _per_prompt_lora(lora_request, len(prompts)))
         done: dict[str, RequestOutput] = {}
         before = self.engine.runner.served.copy()
         while self.engine.has_unfinished_requests():
@@ -91,11 +94,15 @@ class LLM:
         return [done[i] for i in ids]
 
     def generate_stream(
-        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+        self,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> Iterator[RequestOutput]:
         """Yield the outputs of one request as it advances, shaped by the params'
         ``output_kind`` (cumulative by default, with ``delta_text`` / ``delta_token_ids``)."""
-        (request_id,) = self._add_all([prompt], [sampling_params or SamplingParams()])
+        params = [sampling_params or SamplingParams()]
+        (request_id,) = self._add_all([prompt], params, [lora_request])
         try:
             while True:
                 for out in self.engine.step():
@@ -112,6 +119,7 @@ class LLM:
         messages: Messages | Sequence[Messages],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
@@ -124,21 +132,26 @@ class LLM:
             {"prompt": p, "prompt_token_ids": tok.encode(p, add_special_tokens=False)}
             for p in prompts
         ]
-        return self.generate(token_prompts, sampling_params)
+        return self.generate(token_prompts, sampling_params, lora_request)
 
     def stats(self) -> dict:
         return self.engine.stats() | {"last_generate_steps": dict(self._last_steps)}
 
-    def _add_all(self, prompts: Sequence[Prompt], params: list[SamplingParams]) -> list[str]:
+    def _add_all(
+        self, prompts: Sequence[Prompt], params: list[SamplingParams], loras: list
+    ) -> list[str]:
         if self.closed:
             raise RuntimeError("this LLM is closed")
         checked = []
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras, strict=True)):
             try:
                 checked.append(self.engine.validate(prompt, p))
+                if lora is not None:  # NOTE: read and checked before anything is queued
+                    self.engine.check_lora(lora)
             except InvalidRequestError as e:
                 raise InvalidRequestError(f"prompt {i}: {e}") from None
-        return [self.engine.add_request(None, c) for c in checked]
+        pairs = zip(checked, loras, strict=True)
+        return [self.engine.add_request(None, c, lora_request=lora) for c, lora in pairs]
 
 
 def _signature() -> inspect.Signature:
@@ -160,6 +173,15 @@ def _is_token_list(x) -> bool:
 def _final(params: SamplingParams) -> SamplingParams:
     """Batch generation returns only the end: no per-step output copies."""
     return params if params.output_kind == "final" else replace(params, output_kind="final")
+
+
+def _per_prompt_lora(lora, count: int) -> list:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * count
+    lora = list(lora)
+    if len(lora) != count:
+        raise ValueError(f"{len(lora)} lora requests for {count} prompts")
+    return lora
 
 
 def _per_prompt(params, count: int) -> list[SamplingParams]:

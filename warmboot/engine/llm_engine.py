@@ -3,6 +3,7 @@ over the parts that ``Startup`` booted; the loop owns what a step does."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from dataclasses import replace
 
@@ -17,6 +18,10 @@ from warmboot.device.grammar_requests import GrammarRequests
 from warmboot.engine.loop import StepParts, make_loop
 from warmboot.engine.startup import Startup
 from warmboot.engine.validation import Prompt, RequestValidator, ValidatedRequest
+from warmboot.lora.adapter import LoraError
+from warmboot.lora.registry import LoraRegistry
+from warmboot.lora.targets import Resolved
+from warmboot.lora_request import LoRARequest
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
 from warmboot.snapshot.canary import run_canary
@@ -58,6 +63,14 @@ class LLMEngine:
             self.scheduler, self.block_manager, self.runner, self.grammars, self.outputs
         )
         self.loop = make_loop(parts, self.pipelined)
+        if self.lora is not None:  # NOTE: an adapter live requests use is never evicted
+            requests = self.scheduler.requests  # NOTE: list() copies it whole, under the GIL
+            self.lora.in_use = lambda: {r.lora for r in list(requests.values())}
+
+    @property
+    def lora(self) -> LoraRegistry | None:
+        """The adapters (``enable_lora``), else None."""
+        return self.runner.inputs.lora
 
     @property
     def prefix_caching_off(self) -> str | None:
@@ -81,12 +94,14 @@ class LLMEngine:
         params: SamplingParams | None = None,
         group: str | None = None,
         client: str = "",
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Queue a request (validated here unless ``prompt`` is a ``ValidatedRequest``); raise
         ``InvalidRequestError`` (nothing queued) if bad. ``group``: the API call it is part of
         (the server's id of it), ``client``: who sent it. The scheduler takes turns between
         clients, then between a client's calls, each prompt and completion of a call one
-        sequence (``core.fair_queue``); no group: a call of its own."""
+        sequence (``core.fair_queue``); no group: a call of its own. ``lora_request``: the
+        adapter it runs with (``enable_lora``), read on first use."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.outputs.groups:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
@@ -96,7 +111,8 @@ class LLMEngine:
             checked = prompt
         else:
             checked = self.validate(prompt, params or SamplingParams())
-        children, states = self._children(request_id, checked, group, client)
+        adapter = self._adapter(lora_request)
+        children, states = self._children(request_id, checked, group, client, adapter)
         outputs = RequestGroup(request_id, checked.text, list(checked.token_ids), states, children)
         self.outputs.add(outputs)
         for child in children:
@@ -105,13 +121,38 @@ class LLMEngine:
             self.scheduler.add_request(child)
         return request_id
 
-    def _children(self, request_id: str, checked: ValidatedRequest, group: str | None, client: str):
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check ``lora_request``'s adapter now (``InvalidRequestError``)."""
+        self._adapter(lora_request)
+
+    def _adapter(self, lora_request: LoRARequest | None) -> Resolved | None:
+        """The request's adapter, read and checked on first use; ``InvalidRequestError``
+        naming what is wrong (LoRA off, a bad adapter)."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise InvalidRequestError("a lora_request needs an engine with enable_lora=True")
+        try:
+            return self.lora.add(lora_request)
+        except (LoraError, OSError) as e:
+            raise InvalidRequestError(str(e)) from None
+
+    def _children(
+        self,
+        request_id: str,
+        checked: ValidatedRequest,
+        group: str | None,
+        client: str,
+        adapter: Resolved | None = None,
+    ):
         """One ``Request`` and its output state per completion (``n``)."""
         params, eos = checked.params, frozenset(self.facts.eos_token_ids)
         # NOTE: internal ids are unique per submission, so a user id reused while a zombie row
         # of its previous request is still in flight never collides with it.
         submission, prompt = next(self._submissions), tuple(checked.token_ids)
         root = self.runner.model.prefix_root(len(prompt))
+        if adapter is not None:  # NOTE: its KV is the adapter's: a cache chain of its own
+            root = hashlib.blake2b((root or b"") + adapter.digest.encode()).digest()
         children: list[Request] = []
         states = []
         for i in range(params.n):
@@ -127,6 +168,7 @@ class LLMEngine:
                 group=group,
                 client=client,
                 prefix_root=root,
+                lora=None if adapter is None else adapter.name,
             )
             children.append(child)
             logprobs = [] if params.logprobs is not None else None

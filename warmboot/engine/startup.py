@@ -41,6 +41,8 @@ from warmboot.engine.settings import RuntimeFacts, Settings
 from warmboot.engine.startup_graphs import GraphPhases
 from warmboot.kernels import native
 from warmboot.kernels.backend import KVLayout
+from warmboot.lora.registry import LoraRegistry
+from warmboot.lora.targets import LoraTargets
 from warmboot.models.checkpoint import check_servable, checkpoint_files
 from warmboot.models.quant_config import ONLINE
 from warmboot.snapshot import start_costs
@@ -158,6 +160,8 @@ class Startup(GraphPhases):
         elif settings.device.type == "cpu":
             with self.phase("native_library"):
                 log.info("%s", self.snapshot.native_library())
+        if config.lora.enable_lora:
+            runner.inputs.lora = lora_registry(config, runner)
         with self.phase("allocate_kv"):
             checkpoints = memory.state_checkpoints(self.config.cache, runner, settings)
             num_blocks = memory.num_kv_blocks(self.config.cache, runner, settings, checkpoints)
@@ -376,3 +380,10 @@ def _kv_layout(model_config: ModelConfig) -> tuple[KVLayout, int]:
     from warmboot.models.loader import build_model
 
     return build_model(model_config).kv_layout(), model_config.num_heads
+
+
+def lora_registry(config: EngineConfig, runner: ModelRunner) -> LoraRegistry:
+    """The adapters' registry over the model's adaptable linears (``lora.targets``)."""
+    max_loras, lora = config.scheduler.max_loras, config.lora
+    targets = LoraTargets(runner.model, max_loras, lora.max_lora_rank, runner.dtype, runner.device)
+    return LoraRegistry(targets, lora.max_cpu_loras or max_loras)

@@ -28,8 +28,12 @@ class GraphPhases:
     def capture_graphs(self, engine: BootingEngine, required: bool) -> None:
         """Capture at start-up. A capture that fails runs decode eagerly (with the reason in
         the log and ``stats()``) unless graphs were asked for explicitly."""
-        if not engine.runner.model.graph_safe():
+        reason = None
+        if engine.runner.inputs.lora is not None:
+            reason = "LoRA: a step's adapter rows are planned on the host"
+        elif not engine.runner.model.graph_safe():
             reason = "the expert step reads its per-expert token counts on the host (MoE)"
+        if reason is not None:
             if required:
                 raise ValueError(f"CUDA graphs cannot capture this model: {reason}")
             engine.runner.graphs = None

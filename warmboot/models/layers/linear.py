@@ -14,6 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from warmboot.kernels.lora_op import lora_apply
+
+LORA_INDEX = "lora_index"
+
 
 class LinearMethod:
     """How a ``Linear`` computes. Subclasses override ``apply`` (and ``create_weights`` when
@@ -81,9 +85,16 @@ class Linear(nn.Module):
         self.shards = tuple(shards)
         self.method = method
         method.create_weights(self, bias)
+        self.register_buffer(LORA_INDEX, None, persistent=False)
+        """With LoRA on (``lora.targets``): this linear's number among the adaptable ones."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        y = self.method.apply(self, x)
+        if self.lora_index is None:
+            return y
+        if torch.compiler.is_compiling():  # NOTE: opaque to the graph: adapters never recompile
+            return torch.ops.warmboot.lora_linear(y, x, self.lora_index)
+        return lora_apply(y, x, self.lora_index)
 
     def shard_count(self, leaf: str) -> int:
         """How many checkpoint tensors make up parameter ``leaf`` (the loader's stacking)."""

@@ -1,0 +1,1 @@
+"""LoRA adapters: peft's on-disk format read into per-module factors (``adapter``)."""
