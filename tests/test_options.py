@@ -118,6 +118,8 @@ def _sample(o: Option):
         return True, [o.flags[0], "on"]
     if o.kind is bool:
         return not o.default, [o.flags[0] if not o.default else "--no-" + o.flags[0][2:]]
+    if o.multiple:  # NOTE: nargs="+": a tuple of one value or more
+        return ("a=b", "c=d"), [o.flags[0], "a=b", "c=d"]
     if o.choices:
         value = next(c for c in reversed(o.choices) if c != o.default)
     elif o.kind is str:

@@ -153,11 +153,16 @@ def _serve(args) -> int:
         print(f"error: cannot serve {args.model}: {reason}", file=sys.stderr)
         return 2
     chat_template = read_chat_template(args.chat_template)
+    adapters = _lora_modules(args)
     # NOTE: the engine starts (or a restore runs) while the HTTP stack below is imported,
     # once its path is chosen: its imports slowed the launcher's key and lookup (GIL)
     chosen = threading.Event()
     boot = functools.partial(_boot, args, cpus, chosen, hint)
     holder = EngineHolder(boot, started_at=started_at, freeze_gc=True)
+    if adapters:  # NOTE: read as the engine boots: a bad one fails the start (exit 2)
+        from warmboot.server.adapters import load_modules
+
+        holder.prepare = functools.partial(load_modules, adapters)
     holder.start()
     chosen.wait(CHOOSE_WAIT_S)
     from warmboot.server.serve import serve
@@ -182,6 +187,19 @@ def _serve(args) -> int:
         print(f"error: cannot serve {args.model}: {holder.fatal}", file=sys.stderr)
         return 2
     return code
+
+
+def _lora_modules(args) -> list:
+    """``--lora-modules`` read (``LoRARequest``s); ``ValueError`` naming a bad item, or the
+    option without ``--enable-lora``."""
+    from pathlib import Path
+
+    from warmboot.server.adapters import parse_lora_modules
+
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora: the engine serves adapters only then")
+    base = args.served_model_name or Path(args.model).resolve().name
+    return parse_lora_modules(args.lora_modules, base)
 
 
 def server_settings(args, chat_template: str | None):

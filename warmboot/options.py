@@ -46,7 +46,7 @@ class Option:
     name: str
     path: tuple[str, ...]
     kind: type
-    """int, float, str or bool."""
+    """int, float, str or bool (of each value, for ``multiple``)."""
     optional: bool
     """None is a value (``X | None``)."""
     default: Any
@@ -57,6 +57,9 @@ class Option:
     negative: tuple[str, ...] = ()
     metavar: str | None = None
     group: str | None = None
+    multiple: bool = False
+    """A ``tuple[kind, ...]``: the option takes one value or more (``nargs="+"``); the last
+    use of the option wins (as vLLM's ``--lora-modules``)."""
 
     @property
     def tri_state(self) -> bool:
@@ -82,6 +85,12 @@ def options(cls: type, group: str | None = None, path: tuple[str, ...] = ()) -> 
 
 def _option(f, meta: dict, kind: type, optional: bool, group, path) -> Option:
     name = meta["name"] or f.name
+    multiple = typing.get_origin(kind) is tuple
+    if multiple:
+        args = typing.get_args(kind)
+        if len(args) != 2 or args[1] is not Ellipsis:
+            raise TypeError(f"setting {name}: a tuple setting is tuple[X, ...], not {kind}")
+        kind = args[0]
     flags = (meta["flag"] or "--" + name.replace("_", "-"), *meta["aliases"])
     flags = (*flags, meta["short"]) if meta["short"] else flags
     choices = tuple(meta["choices"]) if meta["choices"] else None
@@ -97,6 +106,7 @@ def _option(f, meta: dict, kind: type, optional: bool, group, path) -> Option:
         negative=tuple(meta["negative"]),
         metavar=meta["metavar"],
         group=meta["group"] or group,
+        multiple=multiple,
     )
 
 
@@ -140,6 +150,10 @@ def _add(where, opt: Option, default: Any) -> None:
         where.add_argument(*negative, dest=opt.name, action="store_const", const=False, help=off)
     elif opt.kind is bool:
         where.add_argument(*opt.flags, action=argparse.BooleanOptionalAction, **common)
+    elif opt.multiple:
+        metavar = opt.metavar or opt.flags[0][2:].upper().replace("-", "_")
+        typed = dict(type=opt.kind, choices=opt.choices, metavar=metavar)
+        where.add_argument(*opt.flags, nargs="+", action=_StoreTuple, **typed, **common)
     else:
         kind = _nullable(opt.kind) if opt.optional else opt.kind
         metavar = opt.metavar or (
@@ -152,9 +166,18 @@ def _add(where, opt: Option, default: Any) -> None:
 def _shown(opt: Option, default: Any) -> str | None:
     if opt.tri_state:
         return {None: "auto", True: "on", False: "off"}[default]
+    if opt.multiple:
+        return " ".join(map(str, default)) or None
     if default is None:
         return None
     return str(default)
+
+
+class _StoreTuple(argparse.Action):
+    """``nargs="+"``'s values as a tuple (a setting's value is hashable plain data)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, tuple(values))
 
 
 def _tri(text: str) -> bool | None:

@@ -25,6 +25,7 @@ from warmboot.core.errors import EngineDeadError, InvalidRequestError
 from warmboot.engine.client import RequestStream, put_from_thread
 from warmboot.engine.inbox import Inbox
 from warmboot.engine.llm_engine import LLMEngine, Prompt
+from warmboot.lora_request import LoRARequest
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
 
@@ -47,10 +48,14 @@ class AsyncLLM:
         _LIVE.add(self)
 
     async def generate(
-        self, prompt: Prompt, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the outputs, shaped by ``params.output_kind``, until finished."""
-        stream = await self.add_request(prompt, params, request_id)
+        stream = await self.add_request(prompt, params, request_id, lora_request=lora_request)
         try:
             async for out in stream:
                 yield out
@@ -64,11 +69,13 @@ class AsyncLLM:
         request_id: str | None = None,
         group: str | None = None,
         client: str = "",
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate (off the event loop) and queue a request; raise ``InvalidRequestError`` if
         bad. Iterate the returned stream for outputs; leaving it early aborts the request.
         ``group``: the API call it belongs to, ``client``: who sent it (the scheduler takes
-        clients in turn, then their calls)."""
+        clients in turn, then their calls); ``lora_request``: its LoRA adapter, read and
+        checked off the event loop and the engine thread before it is queued."""
         if self._error is not None:
             raise EngineDeadError("the engine loop has stopped") from self._error
         request_id = request_id or f"async-{next(self._ids)}"
@@ -78,10 +85,28 @@ class AsyncLLM:
         # compile-heavy client never takes the threads that check other requests
         checked = await asyncio.to_thread(self.engine.validator.check, prompt, params)
         checked = await self.engine.validator.compile_async(checked)
+        if lora_request is not None:
+            await asyncio.to_thread(self.engine.check_lora, lora_request)
         queue_: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), queue_)
-        self._inbox.put(("add", request_id, checked, group, client))
+        self._inbox.put(("add", request_id, checked, group, client, lora_request))
         return RequestStream(request_id, len(checked.token_ids), queue_, self.abort)
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter (``InvalidRequestError``). Off the engine thread, as a
+        request's adapter is: reading one must not stall the running streams' steps."""
+        await asyncio.to_thread(self.engine.check_lora, lora_request)
+
+    async def remove_lora(self, name: str) -> None:
+        """Forget adapter ``name`` between two steps (``KeyError`` if unknown); requests
+        running with it finish."""
+
+        def remove(engine: LLMEngine) -> None:
+            if engine.lora is None:
+                raise KeyError(name)
+            engine.lora.remove(name)
+
+        await self.call(remove)
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between two steps and return its result."""
@@ -147,9 +172,11 @@ class AsyncLLM:
         if cmd[0] == "stop":
             return False
         if cmd[0] == "add":
-            _, request_id, checked, group, client = cmd
+            _, request_id, checked, group, client, lora = cmd
             try:
-                self.engine.add_request(request_id, checked, group=group, client=client)
+                self.engine.add_request(
+                    request_id, checked, group=group, client=client, lora_request=lora
+                )
             except ValueError as e:
                 self._deliver(request_id, e)
         elif cmd[0] == "abort":

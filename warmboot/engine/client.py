@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from warmboot.lora_request import LoRARequest
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
 from warmboot.tokenizer import Tokenizer
@@ -94,10 +95,22 @@ class EngineClient(Protocol):
         request_id: str | None = None,
         group: str | None = None,
         client: str = "",
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Validate and queue; raise ``InvalidRequestError`` naming the problem if bad.
         ``group``: the API call the request belongs to, ``client``: who sent it (the scheduler
-        takes clients in turn, then their calls)."""
+        takes clients in turn, then their calls); ``lora_request``: the LoRA adapter it runs
+        with (read and checked before it is queued; None: the base model)."""
+        ...
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter into the engine (``InvalidRequestError`` naming what is
+        wrong: LoRA off, a bad path or adapter, a name known with another path)."""
+        ...
+
+    async def remove_lora(self, name: str) -> None:
+        """Forget adapter ``name`` (``KeyError`` if the engine does not know it); requests
+        running with it finish."""
         ...
 
     async def debug_state(self) -> dict:

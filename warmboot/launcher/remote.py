@@ -10,13 +10,14 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import BinaryIO
 
 from warmboot.core.errors import EngineDeadError, InvalidRequestError
 from warmboot.engine import progress
 from warmboot.engine.client import RequestStream, put_from_thread
 from warmboot.launcher.frames import FrameWriter, OutputAccumulator, params_to_wire, read_frame
+from warmboot.lora_request import LoRARequest
 from warmboot.sampling_params import SamplingParams
 from warmboot.tokenizer import Tokenizer
 
@@ -141,7 +142,10 @@ class RemoteLLM:
         request_id: str | None = None,
         group: str | None = None,
         client: str = "",
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
+        """``lora_request`` crosses as a plain map (the worker reads and checks its adapter
+        off its engine thread before queueing)."""
         if self._dead is not None:
             raise EngineDeadError(f"the worker is gone: {self._dead}")
         rid = request_id or f"remote-{uuid.uuid4().hex}"
@@ -150,7 +154,8 @@ class RemoteLLM:
         self._pending[rid] = (loop, reply)
         self._streams[rid] = (loop, outputs)
         frame = {"t": "add", "id": rid, "prompt": prompt, "params": params_to_wire(params)}
-        self.channel.send(frame | {"group": group, "client": client})
+        lora = None if lora_request is None else asdict(lora_request)
+        self.channel.send(frame | {"group": group, "client": client, "lora": lora})
         try:
             added = await reply
         except BaseException:
@@ -160,11 +165,32 @@ class RemoteLLM:
         return RequestStream(rid, len(added["prompt_token_ids"]), outputs, self.abort)
 
     async def debug_state(self) -> dict:
-        rid = f"debug-{uuid.uuid4().hex}"
+        return (await self._ask({"t": "debug"}))["state"]
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Have the worker read and check an adapter (``InvalidRequestError``)."""
+        reply = await self._ask({"t": "add_lora", "lora": asdict(lora_request)})
+        if reply.get("error") is not None:
+            raise InvalidRequestError(reply["error"])
+
+    async def remove_lora(self, name: str) -> None:
+        """Have the worker's engine forget adapter ``name`` (``KeyError`` if unknown)."""
+        reply = await self._ask({"t": "remove_lora", "name": name})
+        if reply.get("error") is not None:
+            raise KeyError(name)
+
+    async def _ask(self, frame: dict) -> dict:
+        """Send ``frame`` with a fresh id; its reply frame (same id)."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the worker is gone: {self._dead}")
+        rid = f"{frame['t']}-{uuid.uuid4().hex}"
         future = asyncio.get_running_loop().create_future()
         self._pending[rid] = (asyncio.get_running_loop(), future)
-        self.channel.send({"t": "debug", "id": rid})
-        return (await future)["state"]
+        try:
+            self.channel.send(frame | {"id": rid})
+            return await future
+        finally:
+            self._pending.pop(rid, None)
 
     def stats(self) -> dict:
         """The worker's stats, with this start's phases: the launcher's (fetch, restore,
@@ -219,7 +245,7 @@ class RemoteLLM:
             elif kind == "rejected":
                 self._streams.pop(frame["id"], None)
                 self._settle(frame["id"], InvalidRequestError(frame["message"]))
-            elif kind == "debug":
+            elif kind in ("debug", "lora"):
                 self._settle(frame["id"], frame)
             elif kind == "stats":
                 self._stats = frame["stats"]

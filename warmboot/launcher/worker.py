@@ -21,6 +21,7 @@ import os
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from warmboot.core.errors import InvalidRequestError
@@ -33,6 +34,7 @@ from warmboot.launcher.frames import (
     params_from_wire,
     read_frame,
 )
+from warmboot.lora_request import LoRARequest
 
 log = logging.getLogger("warmboot.worker")
 STATS_INTERVAL_S = 0.5
@@ -49,6 +51,10 @@ class Worker:
         self.inbox = Inbox()
         self._compiling: dict[str, tuple] = {}
         """Requests whose grammar is compiling: id -> (frame, params, checked, ticket)."""
+        self._lora_checks = ThreadPoolExecutor(1, thread_name_prefix="warmboot-lora")
+        """Reads and checks LoRA adapters off the engine thread (no thread until used)."""
+        self._checking: set[str] = set()
+        """Requests whose adapter is being read (engine thread only)."""
         self.full_kv_blocks = engine.facts.num_kv_blocks
         self._last_stats = 0.0
         self._sent_stats: dict | None = None
@@ -79,6 +85,8 @@ class Worker:
 
     # -- commands ------------------------------------------------------------------------------
     def _on_add(self, f: dict) -> None:
+        if f.get("lora") is not None and not self._lora_ready(f):
+            return
         try:
             params = params_from_wire(f["params"])
             checked = self.engine.validator.check(f["prompt"], _wired(params))
@@ -92,6 +100,54 @@ class Worker:
             self._reject(f, e)
             return
         self._queue(f, params, checked)
+
+    def _lora_ready(self, f: dict) -> bool:
+        """Whether the request's adapter has been read and checked (off this thread: its
+        frame comes back with ``lora_checked``); a bad one is rejected here."""
+        if "lora_checked" not in f:
+            self._checking.add(f["id"])
+            self._lora_checks.submit(self._check_lora, f)
+            return False
+        if f["id"] not in self._checking:  # NOTE: aborted meanwhile
+            return False
+        self._checking.discard(f["id"])
+        if f["lora_checked"] is not True:
+            self._reject(f, InvalidRequestError(f["lora_checked"]))
+            return False
+        return True
+
+    def _check_lora(self, f: dict) -> None:
+        """Pool thread: read and check the request's adapter, then hand it back."""
+        error = self._lora_error(f["lora"])
+        self.inbox.put({**f, "lora_checked": True if error is None else error})
+
+    def _lora_error(self, lora: dict) -> str | None:
+        """Why the adapter cannot be served (read and checked now), or None."""
+        try:
+            self.engine.check_lora(LoRARequest(**lora))
+        except (InvalidRequestError, ValueError, TypeError) as e:
+            return str(e)
+        except Exception as e:  # noqa: BLE001 - on the pool thread: the caller must hear
+            log.exception("reading a LoRA adapter failed")
+            return f"{type(e).__name__}: {e}"
+        return None
+
+    def _on_add_lora(self, f: dict) -> None:
+        def check() -> None:
+            error = self._lora_error(f["lora"])
+            self.writer.send({"t": "lora", "id": f["id"], "error": error})
+
+        self._lora_checks.submit(check)
+
+    def _on_remove_lora(self, f: dict) -> None:
+        error = None
+        try:
+            if self.engine.lora is None:
+                raise KeyError(f["name"])
+            self.engine.lora.remove(f["name"])
+        except KeyError:
+            error = f"no adapter {f['name']!r}"
+        self.writer.send({"t": "lora", "id": f["id"], "error": error})
 
     def _on_compiled(self, f: dict) -> None:
         entry = self._compiling.pop(f["id"], None)
@@ -107,8 +163,13 @@ class Worker:
 
     def _queue(self, f: dict, params, checked) -> None:
         try:
+            lora = f.get("lora")
             self.engine.add_request(
-                f["id"], checked, group=f.get("group"), client=f.get("client", "")
+                f["id"],
+                checked,
+                group=f.get("group"),
+                client=f.get("client", ""),
+                lora_request=None if lora is None else LoRARequest(**lora),
             )
         except (InvalidRequestError, ValueError, TypeError) as e:
             self._reject(f, e)
@@ -121,6 +182,7 @@ class Worker:
         self.writer.send({"t": "rejected", "id": f["id"], "message": str(error)})
 
     def _on_abort(self, f: dict) -> None:
+        self._checking.discard(f["id"])
         entry = self._compiling.pop(f["id"], None)
         if entry is not None:
             entry[3].cancel()  # NOTE: a queued compile nobody waits for never runs

@@ -36,7 +36,8 @@ class LoraRegistry:
         self.held: OrderedDict[str, Resolved] = OrderedDict()
         self.in_use: Callable[[], set[str]] = set
         """Adapters live requests use (the engine's scheduler): never evicted."""
-        self._lock = threading.Lock()  # NOTE: the server adds adapters from its own thread
+        self._lock = threading.RLock()
+        """The server adds adapters from its own threads; plans take slots on the engine's."""
 
     def add(self, request: LoRARequest) -> Resolved:
         """Know ``request``'s adapter (read and checked on first sight); ``LoraError`` naming
@@ -100,7 +101,8 @@ class LoraRegistry:
         """A step's plan; None when no row uses an adapter and none needs loading."""
         if all(name is None for name, _ in rows):
             return None
-        step, loads = self.targets.plan(rows, self.resolved, lambda t: t)
+        with self._lock:
+            step, loads = self.targets.plan(rows, self.resolved, lambda t: t)
         return LoraPlan(self.targets, step, loads)
 
 

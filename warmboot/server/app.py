@@ -24,12 +24,12 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 
 from warmboot import __version__
-from warmboot.architectures import TOWER_KEY
 from warmboot.outputs import RequestOutput
 from warmboot.sampling_params import SamplingParams
 from warmboot.server import chunks as chunks_mod
 from warmboot.server import responses as R
 from warmboot.server import tools as tools_mod
+from warmboot.server.adapters import ServedAdapters, UnknownModel, parse_lora_modules
 from warmboot.server.admission import Admission, Overloaded, check_length, client_of, least_tokens
 from warmboot.server.chat_render import chat_prompt
 from warmboot.server.config import ServerConfig
@@ -38,6 +38,7 @@ from warmboot.server.engine_holder import EngineHolder
 from warmboot.server.errors import install_errors, model_not_found
 from warmboot.server.fields import UnsupportedParameter
 from warmboot.server.guard import Guard
+from warmboot.server.lora_routes import model_routes
 from warmboot.server.messages_api import CountTokensRequest, MessageBuilder, MessagesRequest
 from warmboot.server.metrics import ServerMetrics
 from warmboot.server.protocol import (
@@ -73,12 +74,15 @@ def create_app(holder: EngineHolder, config: ServerConfig) -> Guard:
         openapi_url="/openapi.json",
         lifespan=lifespan,
     )
-    app.state.holder, app.state.metrics = holder, metrics
-    app.openapi = _openapi(app, config.served_model_name)
+    startup = parse_lora_modules(config.lora_modules, config.served_model_name)
+    adapters = ServedAdapters(config.served_model_name, startup)
+    if startup:  # NOTE: a bad adapter fails the boot (a crashed engine's too, named again)
+        holder.prepare = adapters.prepare
+    app.state.holder, app.state.metrics, app.state.adapters = holder, metrics, adapters
+    app.openapi = _openapi(app, [config.served_model_name, *adapters.names()])
     install_errors(app)
-    api = _Api(holder, config, metrics)
-    _get_and_head(app, "/v1/models", api.models)
-    _get_and_head(app, "/v1/models/{model_id:path}", api.model)
+    api = _Api(holder, config, metrics, adapters)
+    model_routes(holder, adapters).install(app, _get_and_head)
     app.add_api_route("/tokenize", api.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", api.detokenize, methods=["POST"])
     app.add_api_route("/tokenizer_info", api.tokenizer_info, methods=["GET"])
@@ -103,27 +107,11 @@ def _get_and_head(app: FastAPI, path: str, endpoint) -> None:
 
 # -- endpoints ---------------------------------------------------------------------------------
 class _Api:
-    def __init__(self, holder: EngineHolder, config: ServerConfig, metrics: ServerMetrics):
+    def __init__(self, holder: EngineHolder, config: ServerConfig, metrics, adapters):
         self.holder, self.config, self.metrics = holder, config, metrics
+        self.adapters: ServedAdapters = adapters
         self.reader = StreamReader(metrics)
         self.admission = Admission(config.admission, metrics)
-
-    async def models(self) -> dict:
-        return {"object": "list", "data": [self._card()]}
-
-    async def model(self, model_id: str) -> dict:
-        self._check_model(model_id)
-        return self._card()
-
-    def _card(self) -> dict:
-        card = {"id": self.config.served_model_name, "object": "model", "owned_by": "warmboot"}
-        card["created"], llm = 0, self.holder.llm
-        if llm is not None:
-            card["max_model_len"] = llm.max_model_len
-            if release := llm.engine.model_config.get(TOWER_KEY):  # NOTE: a multimodal release
-                text = f"{release}'s language model (images are refused)"
-                card |= {"input_modalities": ["text"], "served_text_only": text}
-        return card
 
     async def version(self) -> dict:
         return {"version": __version__}
@@ -190,9 +178,12 @@ class _Api:
     async def debug_engine(self) -> dict:
         return await self.holder.require().debug_state()
 
-    def _check_model(self, model: str) -> None:
-        if model != self.config.served_model_name:
-            raise model_not_found(model, self.config.served_model_name)
+    def _check_model(self, model: str):
+        """The LoRA adapter ``model`` names (None: the base); a 404 if it names neither."""
+        try:
+            return self.adapters.lora_request(model)
+        except UnknownModel as e:
+            raise model_not_found(e.model, e.served) from None
 
     def _meta(self, prefix: str, params: SamplingParams, llm, body) -> R.ResponseMeta:
         """``body``: the request; its ``request_id`` (vLLM's) names the response."""
@@ -201,7 +192,7 @@ class _Api:
             token_text = R.token_id_text
         return R.ResponseMeta(
             id=f"{prefix}-{body.request_id or uuid.uuid4().hex}",
-            model=self.config.served_model_name,
+            model=body.model,
             created=int(time.time()),
             n=params.n,
             top_logprobs=params.logprobs,
@@ -213,7 +204,7 @@ class _Api:
     # -- /v1/completions -----------------------------------------------------------------------
     async def completions(self, body: CompletionRequest, request: Request):
         llm = self.holder.require()
-        self._check_model(body.model)
+        lora = self._check_model(body.model)
         params = body.sampling_params()
         prompts = body.prompts()
         mtc = llm.tokenizer.max_token_chars
@@ -221,7 +212,7 @@ class _Api:
         self.admission.check_cost(len(prompts), params.n, least, params.prompt_logprobs is not None)
         if not body.add_special_tokens:
             prompts = await asyncio.to_thread(_without_specials, llm, prompts)
-        streams, ticket = await self._queue(llm, prompts, params, request)
+        streams, ticket = await self._queue(llm, prompts, params, request, lora)
         meta = replace(
             self._meta("cmpl", params, llm, body),
             echo_logprobs=body.echo_logprobs,
@@ -242,14 +233,14 @@ class _Api:
     # -- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, body: ChatCompletionRequest, request: Request):
         llm = self.holder.require()
-        self._check_model(body.model)
+        lora = self._check_model(body.model)
         tool_plan = self._tool_plan(llm, body)
         params = body.sampling_params(tool_plan.tag if tool_plan else None)
         tools = body.tools if tool_plan else None
         self._check_chat_length(llm, body, body.tools)
         self.admission.check_cost(1, params.n, 0, params.prompt_logprobs is not None)
         prompt = await asyncio.to_thread(chat_prompt, llm.tokenizer, body, tools, self.config)
-        (stream,), ticket = await self._queue(llm, [prompt], params, request)
+        (stream,), ticket = await self._queue(llm, [prompt], params, request, lora)
         meta = self._meta("chatcmpl", params, llm, body)
         meta = replace(meta, prompt_logprobs=body.prompt_logprobs is not None)
         if body.stream:
@@ -262,13 +253,15 @@ class _Api:
             (out,) = await until_disconnect(request, self.reader.finals([stream]))
         return await json_body(R.chat_body, meta, out, tool_plan)
 
-    async def _queue(self, llm, prompts: list, params: SamplingParams, request: Request):
-        """(streams, ticket): the prompts queued once admitted; the ticket holds their share
-        of the capacity until released."""
+    async def _queue(self, llm, prompts: list, params: SamplingParams, request: Request, lora):
+        """(streams, ticket): the prompts queued once admitted, with the LoRA adapter
+        ``lora`` (None: the base); the ticket holds their share of the capacity until
+        released."""
         client = client_of(request, self.config.client_id_header)
+        await self.adapters.ready(llm)
         ticket = self.admission.admit(len(prompts) * params.n, client)
         try:
-            streams = await add_all(llm, prompts, params, client)
+            streams = await add_all(llm, prompts, params, client, lora)
         except BaseException:
             ticket.release()
             raise
@@ -301,25 +294,28 @@ class _Api:
     # -- /v1/responses ------------------------------------------------------------------------
     async def responses(self, body: ResponsesRequest, request: Request):
         chat = body.chat_request()
-        llm, tool_plan, prompt = await self._chat_like(body.model, chat)
+        llm, tool_plan, prompt, lora = await self._chat_like(body.model, chat)
         params = chat.sampling_params(tool_plan.tag if tool_plan else None)
         builder = ResponseBuilder(body, self._meta("resp", params, llm, chat), tool_plan)
-        return await self._deliver(llm, prompt, params, request, body.stream, builder)
+        return await self._deliver(llm, (prompt, lora), params, request, body.stream, builder)
 
     async def _chat_like(self, model: str, chat: ChatCompletionRequest):
-        """(llm, tool plan, prompt) of a request that another API's body translates into."""
+        """(llm, tool plan, prompt, LoRA adapter) of a request that another API's body
+        translates into."""
         llm = self.holder.require()
-        self._check_model(model)
+        lora = self._check_model(model)
         tool_plan = self._tool_plan(llm, chat)
         tools = chat.tools if tool_plan else None
         self._check_chat_length(llm, chat, chat.tools)
         prompt = await asyncio.to_thread(chat_prompt, llm.tokenizer, chat, tools, self.config)
-        return llm, tool_plan, prompt
+        return llm, tool_plan, prompt, lora
 
-    async def _deliver(self, llm, prompt, params, request, streaming: bool, builder):
-        """Run one prompt: ``builder``'s typed event stream, or its body once finished."""
+    async def _deliver(self, llm, prompt_lora, params, request, streaming: bool, builder):
+        """Run one (prompt, LoRA adapter): ``builder``'s typed event stream, or its body once
+        finished."""
+        prompt, lora = prompt_lora
         self.admission.check_cost(1, params.n, 0, params.prompt_logprobs is not None)
-        (stream,), ticket = await self._queue(llm, [prompt], params, request)
+        (stream,), ticket = await self._queue(llm, [prompt], params, request, lora)
         if streaming:
             finals: dict[int, RequestOutput] = {}
             merged = self.reader.merge([stream], finals)
@@ -333,24 +329,20 @@ class _Api:
     # -- /v1/messages (Anthropic's) ------------------------------------------------------------
     async def messages(self, body: MessagesRequest, request: Request):
         chat = body.chat_request()
-        llm, tool_plan, prompt = await self._chat_like(body.model, chat)
+        llm, tool_plan, prompt, lora = await self._chat_like(body.model, chat)
         params = chat.sampling_params(tool_plan.tag if tool_plan else None)
-        builder = MessageBuilder(
-            self.config.served_model_name,
-            len(prompt["prompt_token_ids"]),
-            body.stop_sequences,
-            tool_plan,
-        )
-        return await self._deliver(llm, prompt, params, request, body.stream, builder)
+        size = len(prompt["prompt_token_ids"])
+        builder = MessageBuilder(body.model, size, body.stop_sequences, tool_plan)
+        return await self._deliver(llm, (prompt, lora), params, request, body.stream, builder)
 
     async def count_tokens(self, body: CountTokensRequest) -> dict:
-        *_, prompt = await self._chat_like(body.model, body.chat_request())
+        _, _, prompt, _ = await self._chat_like(body.model, body.chat_request())
         return {"input_tokens": len(prompt["prompt_token_ids"])}
 
 
-def _openapi(app: FastAPI, model: str):
-    """The OpenAPI document, with the one model this server serves as ``model``'s only value
-    (a client, or a fuzzer, then knows what to send)."""
+def _openapi(app: FastAPI, models: list[str]):
+    """The OpenAPI document, with the model and the start-up LoRA adapters this server
+    serves as ``model``'s only values (a client, or a fuzzer, then knows what to send)."""
 
     def build() -> dict:
         if app.openapi_schema is None:
@@ -359,7 +351,7 @@ def _openapi(app: FastAPI, model: str):
                 prop = component.get("properties", {}).get("model")
                 if prop is not None:
                     prop.clear()
-                    prop.update({"type": "string", "enum": [model], "title": "Model"})
+                    prop.update({"type": "string", "enum": models, "title": "Model"})
             app.openapi_schema = schema
         return app.openapi_schema
 

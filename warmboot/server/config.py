@@ -98,6 +98,13 @@ class ServerConfig:
     trust_request_chat_template: bool = setting(
         False, "render a request's own chat_template (refused with a 400 otherwise)"
     )
+    lora_modules: tuple[str, ...] = setting(
+        (),
+        "LoRA adapters served by name (needs --enable-lora), as vLLM's: NAME=PATH, or JSON "
+        '{"name": ..., "path": ..., "base_model_name": ...}; a request\'s model names one',
+        metavar="NAME=PATH",
+    )
+    """The items as given (``server.adapters.parse_lora_modules`` reads them)."""
 
 
 def read_chat_template(value: str | None) -> str | None:

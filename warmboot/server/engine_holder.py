@@ -62,6 +62,9 @@ class EngineHolder:
         nothing retries it, so the model cannot be served here."""
         self.on_fatal: Callable[[str], None] | None = None
         """Called once with ``fatal`` (the server then exits non-zero)."""
+        self.prepare: Callable[[EngineClient], None] | None = None
+        """Run on each booted client before it serves (the ``--lora-modules`` adapters are
+        read); what it raises fails the boot, as the factory's would."""
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._closed = False
@@ -97,6 +100,13 @@ class EngineHolder:
             with progress.listen(self._on_phase):
                 client = self._factory()
         except Exception as e:  # noqa: BLE001 - reported through /health and every API call
+            self._failed(e)
+            return
+        try:
+            if self.prepare is not None:
+                self.prepare(client)
+        except Exception as e:  # noqa: BLE001 - as a failed boot
+            _quietly_shut(client)
             self._failed(e)
             return
         with self._lock:

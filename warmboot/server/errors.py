@@ -36,8 +36,9 @@ class ApiError(Exception):
 
 
 def model_not_found(model: str, served: str) -> ApiError:
-    """A 404 in OpenAI's shape for a request naming a model this server does not serve."""
-    message = f"the model {model!r} does not exist; this server serves {served!r}"
+    """A 404 in OpenAI's shape for a request naming a model this server does not serve;
+    ``served``: what it serves, as the message says it (``ServedAdapters.served``)."""
+    message = f"the model {model!r} does not exist; this server serves {served}"
     return ApiError(404, message, "invalid_request_error", "model", "model_not_found")
 
 

@@ -29,6 +29,8 @@ ENDPOINTS = {
     "/v1/responses",
     "/v1/messages",
     "/v1/messages/count_tokens",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
     "/health",
     "/metrics",
     "/debug/engine",
@@ -131,6 +133,7 @@ class Guard:
             "max_token_chars": tok.max_token_chars,
             "vocab_size": len(tok),
             "chat_template": tok.chat_template,
+            "adapters": self.state.adapters.names(),  # NOTE: a request may name one
         }
         found = await self.screen.refusal(scope, facts, body)
         if found is None:

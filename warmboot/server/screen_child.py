@@ -2,7 +2,8 @@
 warmboot.server.screen_child``; it reads its requests on stdin, answers on stdout).
 
 It builds the server's app around a stand-in for the engine that answers only the facts it
-is sent (context length, the tokenizer's longest token and size, the chat template) and runs
+is sent (context length, the tokenizer's longest token and size, the chat template, the LoRA
+adapters' names) and runs
 each request through it: the guard's text checks, FastAPI's parse and validation, the route's
 checks. Any other use of the engine means the request got past the early checks: the
 stand-in notes it and raises, and the answer is ``{"fits": true}``, as it is for anything but
@@ -107,6 +108,7 @@ def main() -> None:
         key = json.dumps(request["facts"], sort_keys=True)
         if key not in apps:
             apps[key] = create_app(engine_holder(request["facts"]), config).app
+            apps[key].state.adapters.screened = set(request["facts"].get("adapters", ()))
         try:
             found = loop.run_until_complete(verdict(apps[key], asgi_scope(request["scope"]), body))
         except Exception:  # noqa: BLE001 - whatever went wrong, the server decides

@@ -19,18 +19,20 @@ from warmboot.server.metrics import ServerMetrics
 
 
 async def add_all(
-    llm, prompts: list, params: SamplingParams, client: str = ""
+    llm, prompts: list, params: SamplingParams, client: str = "", lora_request=None
 ) -> list[RequestStream]:
     """Queue every prompt, or none: a bad one aborts those already queued. The prompts form
     one group of ``client``'s: the scheduler takes clients, then their calls, in turn, so a
     client's flood of calls cannot hold back another client, nor a call of many prompts a
-    call of one."""
+    call of one. ``lora_request``: the LoRA adapter they all run with (None: the base)."""
     streams: list[RequestStream] = []
     group = f"call-{uuid.uuid4().hex}"
+    lora = {} if lora_request is None else {"lora_request": lora_request}
     try:
         for i, prompt in enumerate(prompts):
             try:
-                streams.append(await llm.add_request(prompt, params, group=group, client=client))
+                added = llm.add_request(prompt, params, group=group, client=client, **lora)
+                streams.append(await added)
             except InvalidRequestError as e:
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
                 raise InvalidRequestError(f"{where}{e}") from None
