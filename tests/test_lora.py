@@ -202,3 +202,9 @@ def test_an_unloaded_name_loaded_again_serves_the_new_adapter(setup):
         llm.engine.lora.remove("x")
     second = LoRARequest("x", 2, str(adapters["full"]))
     _check(llm.generate(prompt, params, lora_request=second), refs, ["full"], prompts)
+
+
+def test_an_adapter_given_as_the_model_says_how_to_serve_it(setup):
+    _, adapters, _, _ = setup
+    with pytest.raises(FileNotFoundError, match="is a LoRA adapter .*--enable-lora --lora-modules"):
+        LLM(str(adapters["qv"]))

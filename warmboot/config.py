@@ -11,6 +11,7 @@ from types import MappingProxyType
 from typing import Any
 
 from warmboot.architectures import UnsupportedModelError, resolve_architecture, text_tower
+from warmboot.cache_files import read_cache_dict
 from warmboot.options import check_choices, options, setting
 
 
@@ -76,6 +77,15 @@ class ModelConfig:
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
         path = Path(model_dir) / "config.json"
+        if not path.is_file() and (Path(model_dir) / "adapter_config.json").is_file():
+            base = read_cache_dict(Path(model_dir) / "adapter_config.json").get(
+                "base_model_name_or_path"
+            )
+            raise ModelFilesError(
+                f"{model_dir} is a LoRA adapter (adapter_config.json; base: {base}): serve its "
+                f"base model with --enable-lora --lora-modules NAME={model_dir}, or "
+                "LLM(base, enable_lora=True) with a LoRARequest"
+            )
         if not path.is_file():
             raise ModelFilesError(f"model directory {model_dir} has no config.json")
         try:
