@@ -127,6 +127,7 @@ def page(rows: list[dict], loads: dict) -> list[str]:
         f"Batch {BATCH} decode steps of the demo model (bf16, compiled steps, steady state: the",
         f"median of a {NEW}-token batch's decode steps, the lower of the interleaved rounds);",
         "every linear of every layer adapted. Base: the same batch on an engine without LoRA.",
+        "Decode rows go through the native kernel on the CPU (`kernels/native/csrc/lora.cpp`).",
         "",
         *md_table(
             ["adapters", "rank", "step ms", "x base"],
@@ -140,7 +141,8 @@ def page(rows: list[dict], loads: dict) -> list[str]:
         ),
         "",
         "Loading an adapter (every linear of 30 layers): read and checked, then written into",
-        "its device slot by the first step that uses it.",
+        "its device slot by the first step that uses it (the first load also allocates the",
+        "stacks of the linears it touches).",
         "",
         *md_table(
             ["rank", "read + check + lay out s", "into its slot s"],

@@ -1,13 +1,17 @@
 """The batched LoRA op (``warmboot.kernels.lora.lora_add``) at decode, next to its linear's GEMM.
 
 - A Qwen2-0.5B-like layer's linears (hidden 896): q/k/v packed (896 + 128 + 128), o (896),
-  gate/up packed (2 x 4864), down (4864 -> 896); 8 adapter slots, ranks 8 and 64.
+  gate/up packed (2 x 4864), down (4864 -> 896); ``--shapes smollm``: the demo model's
+  (SmolLM-135M, hidden 576: 576 + 192 + 192, 576, 2 x 1536, 1536 -> 576); 8 adapter slots,
+  ranks 8 and 64.
 - 8 decode rows, their slots round-robin over 0, 1, 4 or 8 distinct adapters in slots
   0..n-1 (0: the base alone, an inactive plan); bf16 and fp32.
-- ``op``: ``lora_add`` as kept (the masked dense form over the slots the rows use, one
-  expand GEMM a shard); at 8 adapters also ``bgmv``: the op forced to gather each row's A
-  and B (``DENSE_SPAN = 0``), and for packed linears ``block-diagonal B``: one expand GEMM
-  over the shards' B block-diagonal (the layout not kept).
+- ``op``: ``lora_add``'s torch form (``lora.NATIVE`` off: the masked dense form over the
+  slots the rows use, one expand GEMM a shard); ``native op``: ``lora_add`` as the CPU runs
+  it (``csrc/lora.cpp``, one call a linear), where the library is loaded; at 8 adapters
+  also ``bgmv``: the torch form forced to gather each row's A and B (``DENSE_SPAN = 0``),
+  and for packed linears ``block-diagonal B``: one expand GEMM over the shards' B
+  block-diagonal (the layout not kept).
 - ``base``: ``F.linear`` on the linear's weight; ``native``: the packed native bf16 GEMM the
   CPU engine runs (``kernels.step_ops.pack_weight``), where it builds.
 
@@ -34,13 +38,21 @@ from bench.timing import interleaved
 from warmboot.kernels import lora, native
 from warmboot.kernels.lora import LoraStack, lora_add, lora_rows
 
-HIDDEN = 896
-LINEARS = {
-    "qkv": (HIDDEN, [896, 128, 128]),
-    "o": (HIDDEN, [896]),
-    "gate_up": (HIDDEN, [4864, 4864]),
-    "down": (4864, [HIDDEN]),
+SHAPES = {
+    "qwen": {
+        "qkv": (896, [896, 128, 128]),
+        "o": (896, [896]),
+        "gate_up": (896, [4864, 4864]),
+        "down": (4864, [896]),
+    },
+    "smollm": {
+        "qkv": (576, [576, 192, 192]),
+        "o": (576, [576]),
+        "gate_up": (576, [1536, 1536]),
+        "down": (1536, [576]),
+    },
 }
+LINEARS = dict(SHAPES["qwen"])
 BATCH, SLOTS, DISTINCT = 8, 8, (0, 1, 4, 8)
 
 
@@ -70,12 +82,14 @@ def timer(fn, items: list, sync):
     return run
 
 
-def bgmv(y, x, st, rows):
-    span, lora.DENSE_SPAN = lora.DENSE_SPAN, 0
+def torch_form(y, x, st, rows, span=None):
+    """``lora_add`` with the native op off (and ``DENSE_SPAN`` at ``span`` where given)."""
+    was = lora.NATIVE, lora.DENSE_SPAN
+    lora.NATIVE, lora.DENSE_SPAN = False, was[1] if span is None else span
     try:
         return lora_add(y, x, st, rows)
     finally:
-        lora.DENSE_SPAN = span
+        lora.NATIVE, lora.DENSE_SPAN = was
 
 
 def block_diagonal(st: LoraStack, rows):
@@ -113,8 +127,10 @@ def cases(name: str, rank: int, dtype, device, mb: float, sync) -> dict:
     for n in DISTINCT:
         slots = [i % n if n else None for i in range(BATCH)]
         rows = lora_rows(slots, [1] * BATCH, SLOTS, lambda t: t.to(device))
-        runs[f"op {n}"] = timer(lambda s, rows=rows: lora_add(y, x, s, rows), sts, sync)
-    runs["bgmv 8"] = timer(lambda s: bgmv(y, x, s, rows), sts, sync)
+        runs[f"op {n}"] = timer(lambda s, rows=rows: torch_form(y, x, s, rows), sts, sync)
+        if n and lora.uses_native(y, x, sts[0]):
+            runs[f"native op {n}"] = timer(lambda s, rows=rows: lora_add(y, x, s, rows), sts, sync)
+    runs["bgmv 8"] = timer(lambda s: torch_form(y, x, s, rows, span=0), sts, sync)
     if len(shards) > 1:
         diag = [block_diagonal(s, rows) for s in sts]
         runs["block-diagonal 8"] = timer(lambda f: f(y, x), diag, sync)
@@ -147,6 +163,7 @@ def line(r: dict) -> str:
     us = r["us"]
     cells = [r["dtype"], r["rank"], r["linear"], f"{us['base']:.1f}", cell(us, "native")]
     cells += [cell(us, f"op {n}") for n in DISTINCT]
+    cells += [cell(us, f"native op {n}") for n in DISTINCT if n]
     cells += [cell(us, "bgmv 8"), cell(us, "block-diagonal 8")]
     return "| " + " | ".join(str(c) for c in cells) + " |"
 
@@ -163,8 +180,10 @@ def totals(rows: list[dict]) -> list[dict]:
 
 
 HEAD = (
-    "| dtype | rank | linear | base us | native us (% base) | "
+    "| dtype | rank | linear | base us | native GEMM us (% base) | "
     + " | ".join(f"op, {n} adapters" for n in DISTINCT)
+    + " | "
+    + " | ".join(f"native op, {n}" for n in DISTINCT if n)
     + " | bgmv, 8 | block-diagonal B, 8 |"
 )
 
@@ -176,13 +195,18 @@ def main() -> None:
     ap.add_argument("--mb", type=float, default=32.0, help="MB of weight copies a case")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--shapes", choices=sorted(SHAPES), default="qwen", help="the layer's")
     ap.add_argument("--json", help="also write the rows here")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.mb = 3, 8.0
+    LINEARS.clear()
+    LINEARS.update(SHAPES[args.shapes])
     torch.set_num_threads(args.threads)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    meta = report_meta(threads=args.threads, device=args.device, rounds=args.rounds, mb=args.mb)
+    meta = report_meta(
+        threads=args.threads, device=args.device, rounds=args.rounds, mb=args.mb, shapes=args.shapes
+    )
     print(meta, flush=True)
     print(HEAD + "\n" + "|---" * HEAD.count(" | ") + "|---|", flush=True)
     rows = measure(args, sync)

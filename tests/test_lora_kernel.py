@@ -1,12 +1,14 @@
 """The batched LoRA op (``warmboot.kernels.lora``) against a float64 loop over tokens that
-applies each token's adapter shard by shard from the adapter's own matrices."""
+applies each token's adapter shard by shard from the adapter's own matrices: torch's forms
+(dense, gathered) and, on the CPU, the native decode op (``tests/test_lora_native.py`` checks
+that one closer, in every instruction set)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from warmboot.kernels import lora
+from warmboot.kernels import lora, native
 from warmboot.kernels.lora import LoraStack, lora_add, lora_rows
 
 IN = 16
@@ -80,13 +82,28 @@ def check(out, ref, dtype):
     torch.testing.assert_close(out.double().cpu(), ref, atol=atol, rtol=rtol)
 
 
+def use_form(form: str, device, dtype, monkeypatch) -> None:
+    """Decode rows by torch's ``dense`` or ``gather`` form, or the ``native`` op (skipped
+    where it cannot run)."""
+    if form == "native":
+        if device != "cpu" or dtype == torch.float16 or native.library() is None:
+            pytest.skip("the native op runs float32 and bf16 on the CPU, with the library")
+        monkeypatch.setattr(lora, "_decode", None)  # NOTE: a torch decode would raise
+        return
+    monkeypatch.setattr(lora, "NATIVE", False)
+    monkeypatch.setattr(lora, "DENSE_SPAN", lora.DENSE_SPAN if form == "dense" else 0)
+
+
+FORMS = ["dense", "gather", "native"]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", list(TOL))
-@pytest.mark.parametrize("span", [lora.DENSE_SPAN, 0], ids=["dense", "gather"])
-def test_mixed_batch(device, dtype, span, monkeypatch):
+@pytest.mark.parametrize("form", FORMS)
+def test_mixed_batch(device, dtype, form, monkeypatch):
     """Decodes of three slots and the base, prefill segments of two slots and the base; a
     packed linear whose adapters target some shards, at different ranks."""
-    monkeypatch.setattr(lora, "DENSE_SPAN", span)
+    use_form(form, device, dtype, monkeypatch)
     stack, adapters, x, y = setup(dtype, device)
     rows = plan(device)
     out = lora_add(y, x, stack, rows)
@@ -95,9 +112,11 @@ def test_mixed_batch(device, dtype, span, monkeypatch):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_decode_only_and_full_window(device):
+@pytest.mark.parametrize("form", FORMS)
+def test_decode_only_and_full_window(device, form, monkeypatch):
     """A step of decodes alone, with the builder's window and with every slot's (a plan
     that must not depend on host data)."""
+    use_form(form, device, torch.float32, monkeypatch)
     stack, adapters, x, y = setup(torch.float32, device)
     slots = [3, None, 1, 3, 2]
     rows = plan(device, slots, [1] * 5)
@@ -130,6 +149,8 @@ def test_layout():
     want_b[0:12, 0:4], want_b[12:16, 4:6] = b0, b1
     assert torch.equal(stack.a[1], want_a) and torch.equal(stack.b[1], want_b)
     assert not stack.a[0].any() and not stack.b[0].any() and not stack.a[SLOTS].any()
+    # NOTE: ranks: slot 0 never loaded (every row may hold weights), the base none
+    assert stack.ranks.tolist() == [[4, 4, 4], [4, 2, 0], [0, 3, 1], [1, 1, 1], [0, 0, 0]]
 
 
 def test_reload_smaller_rank_and_clear():
@@ -141,7 +162,9 @@ def test_reload_smaller_rank_and_clear():
     adapters = {1: smaller, 2: parts(RANKS[2], 2), 3: parts(RANKS[3], 3)}
     ref = reference(y, x, adapters, token_slots(ROW_SLOTS, ROW_TOKENS))
     check(lora_add(y, x, stack, plan("cpu")), ref, torch.float32)
+    assert stack.ranks[1].tolist() == [2, 0, 1]
     stack.clear(1)
+    assert stack.ranks[1].tolist() == [0, 0, 0]
     del adapters[1]
     ref = reference(y, x, adapters, token_slots(ROW_SLOTS, ROW_TOKENS))
     check(lora_add(y, x, stack, plan("cpu")), ref, torch.float32)

@@ -18,6 +18,11 @@ uses; ``lora_add`` adds ``(x_t @ A_s.T) @ B_s.T`` to each row ``t`` of slot ``s`
   grows with the rows). Both read only device tensors of fixed shapes, no host sync;
 - prefill segments (contiguous rows of one slot): a shrink and an expand a shard each
   (SGMV-like); segments of the base are skipped.
+
+On the CPU (float32, bf16) the decode rows take one native call a linear instead
+(``native/csrc/lora.cpp``: every row and shard, reading only the A and B rows an adapter
+fills, per ``LoraStack.ranks``): torch's form costs a few small GEMM calls a linear, each
+~20-25 us at bf16 on the CPU whatever its size.
 """
 
 from __future__ import annotations
@@ -27,9 +32,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from warmboot.kernels import native
+
 DENSE_SPAN = 3
 """Decode rows take the masked dense form while their slot window spans at most this many
 slots a row; past it, the gathered form (BGMV). ``bench/lora_op.py`` measures both."""
+NATIVE = True
+"""CPU decode rows by the native op where the library is loaded (False: torch's forms, as
+on other devices; tests and ``bench/lora_op.py`` compare them)."""
 
 
 @dataclass
@@ -85,7 +95,9 @@ def lora_rows(
 class LoraStack:
     """One linear's adapter slots: ``a`` (S + 1, R, in), R = len(shards) * max_rank, shard i's
     A in rows [i * max_rank, i * max_rank + r_i); ``bs[i]`` (S + 1, max_rank, out_i), shard
-    i's B transposed. Slot S (``base_slot``) stays all zeros."""
+    i's B transposed. Slot S (``base_slot``) stays all zeros. ``ranks`` (S + 1, shards)
+    int32, on the host: the rows of each shard's block a slot's adapter fills (the native
+    decode reads no others); ``max_rank`` until a slot is first loaded or cleared."""
 
     def __init__(
         self,
@@ -101,6 +113,8 @@ class LoraStack:
         kw = {"dtype": dtype, "device": device}
         self.a = torch.zeros(slots + 1, len(shards) * max_rank, in_features, **kw)
         self.bs = [torch.zeros(slots + 1, max_rank, out, **kw) for out in shards]
+        self.ranks = torch.full((slots + 1, len(shards)), max_rank, dtype=torch.int32)
+        self.ranks[slots] = 0
 
     @property
     def base_slot(self) -> int:
@@ -138,11 +152,13 @@ class LoraStack:
                 lo, r = i * self.max_rank, a_i.shape[0]
                 self.a[slot, lo : lo + r].copy_(a_i)
                 self.bs[i][slot, :r].copy_(b_i.T)
+                self.ranks[slot, i] = r
 
     def clear(self, slot: int) -> None:
         self.a[slot].zero_()
         for bt in self.bs:
             bt[slot].zero_()
+        self.ranks[slot] = 0
 
 
 def lora_add(y: torch.Tensor, x: torch.Tensor, stack: LoraStack, rows: LoraRows) -> torch.Tensor:
@@ -151,11 +167,18 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, stack: LoraStack, rows: LoraRows)
     if not rows.active:
         return y
     d = 0 if rows.decode_slots is None else rows.decode_slots.shape[0]
-    if d and d == y.shape[0] and not rows.segments:
+    if d and uses_native(y, x, stack):
+        out = torch.ops.warmboot_cpu.lora_decode(
+            y, x, stack.a, stack.bs, stack.ranks, rows.decode_slots
+        )
+        if not rows.segments:
+            return out
+    elif d and d == y.shape[0] and not rows.segments:
         return _decode(y, x, stack, rows)
-    out = y.clone()
-    if d:
-        out[:d] = _decode(y[:d], x[:d], stack, rows)
+    else:
+        out = y.clone()
+        if d:
+            out[:d] = _decode(y[:d], x[:d], stack, rows)
     mr = stack.max_rank
     for start, n, slot in rows.segments:
         if slot != stack.base_slot:
@@ -163,6 +186,23 @@ def lora_add(y: torch.Tensor, x: torch.Tensor, stack: LoraStack, rows: LoraRows)
             h = (x[rows_] @ stack.a[slot].T).view(n, 1, -1, mr)
             out[rows_] = _expand(y[rows_], h, stack, slot, slot + 1, None)
     return out
+
+
+def uses_native(y: torch.Tensor, x: torch.Tensor, stack: LoraStack) -> bool:
+    """Whether the native op takes these decode rows: CPU, float32 or bf16, the library
+    loaded (``native.ready``: never waits for a build)."""
+    if not NATIVE or x.device.type != "cpu" or x.dim() != 2:
+        return False
+    if not x.dtype == y.dtype == stack.a.dtype or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if _NATIVE_OP.get("lora_decode") is None:
+        if not native.ready():
+            return False
+        _NATIVE_OP["lora_decode"] = hasattr(torch.ops.warmboot_cpu, "lora_decode")
+    return _NATIVE_OP["lora_decode"]
+
+
+_NATIVE_OP: dict[str, bool] = {}
 
 
 def _decode(y: torch.Tensor, x: torch.Tensor, stack: LoraStack, rows: LoraRows) -> torch.Tensor:
