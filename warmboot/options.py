@@ -240,8 +240,10 @@ def check_choices(config: Any) -> None:
     """Raise ``ValueError`` naming a setting of ``config`` (not its nested configs) whose
     value is not among its declared choices."""
     for o in options(type(config)):
-        value = getattr(config, o.path[-1]) if len(o.path) == 1 else None
-        if o.choices and len(o.path) == 1 and value is not None and value not in o.choices:
+        if len(o.path) > 1 or not o.choices:
+            continue
+        value = getattr(config, o.path[0])
+        if value is not None and value not in o.choices:
             raise ValueError(f"{o.name}={value!r}: use one of {', '.join(map(str, o.choices))}")
 
 
